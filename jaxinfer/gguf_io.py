@@ -1,0 +1,116 @@
+"""GGUF files -> `Config` + `Weights`, through gguf-py's memory-mapped `GGUFReader`.
+
+Tensors are copied once from the mapping into JAX buffers in their stored format (quantized blocks stay blocks),
+so loading needs about the file's size in memory beyond the mapping itself.
+"""
+
+import dataclasses
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+
+from jaxinfer.config import Config
+from jaxinfer.errors import JaxinferError
+from jaxinfer.model import Layer, Weights
+from jaxinfer.quant import SUPPORTED_TYPES, QuantArray, from_gguf_data
+
+GGUF_MAGIC = b"GGUF"
+LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
+    "attn_norm": "attn_norm",
+    "attn_q": "attn_q",
+    "attn_k": "attn_k",
+    "attn_v": "attn_v",
+    "attn_output": "attn_output",
+    "ffn_norm": "ffn_norm",
+    "ffn_gate": "ffn_gate",
+    "ffn_up": "ffn_up",
+    "ffn_down": "ffn_down",
+}
+SMALL_ARRAY = 64  # metadata arrays longer than this (vocabularies, merges) are read on demand, not into `metadata`
+
+
+@dataclasses.dataclass
+class GGUFFile:
+    """An open GGUF file: its reader, scalar metadata and tensors by name."""
+
+    path: str
+    reader: GGUFReader
+    metadata: dict
+    tensors: dict
+
+    def array(self, key: str) -> list | None:
+        """A metadata array (e.g. `tokenizer.ggml.tokens`) as a Python list, or None when absent."""
+        field = self.reader.get_field(key)
+        return None if field is None else field.contents()
+
+
+def open_gguf(path: str) -> GGUFFile:
+    """Open and validate a GGUF file; every way it can be unusable is a one-line JaxinferError."""
+    if not os.path.isfile(path):
+        raise JaxinferError(f"model file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise JaxinferError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
+        raise JaxinferError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    size = os.path.getsize(path)
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise JaxinferError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
+    metadata = {}
+    for key, field in reader.fields.items():
+        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > SMALL_ARRAY:
+            continue
+        metadata[key] = field.contents()
+    return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors})
+
+
+def _tensor(gguf: GGUFFile, name: str):
+    t = gguf.tensors.get(name)
+    if t is None:
+        raise JaxinferError(f"{gguf.path} lacks tensor {name}")
+    qtype = GGMLQuantizationType(t.tensor_type)
+    if qtype not in SUPPORTED_TYPES:
+        supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
+        raise JaxinferError(f"tensor {name} has quant type {qtype.name}, which jaxinfer does not support "
+                            f"(supported: {supported})")
+    return t, qtype
+
+
+def load_vector(gguf: GGUFFile, name: str):
+    t, qtype = _tensor(gguf, name)
+    if qtype != GGMLQuantizationType.F32:
+        raise JaxinferError(f"tensor {name} must be F32, found {qtype.name}")
+    return jnp.asarray(t.data.reshape(-1))
+
+
+def load_matrix(gguf: GGUFFile, name: str) -> QuantArray:
+    t, qtype = _tensor(gguf, name)
+    shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ReaderTensor.shape is in GGML (innermost-first) order
+    w = from_gguf_data(np.asarray(t.data), qtype, shape)
+    return QuantArray(jnp.asarray(w.data), w.qtype, w.shape)
+
+
+def load_weights(gguf: GGUFFile, cfg: Config) -> Weights:
+    token_embd = load_matrix(gguf, "token_embd.weight")
+    layers = [
+        Layer(**{
+            field: (load_vector if field.endswith("_norm") else load_matrix)(gguf, f"blk.{i}.{name}.weight")
+            for field, name in LAYER_TENSORS.items()
+        })
+        for i in range(cfg.n_layer)
+    ]
+    output = load_matrix(gguf, "output.weight") if "output.weight" in gguf.tensors else token_embd
+    return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight"), output)
+
+
+def load_config(gguf: GGUFFile) -> Config:
+    embd = gguf.tensors.get("token_embd.weight")
+    if embd is None:
+        raise JaxinferError(f"{gguf.path} lacks tensor token_embd.weight")
+    return Config.from_metadata(gguf.metadata, n_vocab=int(embd.shape[-1]))

@@ -1,0 +1,152 @@
+"""The llama-family transformer as pure functions over registered dataclass pytrees.
+
+    tokens -> embed -> n_layer x [ rms_norm -> attention (RoPE, GQA, KV cache) -> +residual
+                                   rms_norm -> gated FFN                        -> +residual ] -> rms_norm -> logits
+
+Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import Config
+from jaxinfer.quant import QuantArray, matmul, take_rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Layer:
+    attn_norm: jax.Array  # [d]
+    attn_q: QuantArray  # [n_head * hd, d]
+    attn_k: QuantArray  # [n_head_kv * hd, d]
+    attn_v: QuantArray  # [n_head_kv * hd, d]
+    attn_output: QuantArray  # [d, n_head * hd]
+    ffn_norm: jax.Array  # [d]
+    ffn_gate: QuantArray  # [n_ff, d]
+    ffn_up: QuantArray  # [n_ff, d]
+    ffn_down: QuantArray  # [d, n_ff]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Weights:
+    token_embd: QuantArray  # [n_vocab, d]
+    layers: list[Layer]
+    output_norm: jax.Array  # [d]
+    output: QuantArray  # [n_vocab, d]; the embedding itself when the model ties them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array  # [n_layer, B, max_len, n_head_kv, hd]
+    v: jax.Array  # [n_layer, B, max_len, n_head_kv, hd]
+    length: jax.Array  # int32 []: positions filled so far
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+
+def init_cache(cfg: Config, batch: int, max_len: int) -> KVCache:
+    shape = (cfg.n_layer, batch, max_len, cfg.n_head_kv, cfg.head_dim)
+    return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros((), jnp.int32))
+
+
+def rms_norm(x, gamma, eps):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
+
+
+def rope(x, positions, cfg: Config):
+    """Rotate adjacent pairs (x[2i], x[2i+1]) by pos * theta^(-2i/rope_dim): llama.cpp's "NORM" RoPE, which is what
+    GGUF llama weights expect (their q/k rows are permuted at conversion; rotate-half gives a ~20x worse PPL).
+    x [B, T, H, hd], positions [T]; only the first rope_dim dims of each head rotate."""
+    rot, rest = x[..., : cfg.rope_dim], x[..., cfg.rope_dim :]
+    inv_freq = cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
+    angle = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, rope_dim / 2]
+    cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+    pairs = rot.reshape(*rot.shape[:-1], -1, 2)
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([rotated, rest], axis=-1)
+
+
+def attend(q, k, v, q_pos, k_pos):
+    """Causal GQA softmax attention. q [B, T, H, hd]; k, v [B, S, H_kv, hd]; q_pos [T], k_pos [S] -> [B, T, H, hd]."""
+    b, t, h, hd = q.shape
+    n_kv = k.shape[2]
+    q = q.reshape(b, t, n_kv, h // n_kv, hd)  # query head j uses KV head j // (h / n_kv)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(jnp.float32(hd))
+    scores = jnp.where(k_pos[None, :] <= q_pos[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
+
+
+def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config):
+    """x [B, T, d] at `positions` [T] -> ([B, T, d], cache with this layer's K/V written at those positions)."""
+    b, t, _ = x.shape
+    q = rope(matmul(x, layer.attn_q).reshape(b, t, cfg.n_head, cfg.head_dim), positions, cfg)
+    k = rope(matmul(x, layer.attn_k).reshape(b, t, cfg.n_head_kv, cfg.head_dim), positions, cfg)
+    v = matmul(x, layer.attn_v).reshape(b, t, cfg.n_head_kv, cfg.head_dim)
+    if cache is None:
+        out = attend(q, k, v, positions, positions)
+    else:
+        # Write into the whole donated cache in place; slicing out a layer and writing it back copies it.
+        at = (index, 0, positions[0], 0, 0)
+        cache = dataclasses.replace(
+            cache,
+            k=jax.lax.dynamic_update_slice(cache.k, k[None], at),
+            v=jax.lax.dynamic_update_slice(cache.v, v[None], at),
+        )
+        out = attend(q, cache.k[index], cache.v[index], positions, jnp.arange(cache.max_len))
+    return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu}
+
+
+def ffn_block(x, layer: Layer, cfg: Config):
+    """Gated FFN: down(act(gate(x)) * up(x)). x [B, T, d] -> [B, T, d]."""
+    hidden = ACTIVATIONS[cfg.ffn_activation](matmul(x, layer.ffn_gate)) * matmul(x, layer.ffn_up)
+    return matmul(hidden, layer.ffn_down)
+
+
+def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None):
+    """tokens [B, T] placed after the cache's filled positions -> (final-normed hidden [B, T, d], cache).
+
+    Without a cache the T tokens attend causally to each other only. The cache's `length` is left to the caller,
+    which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths)."""
+    start = jnp.int32(0) if cache is None else cache.length
+    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = take_rows(weights.token_embd, tokens)
+    for index, layer in enumerate(weights.layers):
+        with jax.named_scope(f"layer_{index}"):
+            attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
+                                              cache, cfg)
+            x = x + attn_out
+            x = x + ffn_block(rms_norm(x, layer.ffn_norm, cfg.rms_eps), layer, cfg)
+    return rms_norm(x, weights.output_norm, cfg.rms_eps), cache
+
+
+def logits(hidden, weights: Weights):
+    """Final-normed hidden [..., d] -> logits [..., n_vocab]."""
+    return matmul(hidden, weights.output)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config):
+    """tokens [B, T] of which the first `n_valid` are real -> (logits [B, n_vocab] after the last real one, cache).
+    Padding positions write K/V past the new length; they are masked and overwritten by later steps."""
+    hidden, cache = forward(tokens, weights, cfg, cache)
+    last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=1, keepdims=False)
+    return logits(last, weights), dataclasses.replace(cache, length=cache.length + n_valid)
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config):
+    """tokens [B] -> (logits [B, n_vocab] for the next position, cache advanced by one)."""
+    hidden, cache = forward(tokens[:, None], weights, cfg, cache)
+    return logits(hidden[:, 0], weights), dataclasses.replace(cache, length=cache.length + 1)

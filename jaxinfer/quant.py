@@ -1,0 +1,165 @@
+"""GGML tensors as JAX pytrees: quantized weights stay quantized in memory, and one `matmul` hides the format.
+
+Each `dequantize_<TYPE>` is a jnp port of gguf-py's `<TYPE>.dequantize_blocks` (gguf/quants.py), laid out the same
+way so the two can be read side by side; `gguf.quants.dequantize` is the test oracle. A function maps
+uint8 blocks [..., type_size] to f32 values [..., block_size]. Blocks run along the last (input) dimension of a
+weight, so a row of a [rows, cols] weight is `cols / block_size` consecutive blocks.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QK_K = 256
+FLOAT_TYPES = {
+    GGMLQuantizationType.F32: np.dtype(np.float32),
+    GGMLQuantizationType.F16: np.dtype(np.float16),
+    GGMLQuantizationType.BF16: np.dtype(ml_dtypes.bfloat16),
+}
+
+
+def _f16(two_bytes: jax.Array) -> jax.Array:
+    """Little-endian fp16 stored as uint8 [..., 2] -> f32 [...]."""
+    return jax.lax.bitcast_convert_type(two_bytes, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array) -> jax.Array:
+    """uint8 [..., n] -> [..., 2n]: all low nibbles first, then all high nibbles (GGML's order within a block)."""
+    return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+# Q8_0, 34 bytes per 32 values:  | d:f16 | qs:int8[32] |           x = d * q
+def dequantize_Q8_0(blocks):
+    d = _f16(blocks[..., 0:2])[..., None]
+    q = jax.lax.bitcast_convert_type(blocks[..., 2:], jnp.int8).astype(jnp.float32)
+    return d * q
+
+
+# Q4_0, 18 bytes per 32 values:  | d:f16 | qs[16] |                x = d * (q - 8)
+#   byte j holds element j in its low nibble and element j+16 in its high nibble.
+def dequantize_Q4_0(blocks):
+    d = _f16(blocks[..., 0:2])[..., None]
+    q = _nibbles(blocks[..., 2:]).astype(jnp.float32) - 8.0
+    return d * q
+
+
+# Q4_1, 20 bytes per 32 values:  | d:f16 | m:f16 | qs[16] |        x = d * q + m
+def dequantize_Q4_1(blocks):
+    d = _f16(blocks[..., 0:2])[..., None]
+    m = _f16(blocks[..., 2:4])[..., None]
+    q = _nibbles(blocks[..., 4:]).astype(jnp.float32)
+    return d * q + m
+
+
+# Q5_0, 22 bytes per 32 values:  | d:f16 | qh:u32 | qs[16] |       x = d * (q - 16)
+#   q = low nibble (as Q4_0) | bit j of the little-endian u32 qh << 4, for element j.
+def dequantize_Q5_0(blocks):
+    d = _f16(blocks[..., 0:2])[..., None]
+    qh = jax.lax.bitcast_convert_type(blocks[..., 2:6], jnp.uint32)[..., None]
+    high = ((qh >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+    q = (_nibbles(blocks[..., 6:]) | (high << 4)).astype(jnp.float32) - 16.0
+    return d * q
+
+
+def _q4_k_scale_min(scales):
+    """Eight 6-bit scales and eight 6-bit mins packed in 12 bytes (gguf-py `Q4_K.get_scale_min`):
+
+         0 EEAAAAAA    4 eeaaaaaa    8 eeeeEEEE      A..H: scales 0..7 (E..H: low 4 bits in 8..11, top 2 in 0..3)
+         1 FFBBBBBB    5 ffbbbbbb    9 ffffFFFF      a..h: mins   0..7 (e..h: low 4 bits in 8..11, top 2 in 4..7)
+         2 GGCCCCCC    6 ggcccccc   10 ggggGGGG
+         3 HHDDDDDD    7 hhdddddd   11 hhhhHHHH
+    """
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = jnp.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(jnp.float32), mn.astype(jnp.float32)
+
+
+# Q4_K, 144 bytes per 256 values: | d:f16 | dmin:f16 | scales[12] | qs[128] |
+#   8 sub-blocks of 32; qs is 4 chunks of 32 bytes, chunk c: low nibbles = sub-block 2c, high = 2c+1.
+#   x = d * sc_j * q - dmin * m_j
+def dequantize_Q4_K(blocks):
+    lead = blocks.shape[:-1]
+    d = _f16(blocks[..., 0:2])[..., None]
+    dmin = _f16(blocks[..., 2:4])[..., None]
+    sc, mn = _q4_k_scale_min(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(*lead, 4, 32)
+    q = jnp.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32).astype(jnp.float32)
+    x = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+    return x.reshape(*lead, QK_K)
+
+
+# Q6_K, 210 bytes per 256 values: | ql[128] | qh[64] | scales:int8[16] | d:f16 |
+#   two halves of 128 values; in half h, for l in 0..63: ql[64h+l] low nibble -> element 128h+l, high nibble ->
+#   128h+64+l; for l in 0..31: qh[32h+l] bits 2s..2s+1 are the top two bits of element 128h+32s+l.
+#   x = d * scales[e // 16] * (q - 32)
+def dequantize_Q6_K(blocks):
+    lead = blocks.shape[:-1]
+    ql = blocks[..., 0:128].reshape(*lead, 2, 1, 64)
+    qh = blocks[..., 128:192].reshape(*lead, 2, 1, 32)
+    scales = jax.lax.bitcast_convert_type(blocks[..., 192:208], jnp.int8).astype(jnp.float32)
+    d = _f16(blocks[..., 208:210])[..., None] * scales
+    low = (ql >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)) & 0x0F
+    high = (qh >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & 0x03
+    q = (low.reshape(*lead, 2, 4, 32) | (high.reshape(*lead, 2, 4, 32) << 4)).astype(jnp.float32) - 32.0
+    return (d.reshape(*lead, 16, 1) * q.reshape(*lead, 16, 16)).reshape(*lead, QK_K)
+
+
+BLOCK_DEQUANTIZERS = {
+    GGMLQuantizationType.Q8_0: dequantize_Q8_0,
+    GGMLQuantizationType.Q4_0: dequantize_Q4_0,
+    GGMLQuantizationType.Q4_1: dequantize_Q4_1,
+    GGMLQuantizationType.Q5_0: dequantize_Q5_0,
+    GGMLQuantizationType.Q4_K: dequantize_Q4_K,
+    GGMLQuantizationType.Q6_K: dequantize_Q6_K,
+}
+SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(BLOCK_DEQUANTIZERS)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class QuantArray:
+    """A 2-D [rows, cols] GGML tensor. `data` is the float array itself for F32/F16/BF16, otherwise the raw
+    blocks as uint8 [rows, cols / block_size * type_size]."""
+
+    data: jax.Array
+    qtype: GGMLQuantizationType = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.size * self.data.dtype.itemsize
+
+
+def from_gguf_data(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantArray:
+    """Wrap a tensor as gguf-py's reader returns it (numpy, byte shape for block types) without copying."""
+    if qtype in FLOAT_TYPES:
+        data = data.view(FLOAT_TYPES[qtype]).reshape(shape)
+    else:
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        data = data.reshape(shape[0], shape[1] // block_size * type_size)
+    return QuantArray(data, qtype, tuple(shape))
+
+
+def dequantize(w: QuantArray) -> jax.Array:
+    """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
+    if w.qtype in FLOAT_TYPES:
+        return w.data.astype(jnp.float32)
+    block_size, type_size = GGML_QUANT_SIZES[w.qtype]
+    lead = w.data.shape[:-1]
+    blocks = w.data.reshape(*lead, -1, type_size)
+    return BLOCK_DEQUANTIZERS[w.qtype](blocks).reshape(*lead, w.shape[1])
+
+
+def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
+    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings)."""
+    return dequantize(QuantArray(jnp.take(w.data, rows, axis=0), w.qtype, w.shape))
+
+
+def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
+    """x [..., cols] @ w.T -> [..., rows] in f32, whatever the storage format of `w`."""
+    return jnp.einsum("...i,oi->...o", x, dequantize(w))

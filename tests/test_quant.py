@@ -1,0 +1,55 @@
+import gguf
+import jax
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from jaxinfer import quant
+from jaxinfer.synthetic import encode_tensor
+
+# Scale fields of each block type, as (byte offset, number of fp16 values): random bytes there could be inf/NaN.
+F16_FIELDS = {Q.Q8_0: (0, 1), Q.Q4_0: (0, 1), Q.Q4_1: (0, 2), Q.Q5_0: (0, 1), Q.Q4_K: (0, 2), Q.Q6_K: (208, 1)}
+
+
+def random_blocks(qtype, rows, cols, rng):
+    """Arbitrary bytes for every quant field (so every bit pattern of nibbles, high bits and packed scales occurs),
+    with finite fp16 scales."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows * cols // block_size, type_size), dtype=np.uint8)
+    offset, count = F16_FIELDS[qtype]
+    blocks[:, offset:offset + 2 * count] = rng.normal(size=(len(blocks), count)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", sorted(quant.BLOCK_DEQUANTIZERS, key=int), ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,n_blocks", [(1, 1), (5, 3)])
+def test_block_dequantize_is_bit_exact_with_gguf(qtype, rows, n_blocks):
+    rng = np.random.default_rng(int(qtype))
+    cols = GGML_QUANT_SIZES[qtype][0] * n_blocks
+    blocks = random_blocks(qtype, rows, cols, rng)
+    expected = gguf.quants.dequantize(blocks, qtype)
+    got = jax.jit(quant.dequantize)(quant.from_gguf_data(blocks, qtype, (rows, cols)))
+    np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
+def test_float_types_match_gguf(qtype):
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(4, 64)).astype(np.float32)
+    stored = gguf.quants.quantize(values, qtype) if qtype == Q.BF16 else encode_tensor(values, qtype, rng)
+    expected = gguf.quants.dequantize(stored, qtype)
+    got = quant.dequantize(quant.from_gguf_data(stored, qtype, (4, 64)))
+    np.testing.assert_array_equal(np.asarray(got), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda q: q.name)
+def test_matmul_and_take_rows_match_dequantized_numpy(qtype):
+    rng = np.random.default_rng(1)
+    rows, cols = 24, 512
+    stored = encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), qtype, rng)
+    dense = gguf.quants.dequantize(stored, qtype).astype(np.float32)
+    w = quant.from_gguf_data(stored, qtype, (rows, cols))
+    x = rng.normal(size=(3, 2, cols)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(jax.jit(quant.matmul)(x, w)), x @ dense.T, rtol=1e-4, atol=1e-4)
+    ids = np.array([[3, 0], [23, 3]])
+    np.testing.assert_array_equal(np.asarray(quant.take_rows(w, ids)), dense[ids])
