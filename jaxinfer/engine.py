@@ -43,7 +43,8 @@ class LoadedModel:
 
     def describe(self) -> str:
         c = self.config
-        n_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(self.weights))
+        arrays = {id(leaf): leaf for leaf in jax.tree.leaves(self.weights)}  # a tied output shares the embedding
+        n_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in arrays.values())
         types = sorted({t.tensor_type.name for t in self.gguf.reader.tensors})
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
                 f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
