@@ -9,15 +9,25 @@ from jaxinfer.errors import JaxinferError
 
 @dataclasses.dataclass(frozen=True)
 class Architecture:
-    """What differs between GGUF architectures that share the llama block (norm -> attention -> norm -> FFN)."""
+    """What differs between GGUF architectures that share the llama block (norm -> attention -> norm -> FFN):
+    the FFN is down(gate_act(gate(x)) * up_act(up(x)))."""
 
-    ffn_activation: str  # applied to the gate projection: "silu" (SwiGLU) or "relu" (ReGLU)
+    gate_activation: str  # "silu" (SwiGLU) or "relu" (ReGLU)
+    up_activation: str = "identity"  # "relu" for dReLU (Bamboo, TurboSparse)
+    # PowerInfer's sparse graph runs a PWRI file of this architecture with ReLU on the gate: a `llama` PWRI file is
+    # a ReLU-fied model (ReluLLaMA, ProSparse), whatever plain llama.cpp would assume.
+    powerinfer_gate_activation: str | None = None
 
 
-# GGUF `general.architecture` -> block variant. ReLU variants (ReluLLaMA/ProSparse, Bamboo) and Falcon slot in here.
+# GGUF `general.architecture` -> block variant. Falcon (no gate, LayerNorm) slots in here next.
 ARCHITECTURES = {
-    "llama": Architecture(ffn_activation="silu"),
+    "llama": Architecture(gate_activation="silu", powerinfer_gate_activation="relu"),
+    "bamboo": Architecture(gate_activation="relu", up_activation="relu", powerinfer_gate_activation="relu"),
 }
+SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")
+# Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
+# model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
+GATE_ACTIVATION_KEY = "jaxinfer.gate_activation"
 
 
 @jax.tree_util.register_static
@@ -35,7 +45,11 @@ class Config:
     rms_eps: float
     rope_theta: float
     rope_dim: int
-    ffn_activation: str
+    gate_activation: str
+    up_activation: str
+    # Activation sparsity (see sparse_ffn.py): which FFN neurons run for a token.
+    ffn_sparsity: str = "dense"  # one of SPARSITY_MODES
+    sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
 
     @property
     def n_group(self) -> int:
@@ -43,8 +57,9 @@ class Config:
         return self.n_head // self.n_head_kv
 
     @classmethod
-    def from_metadata(cls, meta: dict, n_vocab: int) -> "Config":
-        """Build from GGUF key/values (`{"llama.block_count": 30, ...}`) and the embedding's row count."""
+    def from_metadata(cls, meta: dict, n_vocab: int, powerinfer: bool = False) -> "Config":
+        """Build from GGUF key/values (`{"llama.block_count": 30, ...}`) and the embedding's row count; `powerinfer`
+        for a PWRI file."""
         arch = meta.get("general.architecture")
         if arch not in ARCHITECTURES:
             raise JaxinferError(
@@ -57,6 +72,7 @@ class Config:
                 raise JaxinferError(f"GGUF metadata lacks {arch}.{name}")
             return value
 
+        spec = ARCHITECTURES[arch]
         scaling = meta.get(f"{arch}.rope.scaling.type", "none")
         if scaling != "none":
             raise JaxinferError(f"unsupported RoPE scaling type {scaling!r}")
@@ -79,5 +95,8 @@ class Config:
             rms_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_theta=float(key("rope.freq_base", 10000.0)),
             rope_dim=int(key("rope.dimension_count", head_dim)),
-            ffn_activation=ARCHITECTURES[arch].ffn_activation,
+            gate_activation=meta.get(GATE_ACTIVATION_KEY)
+            or (spec.powerinfer_gate_activation if powerinfer else None) or spec.gate_activation,
+            up_activation=spec.up_activation,
+            sparse_threshold=float(meta.get("powerinfer.sparse_threshold", 0.0)),
         )

@@ -18,6 +18,7 @@ from jaxinfer.model import Layer, Weights
 from jaxinfer.quant import SUPPORTED_TYPES, QuantArray, from_gguf_data
 
 GGUF_MAGIC = b"GGUF"
+POWERINFER_MAGIC = b"PWRI"  # PowerInfer: a GGUF v3 file whose first 4 bytes say it carries sparse-inference tensors
 LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
     "attn_norm": "attn_norm",
     "attn_q": "attn_q",
@@ -33,16 +34,19 @@ SMALL_ARRAY = 64  # metadata arrays longer than this (vocabularies, merges) are 
 
 
 class Reader(GGUFReader):
-    """GGUFReader whose slices are plain ndarray views of the mapping instead of np.memmap views.
+    """GGUFReader that also reads PowerInfer files, and slices plain ndarray views of the mapping.
 
-    The reader slices the file once per metadata item (twice per vocabulary string); an np.memmap slice carries its
-    own attribute dict, which for a 49k-token vocabulary with 49k merges costs ~90 MiB. Same bytes, same results.
-    Overrides the private `_get`, which is why gguf is pinned to a minor release."""
+    PowerInfer writes `PWRI` where GGUF has its magic and leaves the rest of the file GGUF v3, so the magic read at
+    offset 0 answers GGUF for it. The reader slices the file once per metadata item (twice per vocabulary string);
+    an np.memmap slice carries its own attribute dict, which for a 49k-token vocabulary with 49k merges costs
+    ~90 MiB, so slices come from a plain view. Overrides the private `_get`: gguf is pinned to a minor release."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
         plain = self.__dict__.get("_plain")
         if plain is None:
             plain = self._plain = self.data.view(np.ndarray)
+        if offset == 0 and plain[:4].tobytes() == POWERINFER_MAGIC:
+            return np.frombuffer(GGUF_MAGIC, dtype=np.uint32)
         count = int(count)
         end = offset + np.dtype(dtype).itemsize * count
         arr = plain[offset:end].view(dtype=dtype)[:count]
@@ -57,6 +61,7 @@ class GGUFFile:
     reader: GGUFReader
     metadata: dict
     tensors: dict
+    powerinfer: bool  # PWRI magic: PowerInfer's sparse-model format
 
     def array(self, key: str) -> list | None:
         """A metadata array (e.g. `tokenizer.ggml.tokens`) as a Python list, or None when absent."""
@@ -70,8 +75,9 @@ def open_gguf(path: str) -> GGUFFile:
         raise JaxinferError(f"model file not found: {path}")
     with open(path, "rb") as f:
         magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise JaxinferError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    if magic not in (GGUF_MAGIC, POWERINFER_MAGIC):
+        raise JaxinferError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r} or "
+                            f"{POWERINFER_MAGIC!r})")
     try:
         reader = Reader(path)
     except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
@@ -85,7 +91,7 @@ def open_gguf(path: str) -> GGUFFile:
         if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > SMALL_ARRAY:
             continue
         metadata[key] = field.contents()
-    return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors})
+    return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors}, magic == POWERINFER_MAGIC)
 
 
 def _tensor(gguf: GGUFFile, name: str):
@@ -114,15 +120,23 @@ def load_matrix(gguf: GGUFFile, name: str) -> QuantArray:
     return QuantArray(jax.device_put(w.data), w.qtype, w.shape)
 
 
+def _load_layer(gguf: GGUFFile, i: int) -> Layer:
+    def name(tensor):
+        return f"blk.{i}.{tensor}.weight"
+
+    def optional(tensor):
+        return load_matrix(gguf, name(tensor)) if name(tensor) in gguf.tensors else None
+
+    tensors = {field: (load_vector if field.endswith("_norm") else load_matrix)(gguf, name(tensor))
+               for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
+    down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
+    down = None if down_t is not None else load_matrix(gguf, name("ffn_down"))
+    return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"))
+
+
 def load_weights(gguf: GGUFFile, cfg: Config) -> Weights:
     token_embd = load_matrix(gguf, "token_embd.weight")
-    layers = [
-        Layer(**{
-            field: (load_vector if field.endswith("_norm") else load_matrix)(gguf, f"blk.{i}.{name}.weight")
-            for field, name in LAYER_TENSORS.items()
-        })
-        for i in range(cfg.n_layer)
-    ]
+    layers = [_load_layer(gguf, i) for i in range(cfg.n_layer)]
     output = load_matrix(gguf, "output.weight") if "output.weight" in gguf.tensors else token_embd
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight"), output)
 
@@ -131,4 +145,4 @@ def load_config(gguf: GGUFFile) -> Config:
     embd = gguf.tensors.get("token_embd.weight")
     if embd is None:
         raise JaxinferError(f"{gguf.path} lacks tensor token_embd.weight")
-    return Config.from_metadata(gguf.metadata, n_vocab=int(embd.shape[-1]))
+    return Config.from_metadata(gguf.metadata, n_vocab=int(embd.shape[-1]), powerinfer=gguf.powerinfer)

@@ -1,7 +1,7 @@
 """The llama-family transformer as pure functions over registered dataclass pytrees.
 
     tokens -> embed -> n_layer x [ rms_norm -> attention (RoPE, GQA, KV cache) -> +residual
-                                   rms_norm -> gated FFN                        -> +residual ] -> rms_norm -> logits
+                                   rms_norm -> gated FFN (sparse_ffn.py)        -> +residual ] -> rms_norm -> logits
 
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
 """
@@ -12,6 +12,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import sparse_ffn
 from jaxinfer.config import Config
 from jaxinfer.quant import QuantArray, matmul, take_rows
 
@@ -27,7 +28,11 @@ class Layer:
     ffn_norm: jax.Array  # [d]
     ffn_gate: QuantArray  # [n_ff, d]
     ffn_up: QuantArray  # [n_ff, d]
-    ffn_down: QuantArray  # [d, n_ff]
+    ffn_down: QuantArray | None  # [d, n_ff]; PowerInfer files store ffn_down_t instead
+    ffn_down_t: QuantArray | None = None  # [n_ff, d], one row per neuron
+    fc1: QuantArray | None = None  # [rank, d] activation predictor (PowerInfer), when the file has one
+    fc2: QuantArray | None = None  # [n_ff, rank]
+    ffn_threshold: jax.Array | None = None  # f32 []: calibrated sparsity threshold (sparse_ffn "gate"/"hidden")
 
 
 @jax.tree_util.register_dataclass
@@ -105,30 +110,27 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
     return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
 
 
-ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu}
-
-
-def ffn_block(x, layer: Layer, cfg: Config):
-    """Gated FFN: down(act(gate(x)) * up(x)). x [B, T, d] -> [B, T, d]."""
-    hidden = ACTIVATIONS[cfg.ffn_activation](matmul(x, layer.ffn_gate)) * matmul(x, layer.ffn_up)
-    return matmul(hidden, layer.ffn_down)
-
-
-def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None):
-    """tokens [B, T] placed after the cache's filled positions -> (final-normed hidden [B, T, d], cache).
+def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None):
+    """tokens [B, T] placed after the cache's filled positions -> (final-normed hidden [B, T, d], cache, observed).
 
     Without a cache the T tokens attend causally to each other only. The cache's `length` is left to the caller,
-    which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths)."""
+    which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths).
+    `observe(layer_index, sparse_ffn.FFNTrace) -> pytree`, if given, is called in every layer and `observed` is the
+    list of its results: profiling and calibration see exactly what inference computes."""
     start = jnp.int32(0) if cache is None else cache.length
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = take_rows(weights.token_embd, tokens)
+    observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
                                               cache, cfg)
             x = x + attn_out
-            x = x + ffn_block(rms_norm(x, layer.ffn_norm, cfg.rms_eps), layer, cfg)
-    return rms_norm(x, weights.output_norm, cfg.rms_eps), cache
+            ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg)
+            x = x + ffn_out
+            if observe is not None:
+                observed.append(observe(index, trace))
+    return rms_norm(x, weights.output_norm, cfg.rms_eps), cache, observed
 
 
 def logits(hidden, weights: Weights):
@@ -140,7 +142,7 @@ def logits(hidden, weights: Weights):
 def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config):
     """tokens [B, T] of which the first `n_valid` are real -> (logits [B, n_vocab] after the last real one, cache).
     Padding positions write K/V past the new length; they are masked and overwritten by later steps."""
-    hidden, cache = forward(tokens, weights, cfg, cache)
+    hidden, cache, _ = forward(tokens, weights, cfg, cache)
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=1, keepdims=False)
     return logits(last, weights), dataclasses.replace(cache, length=cache.length + n_valid)
 
@@ -148,5 +150,5 @@ def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config):
 @partial(jax.jit, donate_argnames=("cache",))
 def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config):
     """tokens [B] -> (logits [B, n_vocab] for the next position, cache advanced by one)."""
-    hidden, cache = forward(tokens[:, None], weights, cfg, cache)
+    hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache)
     return logits(hidden[:, 0], weights), dataclasses.replace(cache, length=cache.length + 1)

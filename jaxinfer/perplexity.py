@@ -57,7 +57,7 @@ def make_windows(tokens: np.ndarray, n_ctx: int, n_chunks: int, bos_id: int | No
 def _scored_logits(windows, weights, cfg: Config):
     """windows [B, n_ctx] -> (logits [B, count, V] at the scored positions, target ids [B, count])."""
     first, count = scored_positions(windows.shape[1])
-    hidden, _ = model.forward(windows, weights, cfg)
+    hidden, _, _ = model.forward(windows, weights, cfg)
     return model.logits(hidden[:, first:first + count], weights), windows[:, first + 1:]
 
 

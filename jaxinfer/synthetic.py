@@ -1,15 +1,30 @@
-"""Synthetic GGUF models with random weights, written with gguf-py's GGUFWriter: tests and benchmarks need no
-downloads. The weights are random, so the text they generate is noise; only shapes, formats and numerics matter.
+"""Synthetic GGUF models with random weights: tests and benchmarks need no downloads. THE WEIGHTS ARE RANDOM: the
+text such a model generates is noise; only shapes, formats, numerics and (for sparse models) firing statistics
+mean anything.
 
-The vocabulary is byte-level BPE (every byte is a token, plus a few merges and ChatML control tokens), so the
-tokenizer, chat template and CLI paths run exactly as with a real model.
+The vocabulary is byte-level BPE (every byte is a token, plus a few merges, ChatML control tokens and unused fillers
+up to `n_vocab`), so the tokenizer, chat template and CLI paths run exactly as with a real model.
+
+Sparse models (`sparsity` set) are PowerInfer files of a ReLU-gated llama (ReluLLaMA-like) whose neuron firing
+frequencies follow a power law with a chosen mean, with exact predictors:
+
+  * dimension 0 of the residual stream is a constant c: every embedding row has c there, and no layer writes to it
+    (row 0 of attn_output and column 0 of ffn_down_t are zero), so after the norm it acts as a bias input;
+  * gate row i = [b_i, A_i B]: a low-rank random part plus a bias. With x_rest ~ isotropic, the pre-activation is
+    ~ N(b_i x_0, |A_i B|² |x_rest|² / (d-1)), so b_i = |A_i B| Φ⁻¹(p_i) / c makes neuron i fire with probability ~p_i;
+  * the predictor fc2(relu(fc1 v)) with fc1 = [B; -B; e_0; -e_0], fc2 = [A, -A, b, -b] equals the gate's
+    pre-activation exactly (relu(u) - relu(-u) = u), so it predicts firing up to the gate's quantization error.
 """
 
 import dataclasses
+import zlib
 
 import gguf
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+import scipy.special
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
+from jaxinfer.powerinfer import SPARSE_THRESHOLD_KEY, PendingTensor, write_gguf
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
@@ -17,20 +32,22 @@ CHATML_TEMPLATE = (
 )
 CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
+BIAS_VALUE = 4.0  # c: the constant residual dimension that lets gates of a bias-free block carry a bias
+MIN_FIRING, MAX_FIRING = 1e-4, 0.999
 
 
 def byte_level_alphabet() -> list[str]:
     """GPT-2's printable stand-in character for each byte value, in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | \
+        set(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = [], 0
     for b in range(256):
         if b in printable:
-            chars[b] = chr(b)
+            chars.append(chr(b))
         else:
-            chars[b] = chr(256 + extra)
+            chars.append(chr(256 + extra))
             extra += 1
-    return [chars[b] for b in range(256)]
+    return chars
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,22 +58,31 @@ class SyntheticSpec:
     n_head: int = 4
     n_head_kv: int = 2
     n_ctx: int = 256
+    n_vocab: int = 0  # 0: just the byte-level vocabulary (263 tokens)
     rope_theta: float = 10000.0
     weight_type: GGMLQuantizationType = GGMLQuantizationType.F32
     embedding_type: GGMLQuantizationType = GGMLQuantizationType.F32
     tied_output: bool = True
     architecture: str = "llama"
     seed: int = 0
+    # Sparse ReLU model (PowerInfer file with predictors) when set: the mean share of inactive neurons.
+    sparsity: float | None = None
+    power_law: float = 1.0  # firing frequency of the k-th most active neuron ~ k^-power_law
+    gate_rank: int = 0  # rank of the gates' random part (0: n_embd // 16, at least 4)
+    predictor_type: GGMLQuantizationType = GGMLQuantizationType.F16
 
 
-def vocabulary() -> tuple[list[str], list[int], list[str]]:
+def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
     tokens = CONTROL_TOKENS + byte_level_alphabet() + ["".join(pair) for pair in MERGES]
     types = [gguf.TokenType.CONTROL] * len(CONTROL_TOKENS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    fillers = max(0, n_vocab - len(tokens))
+    tokens += [f"<unused_{i}>" for i in range(fillers)]
+    types += [gguf.TokenType.UNUSED] * fillers
     return tokens, [int(t) for t in types], [" ".join(pair) for pair in MERGES]
 
 
 def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """f32 [rows, cols] -> the bytes (or float array) GGUFWriter stores for `qtype`.
+    """f32 [rows, cols] -> what GGUF stores for `qtype` (floats for F32/F16, raw block bytes otherwise).
 
     gguf-py has no quantizer for K-quants; for those the blocks are random bytes with sane scales, so the stored
     tensor is simply whatever those blocks decode to (the values argument only fixes the shape)."""
@@ -77,59 +103,147 @@ def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.rando
     return gguf.quants.quantize(values.astype(np.float32), qtype)
 
 
-def write_model(path: str, spec: SyntheticSpec = SyntheticSpec()) -> str:
-    """Write a random llama-family GGUF described by `spec` to `path` and return the path."""
-    rng = np.random.default_rng(spec.seed)
+def firing_frequencies(n: int, sparsity: float, power_law: float, rng: np.random.Generator) -> np.ndarray:
+    """Per-neuron firing probabilities p_k = clip(C k^-power_law), C solved so their mean is 1 - sparsity; shuffled
+    so hot neurons are spread over the layer, as in trained models."""
+    ranks = np.arange(1, n + 1, dtype=np.float64) ** -power_law
+    lo, hi = 1e-12, 1e12
+    for _ in range(200):  # bisection on the log of C: mean(clip(C * ranks)) is monotonic in C
+        mid = np.sqrt(lo * hi)
+        if np.clip(mid * ranks, MIN_FIRING, MAX_FIRING).mean() < 1 - sparsity:
+            lo = mid
+        else:
+            hi = mid
+    return rng.permutation(np.clip(lo * ranks, MIN_FIRING, MAX_FIRING))
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseLayer:
+    """A sparse layer's gate and its exact predictor, derived together from one seed."""
+
+    gate: np.ndarray  # [n_ff, d]
+    fc1: np.ndarray  # [2r + 2, d]
+    fc2: np.ndarray  # [n_ff, 2r + 2]
+
+
+def sparse_layer(spec: SyntheticSpec, rng: np.random.Generator) -> SparseLayer:
+    d, f = spec.n_embd, spec.n_ff
+    rank = spec.gate_rank or max(4, d // 16)
+    a = rng.normal(size=(f, rank)).astype(np.float32)
+    b_rest = (rng.normal(size=(rank, d - 1)) / np.sqrt(rank * (d - 1))).astype(np.float32)
+    rest = a @ b_rest
+    p = firing_frequencies(f, spec.sparsity, spec.power_law, rng)
+    bias = (np.linalg.norm(rest, axis=1) * scipy.special.ndtri(p) / BIAS_VALUE).astype(np.float32)
+    b = np.concatenate([np.zeros((rank, 1), np.float32), b_rest], axis=1)
+    e0 = np.eye(1, d, dtype=np.float32)
+    return SparseLayer(
+        gate=np.concatenate([bias[:, None], rest], axis=1),
+        fc1=np.concatenate([b, -b, e0, -e0]),
+        fc2=np.concatenate([a, -a, bias[:, None], -bias[:, None]], axis=1),
+    )
+
+
+def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
+    """One generator per tensor, so any tensor can be made alone, in any order."""
+    return np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
+
+
+def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool = False) -> str:
+    """Write a random llama-family GGUF (a PowerInfer file when `spec.sparsity` is set) and return the path."""
+    sparse = spec.sparsity is not None
     head_dim = spec.n_embd // spec.n_head
-    tokens, token_types, merges = vocabulary()
+    tokens, token_types, merges = vocabulary(spec.n_vocab)
     n_vocab = len(tokens)
+    arch = spec.architecture
+    fields = [
+        ("general.name", "jaxinfer synthetic model (random weights)", GGUFValueType.STRING, None),
+        (f"{arch}.block_count", spec.n_layer, GGUFValueType.UINT32, None),
+        (f"{arch}.context_length", spec.n_ctx, GGUFValueType.UINT32, None),
+        (f"{arch}.embedding_length", spec.n_embd, GGUFValueType.UINT32, None),
+        (f"{arch}.feed_forward_length", spec.n_ff, GGUFValueType.UINT32, None),
+        (f"{arch}.attention.head_count", spec.n_head, GGUFValueType.UINT32, None),
+        (f"{arch}.attention.head_count_kv", spec.n_head_kv, GGUFValueType.UINT32, None),
+        (f"{arch}.rope.dimension_count", head_dim, GGUFValueType.UINT32, None),
+        (f"{arch}.rope.freq_base", spec.rope_theta, GGUFValueType.FLOAT32, None),
+        (f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, GGUFValueType.FLOAT32, None),
+        (f"{arch}.vocab_size", n_vocab, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.model", "gpt2", GGUFValueType.STRING, None),
+        ("tokenizer.ggml.pre", "smollm", GGUFValueType.STRING, None),
+        ("tokenizer.ggml.tokens", tokens, GGUFValueType.ARRAY, GGUFValueType.STRING),
+        ("tokenizer.ggml.token_type", token_types, GGUFValueType.ARRAY, GGUFValueType.INT32),
+        ("tokenizer.ggml.merges", merges, GGUFValueType.ARRAY, GGUFValueType.STRING),
+        ("tokenizer.ggml.bos_token_id", 0, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.eos_token_id", 0, GGUFValueType.UINT32, None),
+        ("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL, None),
+        ("tokenizer.chat_template", CHATML_TEMPLATE, GGUFValueType.STRING, None),
+    ]
+    if sparse:
+        fields.append((SPARSE_THRESHOLD_KEY, 0.0, GGUFValueType.FLOAT32, None))
 
-    writer = gguf.GGUFWriter(path, spec.architecture)
-    writer.add_name("jaxinfer synthetic model (random weights)")
-    writer.add_block_count(spec.n_layer)
-    writer.add_context_length(spec.n_ctx)
-    writer.add_embedding_length(spec.n_embd)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(spec.rope_theta)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(n_vocab)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
-    writer.add_token_list(tokens)
-    writer.add_token_types(token_types)
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(0)
-    writer.add_eos_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(CHATML_TEMPLATE)
+    def matrix(name, rows, cols, qtype, zero_row0=False, zero_col0=False, scale=1.0):
+        def make():
+            rng = _rng(spec, name)
+            values = rng.normal(size=(rows, cols)).astype(np.float32) * np.float32(scale / np.sqrt(cols))
+            if zero_row0:
+                values[0] = 0
+            if zero_col0:
+                values[:, 0] = 0
+            return encode_tensor(values, qtype, rng)
 
-    def matrix(name, rows, cols, qtype):
-        values = rng.normal(size=(rows, cols)).astype(np.float32) / np.sqrt(cols)
-        writer.add_tensor(name, encode_tensor(values, qtype, rng), raw_dtype=qtype)
+        return PendingTensor(name, (rows, cols), qtype, make)
 
-    def norm(name):
-        writer.add_tensor(name, (1.0 + 0.1 * rng.normal(size=spec.n_embd)).astype(np.float32))
+    def embedding(name):
+        def make():
+            rng = _rng(spec, name)
+            values = rng.normal(size=(n_vocab, spec.n_embd)).astype(np.float32)
+            if sparse:
+                values[:, 0] = BIAS_VALUE  # unit-variance other dims: the bias derivation assumes |x_rest|² ~ d-1
+            else:
+                values /= np.sqrt(spec.n_embd)
+            return encode_tensor(values, spec.embedding_type, rng)
 
-    matrix("token_embd.weight", n_vocab, spec.n_embd, spec.embedding_type)
+        return PendingTensor(name, (n_vocab, spec.n_embd), spec.embedding_type, make)
+
+    def norm(name, ones=False):
+        def make():
+            if ones:
+                return np.ones(spec.n_embd, np.float32)
+            return (1.0 + 0.1 * _rng(spec, name).normal(size=spec.n_embd)).astype(np.float32)
+
+        return PendingTensor(name, (spec.n_embd,), GGMLQuantizationType.F32, make)
+
+    def from_sparse_layer(name, layer_index, part, qtype):
+        def make():
+            layer = sparse_layer(spec, _rng(spec, f"blk.{layer_index}.sparse"))
+            return encode_tensor(getattr(layer, part), qtype, _rng(spec, name))
+
+        rank = 2 * (spec.gate_rank or max(4, spec.n_embd // 16)) + 2
+        shape = {"gate": (spec.n_ff, spec.n_embd), "fc1": (rank, spec.n_embd), "fc2": (spec.n_ff, rank)}[part]
+        return PendingTensor(name, shape, qtype, make)
+
+    d, f, w = spec.n_embd, spec.n_ff, spec.weight_type
+    tensors = [embedding("token_embd.weight")]
     for i in range(spec.n_layer):
-        norm(f"blk.{i}.attn_norm.weight")
-        matrix(f"blk.{i}.attn_q.weight", spec.n_head * head_dim, spec.n_embd, spec.weight_type)
-        matrix(f"blk.{i}.attn_k.weight", spec.n_head_kv * head_dim, spec.n_embd, spec.weight_type)
-        matrix(f"blk.{i}.attn_v.weight", spec.n_head_kv * head_dim, spec.n_embd, spec.weight_type)
-        matrix(f"blk.{i}.attn_output.weight", spec.n_embd, spec.n_head * head_dim, spec.weight_type)
-        norm(f"blk.{i}.ffn_norm.weight")
-        matrix(f"blk.{i}.ffn_gate.weight", spec.n_ff, spec.n_embd, spec.weight_type)
-        matrix(f"blk.{i}.ffn_up.weight", spec.n_ff, spec.n_embd, spec.weight_type)
-        matrix(f"blk.{i}.ffn_down.weight", spec.n_embd, spec.n_ff, spec.weight_type)
-    norm("output_norm.weight")
+        blk = f"blk.{i}"
+        tensors += [
+            norm(f"{blk}.attn_norm.weight"),
+            matrix(f"{blk}.attn_q.weight", spec.n_head * head_dim, d, w),
+            matrix(f"{blk}.attn_k.weight", spec.n_head_kv * head_dim, d, w),
+            matrix(f"{blk}.attn_v.weight", spec.n_head_kv * head_dim, d, w),
+            matrix(f"{blk}.attn_output.weight", d, spec.n_head * head_dim, w, zero_row0=sparse),
+            norm(f"{blk}.ffn_norm.weight", ones=sparse),
+            matrix(f"{blk}.ffn_up.weight", f, d, w),
+        ]
+        if sparse:
+            tensors += [
+                from_sparse_layer(f"{blk}.ffn_gate.weight", i, "gate", w),
+                matrix(f"{blk}.ffn_down_t.weight", f, d, w, zero_col0=True, scale=np.sqrt(d / f)),
+                from_sparse_layer(f"{blk}.fc1.weight", i, "fc1", spec.predictor_type),
+                from_sparse_layer(f"{blk}.fc2.weight", i, "fc2", spec.predictor_type),
+            ]
+        else:
+            tensors += [matrix(f"{blk}.ffn_gate.weight", f, d, w), matrix(f"{blk}.ffn_down.weight", d, f, w)]
+    tensors.append(norm("output_norm.weight"))
     if not spec.tied_output:
-        matrix("output.weight", n_vocab, spec.n_embd, spec.embedding_type)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        tensors.append(matrix("output.weight", n_vocab, d, spec.embedding_type))
+    return write_gguf(path, arch, fields, tensors, powerinfer=sparse, progress=progress)

@@ -14,7 +14,8 @@ def test_rope_rotates_adjacent_pairs_as_complex_numbers():
     rng = np.random.default_rng(0)
     cfg = Config(
         arch="llama", n_layer=1, n_embd=16, n_ff=16, n_head=2, n_head_kv=1, head_dim=8, n_vocab=8,
-        n_ctx_train=64, rms_eps=1e-5, rope_theta=500.0, rope_dim=6, ffn_activation="silu")
+        n_ctx_train=64, rms_eps=1e-5, rope_theta=500.0, rope_dim=6, gate_activation="silu",
+        up_activation="identity")
     x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
     positions = np.array([0, 1, 7, 20, 33], np.int32)
     z = x[..., 0:6:2] + 1j * x[..., 1:6:2]
@@ -50,7 +51,7 @@ def test_attend_matches_per_head_loop_with_gqa():
 def test_incremental_decode_matches_full_forward(make_model, weight_type):
     m = engine.load_model(make_model(n_embd=256, n_ff=256, weight_type=weight_type, embedding_type=Q.Q8_0))
     tokens = np.random.default_rng(2).integers(0, m.config.n_vocab, size=(1, 11)).astype(np.int32)
-    full, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
+    full, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
     expected = np.asarray(model.logits(full, m.weights))[0]
 
     n_prompt = 6
@@ -71,7 +72,7 @@ def test_batched_forward_equals_one_sequence_at_a_time(make_model):
     m = engine.load_model(make_model(n_head=4, n_head_kv=1))
     tokens = np.random.default_rng(3).integers(0, m.config.n_vocab, size=(3, 9)).astype(np.int32)
     forward = jax.jit(model.forward, static_argnums=2)
-    batched, _ = forward(tokens, m.weights, m.config)
+    batched, _, _ = forward(tokens, m.weights, m.config)
     for row in range(3):
-        single, _ = forward(tokens[row:row + 1], m.weights, m.config)
+        single, _, _ = forward(tokens[row:row + 1], m.weights, m.config)
         np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single[0]), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,66 @@
+"""The gated FFN and its activation sparsity: which neurons run for a token is decided here, in one place.
+
+    h = gate_act(x W_gateᵀ) * up_act(x W_upᵀ)          one value per neuron (n_ff of them)
+    out = (h * active) W_downᵀ                          only active neurons contribute
+
+`cfg.ffn_sparsity` chooses `active`:
+    dense      h != 0: ReLU models skip their natural zeros; nothing is skipped for SwiGLU
+    predictor  fc2(relu(fc1 · ffn_inp)) >= cfg.sparse_threshold: PowerInfer's low-rank predictor, read before the
+               FFN from the pre-norm residual, so gate, up and down rows of inactive neurons need not be read
+    gate       |gate_act(gate)| > t_layer (CATS): the gate is computed densely, up and down rows skipped
+    hidden     |h| > t_layer: gate and up are dense, only down rows are skipped (cheapest in quality)
+Thresholds t_layer are calibrated per layer (jaxinfer.calibrate). Here the mask multiplies dense results, which is
+exact; the row-skipping kernels (cpu_ext, pallas_kernels) read only the active rows and must agree with this.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import Config
+from jaxinfer.quant import QuantArray, dequantize, matmul
+
+ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FFNTrace:
+    """What one FFN call did, for profiling, calibration and predictor training (see model.forward's `observe`)."""
+
+    ffn_inp: jax.Array  # [..., d] pre-norm residual: the predictor's input
+    gate: jax.Array  # [..., n_ff] gate_act(gate projection)
+    hidden: jax.Array  # [..., n_ff] h before masking
+    active: jax.Array  # [..., n_ff] bool
+
+
+def predictor_logits(ffn_inp, fc1: QuantArray, fc2: QuantArray):
+    """PowerInfer's predictor: fc2(relu(fc1 x)), no biases. [..., d] -> [..., n_ff]."""
+    return matmul(jax.nn.relu(matmul(ffn_inp, fc1)), fc2)
+
+
+def down_projection(h, layer):
+    """h [..., n_ff] -> [..., d], from ffn_down [d, n_ff] or PowerInfer's transposed ffn_down_t [n_ff, d]."""
+    if layer.ffn_down_t is not None:
+        return jnp.einsum("...f,fd->...d", h, dequantize(layer.ffn_down_t))
+    return matmul(h, layer.ffn_down)
+
+
+def active_neurons(gate, hidden, ffn_inp, layer, cfg: Config):
+    if cfg.ffn_sparsity == "predictor":
+        return predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold
+    if cfg.ffn_sparsity == "gate":
+        return jnp.abs(gate) > layer.ffn_threshold
+    if cfg.ffn_sparsity == "hidden":
+        return jnp.abs(hidden) > layer.ffn_threshold
+    return hidden != 0
+
+
+def ffn(x, ffn_inp, layer, cfg: Config):
+    """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace)."""
+    gate = ACTIVATIONS[cfg.gate_activation](matmul(x, layer.ffn_gate))
+    hidden = gate * ACTIVATIONS[cfg.up_activation](matmul(x, layer.ffn_up))
+    active = active_neurons(gate, hidden, ffn_inp, layer, cfg)
+    out = down_projection(jnp.where(active, hidden, 0.0), layer)
+    return out, FFNTrace(ffn_inp, gate, hidden, active)
