@@ -25,6 +25,8 @@ flags.DEFINE_float("repeat_penalty", 1.0, "penalty for tokens among the last --r
 flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat penalty considers")
 flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
+flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
+                    "(thresholds from python -m jaxinfer.calibrate)")
 FLAGS = flags.FLAGS
 
 
@@ -57,10 +59,11 @@ def main(argv):
     params = SamplingParams(FLAGS.temp, FLAGS.top_k, FLAGS.top_p, FLAGS.min_p, FLAGS.repeat_penalty,
                             FLAGS.repeat_last_n).validate()
 
-    from jaxinfer import engine, runtime
+    from jaxinfer import engine, runtime, sparsity
 
+    spec = sparsity.parse_spec(FLAGS.sparsity)
     runtime.enable_compilation_cache()
-    m = engine.load_model(FLAGS.model)
+    m = sparsity.apply(engine.load_model(FLAGS.model), spec)
     print(m.describe(), file=sys.stderr)
     ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)
     prompt = FLAGS.prompt

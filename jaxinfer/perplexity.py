@@ -273,7 +273,7 @@ def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4,
 def _cli_main(argv):
     from absl import flags, logging
 
-    from jaxinfer import engine, runtime
+    from jaxinfer import engine, runtime, sparsity
 
     f = flags.FLAGS
     logging.set_verbosity(logging.WARNING)
@@ -287,9 +287,10 @@ def _cli_main(argv):
         raise JaxinferError(f"--chunks must be >= 1 or -1 for all, got {f.chunks}")
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
+    spec = sparsity.parse_spec(f.sparsity)
     runtime.enable_compilation_cache()
-    m = engine.load_model(f.model)
-    print(m.describe(), file=sys.stderr)
+    m = sparsity.apply(engine.load_model(f.model), spec)
+    print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
 
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     if base is not None:
@@ -345,6 +346,7 @@ def main():
                          "run in one compiled call, as llama-perplexity's -b)", short_name="b")
     flags.DEFINE_string("kl_divergence_base", None, "llama.cpp logits file: written by this run, or with "
                         "--kl-divergence read as the base to compare against")
+    flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)

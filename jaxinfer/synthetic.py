@@ -244,6 +244,6 @@ def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool
         else:
             tensors += [matrix(f"{blk}.ffn_gate.weight", f, d, w), matrix(f"{blk}.ffn_down.weight", d, f, w)]
     tensors.append(norm("output_norm.weight"))
-    if not spec.tied_output:
+    if not spec.tied_output or sparse:  # a sparse model's embedding is unit-variance: too large to tie
         tensors.append(matrix("output.weight", n_vocab, d, spec.embedding_type))
     return write_gguf(path, arch, fields, tensors, powerinfer=sparse, progress=progress)

@@ -1,0 +1,135 @@
+"""python -m jaxinfer.profile: count how often every FFN neuron fires over a text, for placement and research.
+
+Writes, into `activation/` beside the model (where PowerInfer looks for it) or `-o DIR`:
+    activation_{i}.pt   one file per layer i: a 1-D int64 torch tensor of length n_ff, how many of the profiled
+                        tokens activated each neuron (PowerInfer's format; read it with torch.load or
+                        jaxinfer.torch_format.load_tensor). Layers are numbered in numeric order.
+    profile.json        model fingerprint, tokens profiled, sparsity spec, per-layer share of neurons that cover
+                        50/80/95% of activations
+    activation.png      sorted firing frequency per layer, and the coverage shares
+"Active" is what the inference path computes under `--sparsity` (ReLU models: nonzero activations).
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+from jaxinfer import sidecar, sparsity, torch_format
+from jaxinfer.errors import JaxinferError, exit_on_error
+
+COVERAGE_SHARES = (0.5, 0.8, 0.95)
+
+
+def profile_counts(m, windows: np.ndarray, n_seq: int = 4) -> np.ndarray:
+    """[n_layer, n_ff] int64 activation counts over the windows' tokens."""
+    counts = sparsity.reduce_over_windows(m, windows, sparsity.count_active, n_seq, desc="profiling")
+    return np.stack(counts).astype(np.int64)
+
+
+def write_profile(directory: str, model_path: str, counts: np.ndarray, n_tokens: int, spec: str) -> dict:
+    os.makedirs(directory, exist_ok=True)
+    for i, layer_counts in enumerate(counts):
+        torch_format.save_tensor(os.path.join(directory, f"activation_{i}.pt"), layer_counts)
+    summary = {
+        "tokens": n_tokens,
+        "sparsity": spec,
+        "layers": [
+            {"layer": i, "mean_active": float(c.sum() / (n_tokens * len(c))),
+             "coverage": {f"{s:g}": v for s, v in sparsity.coverage(c, COVERAGE_SHARES).items()}}
+            for i, c in enumerate(counts)
+        ],
+    }
+    sidecar.write_json(os.path.join(directory, "profile.json"), model_path, summary)
+    plot(os.path.join(directory, "activation.png"), counts, n_tokens, summary)
+    return summary
+
+
+def read_profile(directory: str, model_path: str, n_layer: int) -> np.ndarray:
+    """[n_layer, n_ff] counts from an activation folder (ours or PowerInfer's), checked against the model when our
+    profile.json is there."""
+    if os.path.exists(os.path.join(directory, "profile.json")):
+        sidecar.read_json(os.path.join(directory, "profile.json"), model_path)  # raises if stale or foreign
+    files = [os.path.join(directory, f"activation_{i}.pt") for i in range(n_layer)]
+    missing = [p for p in files if not os.path.exists(p)]
+    if missing:
+        raise JaxinferError(f"activation profile incomplete: {missing[0]} is missing")
+    return np.stack([torch_format.load_tensor(p) for p in files])
+
+
+def plot(path: str, counts: np.ndarray, n_tokens: int, summary: dict):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = plt.cm.viridis(np.linspace(0, 1, len(counts)))
+    for i, c in enumerate(counts):
+        frequency = np.sort(c)[::-1] / n_tokens
+        left.plot(np.arange(1, len(c) + 1) / len(c), frequency, color=colors[i], lw=0.8,
+                  label=f"layer {i}" if i in (0, len(counts) - 1) else None)
+    left.set(yscale="log", xlabel="neurons, hottest first (share of layer)", ylabel="firing frequency",
+             title=f"Neuron firing frequency ({n_tokens} tokens)")
+    left.legend()
+    layers = np.arange(len(counts))
+    for share, marker in zip(COVERAGE_SHARES, "o^s"):
+        right.plot(layers, [entry["coverage"][f"{share:g}"] for entry in summary["layers"]], marker=marker,
+                   label=f"{share:.0%} of activations")
+    right.set(xlabel="layer", ylabel="share of neurons needed", ylim=(0, 1), title="Coverage by the hottest neurons")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _cli_main(argv):
+    from absl import flags, logging
+
+    from jaxinfer import engine, perplexity, runtime
+
+    f = flags.FLAGS
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not f.file or not os.path.isfile(f.file):
+        raise JaxinferError(f"text file not found: {f.file}" if f.file else "-f/--file is required")
+    spec = sparsity.parse_spec(f.sparsity)
+    runtime.enable_compilation_cache()
+    m = sparsity.apply(engine.load_model(f.model), spec)
+    print(m.describe(), file=sys.stderr)
+    directory = f.output or os.path.join(os.path.dirname(os.path.abspath(m.path)), "activation")
+    tokens = np.asarray(m.tokenizer.encode(open(f.file, encoding="utf-8", errors="replace").read()), np.int32)
+    windows = perplexity.make_windows(tokens, f.ctx_size, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos
+                                      else None)
+    start = time.perf_counter()
+    counts = profile_counts(m, windows, max(1, f.batch_size // f.ctx_size))
+    seconds = time.perf_counter() - start
+    summary = write_profile(directory, m.path, counts, windows.size, str(spec))
+    print(f"{'layer':>5} {'active':>7} " + " ".join(f"{'cover ' + format(s, '.0%'):>10}" for s in COVERAGE_SHARES))
+    for entry in summary["layers"]:
+        print(f"{entry['layer']:>5} {entry['mean_active']:>7.3f} "
+              + " ".join(f"{entry['coverage'][format(s, 'g')]:>10.3f}" for s in COVERAGE_SHARES))
+    print(f"profiled {windows.size} tokens with --sparsity {spec} in {seconds:.1f} s "
+          f"({windows.size / seconds:.0f} tokens/s); wrote {directory}/activation_{{0..{len(counts) - 1}}}.pt, "
+          f"profile.json, activation.png")
+
+
+def main():
+    from absl import app, flags
+
+    from jaxinfer.cli import parse_flags
+
+    flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
+    flags.DEFINE_string("file", None, "text to profile on", short_name="f")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("chunks", -1, "profile only the first N windows; -1 for all")
+    flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
+    flags.DEFINE_string("sparsity", "dense", "what counts as active: dense | predictor | gate:S | hidden:S")
+    flags.DEFINE_string("output", None, "output folder (default: activation/ beside the model)", short_name="o")
+    app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    main()

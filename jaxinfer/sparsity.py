@@ -1,0 +1,139 @@
+"""Activation-sparsity settings of a loaded model, their calibrated thresholds, and running the model over text
+while reducing what its FFNs did (the common engine of profile, calibrate and train_predictor).
+
+A sparsity spec, as the CLIs' `--sparsity` flag takes it:
+    dense             no skipping beyond exact zeros (ReLU models skip their natural zeros)
+    predictor         the file's fc1/fc2 predictors decide (PowerInfer); `predictor:T` overrides the threshold T
+    gate:S / hidden:S thresholds calibrated for a share S of inactive neurons (see sparse_ffn.py and calibrate.py)
+Calibrated thresholds live in `<model>.sparsity.json`, stamped with the model's fingerprint.
+"""
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxinfer import model, sidecar
+from jaxinfer.config import SPARSITY_MODES
+from jaxinfer.errors import JaxinferError
+
+THRESHOLD_METHODS = ("gate", "hidden")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparsitySpec:
+    mode: str = "dense"
+    level: float | None = None  # target share of inactive neurons (gate/hidden) or predictor threshold override
+
+    def __str__(self):
+        return self.mode if self.level is None else f"{self.mode}:{self.level:g}"
+
+
+def parse_spec(text: str) -> SparsitySpec:
+    mode, _, value = text.partition(":")
+    if mode not in SPARSITY_MODES:
+        raise JaxinferError(f"--sparsity mode must be one of {', '.join(SPARSITY_MODES)}, got {mode!r}")
+    level = None
+    if value:
+        try:
+            level = float(value)
+        except ValueError:
+            raise JaxinferError(f"--sparsity {text!r}: {value!r} is not a number") from None
+    if mode in THRESHOLD_METHODS and (level is None or not 0.0 < level < 1.0):
+        raise JaxinferError(f"--sparsity {mode}:S needs a target share S in (0, 1), got {text!r}")
+    if mode == "dense" and level is not None:
+        raise JaxinferError("--sparsity dense takes no value")
+    return SparsitySpec(mode, level)
+
+
+def thresholds_path(model_path: str) -> str:
+    return model_path + ".sparsity.json"
+
+
+def load_thresholds(model_path: str, method: str, level: float) -> np.ndarray:
+    path = thresholds_path(model_path)
+    hint = f"calibrate them: python -m jaxinfer.calibrate -m {model_path} -f TEXT --method {method} --levels {level:g}"
+    try:
+        document = sidecar.read_json(path, model_path)
+    except JaxinferError as e:
+        raise JaxinferError(f"no calibrated {method}:{level:g} thresholds ({e}); {hint}") from None
+    table = document.get("thresholds", {}).get(method, {})
+    if f"{level:g}" not in table:
+        raise JaxinferError(f"{path} has no {method}:{level:g} thresholds; {hint}")
+    return np.asarray(table[f"{level:g}"], np.float32)
+
+
+def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.ndarray], source: str):
+    """Merge calibrated per-layer thresholds into the model's sidecar (atomically)."""
+    path = thresholds_path(model_path)
+    try:
+        document = sidecar.read_json(path, model_path)
+    except JaxinferError:
+        document = {}
+    table = document.setdefault("thresholds", {}).setdefault(method, {})
+    for level, values in thresholds.items():
+        table[f"{level:g}"] = [float(v) for v in values]
+    document.setdefault("calibrated_on", {})[method] = source
+    document.pop("model_fingerprint", None)
+    sidecar.write_json(path, model_path, document)
+    return path
+
+
+def apply(m, spec: SparsitySpec):
+    """A copy of the loaded model (`engine.LoadedModel`) that runs its FFNs with `spec`."""
+    cfg = dataclasses.replace(m.config, ffn_sparsity=spec.mode)
+    layers = m.weights.layers
+    if spec.mode == "predictor":
+        if any(layer.fc1 is None or layer.fc2 is None for layer in layers):
+            raise JaxinferError(f"{m.path} has no activation predictors (blk.N.fc1/fc2); train them with "
+                                f"python -m jaxinfer.train_predictor")
+        if spec.level is not None:
+            cfg = dataclasses.replace(cfg, sparse_threshold=spec.level)
+    elif spec.mode in THRESHOLD_METHODS:
+        values = load_thresholds(m.path, spec.mode, spec.level)
+        if len(values) != len(layers):
+            raise JaxinferError(f"{thresholds_path(m.path)} has {len(values)} thresholds for {len(layers)} layers")
+        layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
+    weights = dataclasses.replace(m.weights, layers=layers)
+    return dataclasses.replace(m, config=cfg, weights=weights)
+
+
+@partial(jax.jit, static_argnames=("statistic",))
+def _observe_batch(windows, valid, weights, cfg, statistic):
+    _, _, observed = model.forward(windows, weights, cfg, observe=lambda i, trace: statistic(trace, valid))
+    return observed
+
+
+def map_over_windows(m, windows: np.ndarray, statistic, n_seq: int = 4, desc: str = "observing"):
+    """Run the model over `windows` [n, n_ctx] in jitted batches of `n_seq` (the last padded: one compiled program).
+    `statistic(trace, valid)`, a module-level function (it is a static argument), maps one layer's
+    sparse_ffn.FFNTrace and the batch's real-window mask [B] to a pytree. Yields (number of real windows, per-layer
+    results on the host) for each batch."""
+    for start in tqdm(range(0, len(windows), n_seq), desc=desc, unit="batch"):
+        batch = windows[start:start + n_seq]
+        valid = np.arange(n_seq) < len(batch)
+        padded = np.concatenate([batch, np.repeat(batch[-1:], n_seq - len(batch), axis=0)])
+        yield len(batch), jax.device_get(_observe_batch(padded, valid, m.weights, m.config, statistic))
+
+
+def reduce_over_windows(m, windows: np.ndarray, statistic, n_seq: int = 4, desc: str = "observing"):
+    """map_over_windows, with each layer's results summed over all batches."""
+    total = None
+    for _, observed in map_over_windows(m, windows, statistic, n_seq, desc):
+        total = observed if total is None else jax.tree.map(np.add, total, observed)
+    return total
+
+
+def count_active(trace, valid):
+    """[n_ff] int32: how many real tokens activated each neuron."""
+    return jnp.sum(trace.active & valid[:, None, None], axis=(0, 1), dtype=jnp.int32)
+
+
+def coverage(counts: np.ndarray, shares=(0.5, 0.8, 0.95)) -> dict[float, float]:
+    """Share of a layer's neurons that, hottest first, account for each share of its activations."""
+    ordered = np.sort(counts)[::-1].astype(np.float64)
+    cumulative = np.cumsum(ordered) / max(ordered.sum(), 1.0)
+    return {s: float((np.searchsorted(cumulative, s) + 1) / len(counts)) for s in shares}

@@ -1,0 +1,106 @@
+"""1-D tensors in PyTorch's `torch.save` file format, without torch: PowerInfer's solver reads neuron activation
+counts with `torch.load("activation/activation_{i}.pt")`.
+
+A torch.save file is an uncompressed zip under one top-level folder `<name>/`:
+    <name>/data.pkl     pickle (protocol 2) of torch._utils._rebuild_tensor_v2(storage, 0, size, stride, False,
+                        OrderedDict()), where `storage` is a persistent id ("storage", torch.<Type>Storage, "0",
+                        "cpu", numel) resolved by the loader to the raw bytes below
+    <name>/data/0       the storage bytes, little-endian
+    <name>/byteorder    "little"
+    <name>/version      "3"
+The pickle is spelled out opcode by opcode (below) because torch's classes cannot be pickled without torch.
+"""
+
+import collections
+import os
+import pickle
+import struct
+import zipfile
+
+import numpy as np
+
+STORAGE_TYPES = {np.dtype(np.int64): "LongStorage", np.dtype(np.float32): "FloatStorage",
+                 np.dtype(np.int32): "IntStorage", np.dtype(np.float64): "DoubleStorage"}
+
+
+def _unicode(text: str) -> bytes:
+    data = text.encode()
+    return b"X" + struct.pack("<I", len(data)) + data  # BINUNICODE
+
+
+def _int(value: int) -> bytes:
+    return b"J" + struct.pack("<i", value)  # BININT
+
+
+def _tensor_pickle(storage_type: str, numel: int) -> bytes:
+    return b"".join([
+        b"\x80\x02",  # PROTO 2
+        b"ctorch._utils\n_rebuild_tensor_v2\n",  # GLOBAL: the function to call
+        b"(",  # MARK: its argument tuple
+        b"(", _unicode("storage"), f"ctorch\n{storage_type}\n".encode(), _unicode("0"), _unicode("cpu"),
+        _int(numel), b"t",  # TUPLE: the persistent id
+        b"Q",  # BINPERSID: storage
+        _int(0),  # storage offset
+        _int(numel), b"\x85",  # TUPLE1: size
+        _int(1), b"\x85",  # TUPLE1: stride
+        b"\x89",  # NEWFALSE: requires_grad
+        b"ccollections\nOrderedDict\n)R",  # OrderedDict(): backward hooks
+        b"t",  # TUPLE
+        b"R",  # REDUCE: call
+        b".",  # STOP
+    ])
+
+
+def save_tensor(path: str, values: np.ndarray) -> None:
+    """Write a 1-D int64/int32/float32/float64 array as a torch tensor file (atomically)."""
+    from jaxinfer.sidecar import atomic_write
+
+    values = np.ascontiguousarray(values)
+    if values.ndim != 1 or values.dtype not in STORAGE_TYPES:
+        raise ValueError(f"only 1-D {sorted(str(t) for t in STORAGE_TYPES)} arrays, got {values.dtype}{values.shape}")
+    folder = os.path.splitext(os.path.basename(path))[0]
+
+    def write(tmp):
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as z:
+            z.writestr(f"{folder}/data.pkl", _tensor_pickle(STORAGE_TYPES[values.dtype], values.size))
+            z.writestr(f"{folder}/byteorder", "little")
+            z.writestr(f"{folder}/data/0", values.astype(values.dtype.newbyteorder("<")).tobytes())
+            z.writestr(f"{folder}/version", "3\n")
+
+    atomic_write(path, write)
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Resolves exactly the globals a saved 1-D tensor uses; anything else is refused."""
+
+    def __init__(self, file, archive: zipfile.ZipFile, folder: str):
+        super().__init__(file)
+        self.archive, self.folder = archive, folder
+
+    def find_class(self, module, name):
+        dtypes = {v: k for k, v in STORAGE_TYPES.items()}
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _rebuild_tensor
+        if module == "torch" and name in dtypes:
+            return dtypes[name]
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a tensor file")
+
+    def persistent_load(self, pid):
+        _, dtype, key, _, numel = pid
+        data = self.archive.read(f"{self.folder}/data/{key}")
+        return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=numel)
+
+
+def _rebuild_tensor(storage, offset, size, stride, requires_grad, hooks):
+    return np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
+                                           strides=[s * storage.itemsize for s in stride]).copy()
+
+
+def load_tensor(path: str) -> np.ndarray:
+    """Read a tensor file written by `save_tensor` or by `torch.save` of a 1-D CPU tensor."""
+    with zipfile.ZipFile(path) as archive:
+        pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+        with archive.open(pkl) as f:
+            return _TensorUnpickler(f, archive, pkl.rsplit("/", 1)[0]).load()

@@ -1,0 +1,204 @@
+"""python -m jaxinfer.train_predictor: train PowerInfer-style activation predictors and export a PowerInfer GGUF.
+
+Per layer, a low-rank MLP predicts which FFN neurons will be active for a token, from the pre-FFN-norm residual
+(PowerInfer's input for llama/bamboo): logits = fc2 · relu(fc1 · x), fc1 [rank, d], fc2 [n_ff, rank], no biases;
+a neuron runs iff its logit >= the threshold (0 by default, `powerinfer.sparse_threshold`).
+
+Labels are what the inference path marks active under `--sparsity` (ReLU models: nonzero activations; SwiGLU models:
+a calibrated `gate:S`/`hidden:S` mask). Training: binary cross-entropy with positive examples weighted by
+`--positive_weight` (missed neurons cost quality, extra ones only time), Adam, minibatches; evaluation on held-out
+windows reports recall, precision and predicted sparsity per layer.
+
+Ranks come from `--budget`, the predictors' parameters as a share of the FFN's: the total is split across layers in
+proportion to sqrt(rho (1 - rho)) of each layer's active share rho (layers near 50% active are the hardest to
+predict), rounded to multiples of 16.
+"""
+
+import dataclasses
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from jaxinfer import powerinfer, quant, sparsity
+from jaxinfer.config import GATE_ACTIVATION_KEY
+from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.powerinfer import PendingTensor
+
+RANK_MULTIPLE = 16
+
+
+def inputs_and_labels(trace, valid):
+    del valid  # padded windows are dropped on the host
+    return trace.ffn_inp, trace.active
+
+
+def collect(m, windows: np.ndarray, n_seq: int = 4) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per layer: predictor inputs [N, d] f32 and activity labels [N, n_ff] bool over the windows' tokens."""
+    inputs, labels = [[] for _ in m.weights.layers], [[] for _ in m.weights.layers]
+    for n_real, observed in sparsity.map_over_windows(m, windows, inputs_and_labels, n_seq, desc="collecting"):
+        for i, (x, active) in enumerate(observed):
+            inputs[i].append(x[:n_real].reshape(-1, x.shape[-1]))
+            labels[i].append(active[:n_real].reshape(-1, active.shape[-1]))
+    return [np.concatenate(x) for x in inputs], [np.concatenate(y) for y in labels]
+
+
+def choose_ranks(active_share: np.ndarray, n_embd: int, n_ff: int, budget: float) -> list[int]:
+    difficulty = np.sqrt(np.clip(active_share * (1 - active_share), 1e-4, None))
+    total = budget * 3 * n_embd * n_ff / (n_embd + n_ff) * len(active_share)
+    ranks = total * difficulty / difficulty.sum()
+    return [int(max(RANK_MULTIPLE, RANK_MULTIPLE * round(r / RANK_MULTIPLE))) for r in ranks]
+
+
+@dataclasses.dataclass
+class Predictor:
+    fc1: np.ndarray  # [rank, d]
+    fc2: np.ndarray  # [n_ff, rank]
+
+
+def predictor_logits(params, x):
+    return jax.nn.relu(x @ params["fc1"].T) @ params["fc2"].T
+
+
+@jax.jit(static_argnames=("optimizer",))
+def _train_step(params, opt_state, x, y, positive_weight, optimizer):
+    def loss_fn(p):
+        logits = predictor_logits(p, x)
+        per_label = optax.sigmoid_binary_cross_entropy(logits, y)
+        return jnp.mean(per_label * jnp.where(y, positive_weight, 1.0))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def train_layer(x: np.ndarray, y: np.ndarray, rank: int, *, steps: int, batch: int, learning_rate: float,
+                positive_weight: float, seed: int) -> Predictor:
+    key1, key2, key3 = jax.random.split(jax.random.key(seed), 3)
+    d, f = x.shape[1], y.shape[1]
+    scale = float(np.std(x)) or 1.0  # residual magnitudes grow with depth: start at unit pre-activations
+    params = {"fc1": jax.random.normal(key1, (rank, d)) / (scale * math.sqrt(d)),
+              "fc2": jax.random.normal(key2, (f, rank)) / math.sqrt(rank)}
+    optimizer = optax.adam(learning_rate)
+    opt_state = optimizer.init(params)
+    order = np.asarray(jax.random.permutation(key3, len(x)))
+    for step in range(steps):
+        rows = order[(step * batch + np.arange(batch)) % len(x)]
+        params, opt_state, _ = _train_step(params, opt_state, x[rows], y[rows], positive_weight, optimizer)
+    return Predictor(np.asarray(params["fc1"]), np.asarray(params["fc2"]))
+
+
+def evaluate_predictor(p: Predictor, x: np.ndarray, y: np.ndarray, threshold: float = 0.0) -> dict:
+    predicted = np.asarray(predictor_logits({"fc1": p.fc1, "fc2": p.fc2}, x)) >= threshold
+    true_positive = np.sum(predicted & y)
+    return {"recall": float(true_positive / max(y.sum(), 1)),
+            "precision": float(true_positive / max(predicted.sum(), 1)),
+            "predicted_sparsity": float(1 - predicted.mean()), "true_sparsity": float(1 - y.mean())}
+
+
+def export(m, predictors: list[Predictor], path: str, threshold: float, predictor_type=GGMLQuantizationType.F16):
+    """Write the model with its predictors as a PowerInfer file: fc1/fc2 added (replacing any), the down projection
+    stored transposed (ffn_down_t, F16, as PowerInfer's axpy kernels read it), the threshold in the metadata."""
+    g = m.gguf
+    fields = [f for f in powerinfer.metadata_fields(g) if f[0] not in (powerinfer.SPARSE_THRESHOLD_KEY,
+                                                                       GATE_ACTIVATION_KEY)]
+    fields.append((powerinfer.SPARSE_THRESHOLD_KEY, threshold, GGUFValueType.FLOAT32, None))
+    if m.config.gate_activation != "relu":  # PowerInfer reads a PWRI file as ReLU-gated; keep this model's gate
+        fields.append((GATE_ACTIVATION_KEY, m.config.gate_activation, GGUFValueType.STRING, None))
+    replaced = {f"blk.{i}.{name}.weight" for i in range(len(predictors)) for name in ("fc1", "fc2", "ffn_down")}
+    tensors = powerinfer.stored_tensors(g, skip=replaced)
+    for i, (p, layer) in enumerate(zip(predictors, m.weights.layers)):
+        for name, values in (("fc1", p.fc1), ("fc2", p.fc2)):
+            tensors.append(PendingTensor(f"blk.{i}.{name}.weight", values.shape, predictor_type,
+                                         lambda v=values: v.astype(np.float16)))
+        if layer.ffn_down is not None:
+            down = layer.ffn_down
+            tensors.append(PendingTensor(f"blk.{i}.ffn_down_t.weight", (down.shape[1], down.shape[0]),
+                                         GGMLQuantizationType.F16,
+                                         lambda w=down: np.asarray(quant.dequantize(w)).T.astype(np.float16)))
+    return powerinfer.write_gguf(path, m.config.arch, fields, tensors, powerinfer=True, progress=True)
+
+
+def _cli_main(argv):
+    from absl import flags, logging
+
+    from jaxinfer import engine, perplexity, runtime
+
+    f = flags.FLAGS
+    logging.set_verbosity(logging.WARNING)
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not f.file:
+        raise JaxinferError("-f/--file is required (the training text)")
+    if not 0 < f.budget < 1:
+        raise JaxinferError(f"--budget must be in (0, 1), got {f.budget}")
+    if f.train_chunks < 1 or f.heldout_chunks < 1:
+        raise JaxinferError("--train_chunks and --heldout_chunks must be >= 1")
+    try:
+        text = open(f.file, encoding="utf-8", errors="replace").read()
+    except OSError as e:
+        raise JaxinferError(f"cannot read {f.file}: {e.strerror}") from None
+    spec = sparsity.parse_spec(f.sparsity)
+    if spec.mode == "predictor":
+        raise JaxinferError("--sparsity defines the labels to learn: dense, gate:S or hidden:S")
+    runtime.enable_compilation_cache()
+    m = sparsity.apply(engine.load_model(f.model), spec)
+    print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)
+    tokens = np.asarray(m.tokenizer.encode(text), np.int32)
+    windows = perplexity.make_windows(tokens, f.ctx_size, -1, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    if len(windows) < f.train_chunks + f.heldout_chunks:
+        raise JaxinferError(f"{f.file} has {len(windows)} windows of {f.ctx_size} tokens; need "
+                            f"{f.train_chunks + f.heldout_chunks}")
+    n_seq = max(1, f.batch_size // f.ctx_size)
+    start = time.perf_counter()
+    train_x, train_y = collect(m, windows[:f.train_chunks], n_seq)
+    test_x, test_y = collect(m, windows[-f.heldout_chunks:], n_seq)
+    ranks = choose_ranks(np.array([y.mean() for y in train_y]), m.config.n_embd, m.config.n_ff, f.budget)
+    predictors, rows = [], []
+    print(f"{'layer':>5} {'rank':>5} {'recall':>7} {'precision':>9} {'pred. sparsity':>14} {'true sparsity':>13}")
+    for i, (x, y, rank) in enumerate(zip(train_x, train_y, ranks)):
+        p = train_layer(x, y, rank, steps=f.steps, batch=f.minibatch, learning_rate=f.learning_rate,
+                        positive_weight=f.positive_weight, seed=i)
+        metrics = evaluate_predictor(p, test_x[i], test_y[i])
+        predictors.append(p)
+        rows.append(metrics)
+        print(f"{i:>5} {rank:>5} {metrics['recall']:>7.3f} {metrics['precision']:>9.3f} "
+              f"{metrics['predicted_sparsity']:>14.3f} {metrics['true_sparsity']:>13.3f}", flush=True)
+    mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+    print(f"mean: recall {mean['recall']:.3f}, precision {mean['precision']:.3f}, predicted sparsity "
+          f"{mean['predicted_sparsity']:.3f} (true {mean['true_sparsity']:.3f}) on {test_x[0].shape[0]} held-out "
+          f"tokens; trained on {train_x[0].shape[0]} in {time.perf_counter() - start:.1f} s")
+    if f.output:
+        export(m, predictors, f.output, threshold=0.0)
+        print(f"wrote {f.output} (PowerInfer GGUF; run it with --sparsity predictor)")
+
+
+def main():
+    from absl import app, flags
+
+    from jaxinfer.cli import parse_flags
+
+    flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
+    flags.DEFINE_string("file", None, "training text; the last --heldout_chunks windows are held out", short_name="f")
+    flags.DEFINE_string("sparsity", "dense", "labels: dense (ReLU models) | gate:S | hidden:S (calibrated)")
+    flags.DEFINE_string("output", None, "write the model with these predictors to this PowerInfer GGUF",
+                        short_name="o")
+    flags.DEFINE_float("budget", 0.1, "predictor parameters as a share of the FFN parameters")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("train_chunks", 16, "windows to train on")
+    flags.DEFINE_integer("heldout_chunks", 4, "windows (from the end of the text) to evaluate on")
+    flags.DEFINE_integer("batch_size", 2048, "tokens per compiled forward call", short_name="b")
+    flags.DEFINE_integer("steps", 400, "optimizer steps per layer")
+    flags.DEFINE_integer("minibatch", 1024, "tokens per optimizer step")
+    flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate")
+    flags.DEFINE_float("positive_weight", 3.0, "loss weight of active neurons (higher favours recall)")
+    app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+import jax
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from jaxinfer import engine, model, perplexity, sparsity, train_predictor
+from jaxinfer.gguf_io import open_gguf
+
+
+def windows_for(m, n, n_ctx=32, seed=0):
+    tokens = np.random.default_rng(seed).integers(3, 259, size=n * n_ctx)
+    return perplexity.make_windows(tokens, n_ctx, -1, bos_id=None)
+
+
+def test_predictor_trained_on_a_relu_model_recalls_held_out_activity(make_model):
+    m = engine.load_model(make_model(n_embd=64, n_ff=256, sparsity=0.85, seed=3))
+    train_x, train_y = train_predictor.collect(m, windows_for(m, 24, seed=1))
+    test_x, test_y = train_predictor.collect(m, windows_for(m, 6, seed=2))
+    assert train_x[0].shape == (24 * 32, 64) and train_y[0].shape == (24 * 32, 256)
+    ranks = train_predictor.choose_ranks(np.array([y.mean() for y in train_y]), 64, 256, budget=0.2)
+    for i, rank in enumerate(ranks):
+        p = train_predictor.train_layer(train_x[i], train_y[i], rank, steps=300, batch=256, learning_rate=3e-3,
+                                        positive_weight=3.0, seed=i)
+        metrics = train_predictor.evaluate_predictor(p, test_x[i], test_y[i])
+        assert metrics["recall"] >= 0.9, (i, metrics)
+        assert metrics["predicted_sparsity"] > 0.6, (i, metrics)
+
+
+def test_choose_ranks_spends_the_budget_on_the_hardest_layers():
+    ranks = train_predictor.choose_ranks(np.array([0.05, 0.5, 0.2]), 576, 1536, budget=0.1)
+    assert ranks[1] > ranks[2] > ranks[0] and all(r % 16 == 0 for r in ranks)
+    assert abs(sum(ranks) - 3 * 0.1 * 3 * 576 * 1536 / (576 + 1536)) < 3 * 16
+
+
+def test_export_writes_a_powerinfer_file_that_runs_with_its_predictors(make_model, tmp_path):
+    m = engine.load_model(make_model(weight_type=Q.Q8_0))  # a SwiGLU model
+    x, y = train_predictor.collect(sparsity.apply(m, sparsity.SparsitySpec("dense")), windows_for(m, 2))
+    predictors = [train_predictor.train_layer(x[i], y[i], 16, steps=2, batch=32, learning_rate=1e-3,
+                                              positive_weight=1.0, seed=i) for i in range(len(x))]
+    path = train_predictor.export(m, predictors, str(tmp_path / "with_predictors.gguf"), threshold=0.25)
+    g = open_gguf(path)
+    assert g.powerinfer and g.metadata["powerinfer.sparse_threshold"] == 0.25
+    exported = engine.load_model(path)
+    assert exported.config.gate_activation == "silu"  # kept through jaxinfer.gate_activation, not read as ReLU
+    assert exported.weights.layers[0].ffn_down_t.qtype == Q.F16 and exported.weights.layers[0].ffn_down is None
+    np.testing.assert_allclose(np.asarray(exported.weights.layers[1].fc1.data, np.float32), predictors[1].fc1,
+                               rtol=1e-3, atol=1e-3)
+    tokens = windows_for(m, 2)[:1]
+    forward = jax.jit(model.forward, static_argnums=2)
+    before = np.asarray(model.logits(forward(tokens, m.weights, m.config)[0], m.weights))
+    after = np.asarray(model.logits(forward(tokens, exported.weights, exported.config)[0], exported.weights))
+    np.testing.assert_allclose(after, before, atol=2e-3 * np.abs(before).max())  # ffn_down_t is stored as F16
+    predicted = sparsity.apply(exported, sparsity.SparsitySpec("predictor"))
+    assert predicted.config.sparse_threshold == 0.25
+    forward(tokens, predicted.weights, predicted.config)
