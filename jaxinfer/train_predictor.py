@@ -101,6 +101,16 @@ def evaluate_predictor(p: Predictor, x: np.ndarray, y: np.ndarray, threshold: fl
             "predicted_sparsity": float(1 - predicted.mean()), "true_sparsity": float(1 - y.mean())}
 
 
+def with_predictors(weights, predictors: list[Predictor]):
+    """The model's weights with these predictors attached in memory (f32), ready for --sparsity predictor."""
+    def as_array(values):
+        return quant.QuantArray(jnp.asarray(values, jnp.float32), GGMLQuantizationType.F32, values.shape)
+
+    layers = [dataclasses.replace(layer, fc1=as_array(p.fc1), fc2=as_array(p.fc2))
+              for layer, p in zip(weights.layers, predictors)]
+    return dataclasses.replace(weights, layers=layers)
+
+
 def export(m, predictors: list[Predictor], path: str, threshold: float, predictor_type=GGMLQuantizationType.F16):
     """Write the model with its predictors as a PowerInfer file: fc1/fc2 added (replacing any), the down projection
     stored transposed (ffn_down_t, F16, as PowerInfer's axpy kernels read it), the threshold in the metadata."""

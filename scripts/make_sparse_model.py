@@ -1,0 +1,63 @@
+"""Write a SYNTHETIC sparse model: a PowerInfer GGUF (PWRI) of a ReLU-gated llama with RANDOM weights, whose FFN
+neurons fire with power-law frequencies at a chosen overall sparsity, and with exact activation predictors.
+
+The weights are random: the model generates noise. It exists so the sparse and hybrid paths can be tested and
+benchmarked at real shapes (up to 7B) without downloading a model. See jaxinfer/synthetic.py for the construction.
+
+    python scripts/make_sparse_model.py -o sparse-tiny.gguf
+    python scripts/make_sparse_model.py --shape 7b --weight_type Q4_0 -o sparse-7b.gguf   # ~3.8 GB
+"""
+
+import dataclasses
+import os
+import sys
+
+from absl import app, flags
+from gguf import GGMLQuantizationType
+
+from jaxinfer.cli import parse_flags
+from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.synthetic import SyntheticSpec, write_model
+
+SHAPES = {  # (layers, d, ffn, heads, kv heads, vocab)
+    "tiny": (4, 256, 1024, 4, 4, 0),
+    "small": (12, 768, 3072, 12, 12, 32000),
+    "7b": (32, 4096, 11008, 32, 32, 49152),  # llama-7B shapes, as in shared/reference's GPU benchmark
+}
+flags.DEFINE_string("output", None, "output path", short_name="o")
+flags.DEFINE_enum("shape", "tiny", list(SHAPES), "preset shape (overridden by the explicit flags below)")
+flags.DEFINE_integer("n_layer", None, "layers")
+flags.DEFINE_integer("n_embd", None, "hidden size")
+flags.DEFINE_integer("n_ff", None, "FFN neurons per layer")
+flags.DEFINE_float("sparsity", 0.9, "mean share of inactive FFN neurons per token")
+flags.DEFINE_float("power_law", 1.0, "firing frequency of the k-th hottest neuron ~ k^-power_law")
+flags.DEFINE_string("weight_type", "Q4_0", "GGML type of the large matrices (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, ...)")
+flags.DEFINE_integer("seed", 0, "random seed")
+FLAGS = flags.FLAGS
+
+
+@exit_on_error
+def main(argv):
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    if not FLAGS.output:
+        raise JaxinferError("-o/--output is required")
+    if not 0 < FLAGS.sparsity < 1:
+        raise JaxinferError(f"--sparsity must be in (0, 1), got {FLAGS.sparsity}")
+    try:
+        weight_type = GGMLQuantizationType[FLAGS.weight_type.upper()]
+    except KeyError:
+        raise JaxinferError(f"unknown --weight_type {FLAGS.weight_type!r}") from None
+    n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab = SHAPES[FLAGS.shape]
+    spec = SyntheticSpec(
+        n_layer=FLAGS.n_layer or n_layer, n_embd=FLAGS.n_embd or n_embd, n_ff=FLAGS.n_ff or n_ff, n_head=n_head,
+        n_head_kv=n_head_kv, n_vocab=n_vocab, n_ctx=4096, weight_type=weight_type,
+        embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
+        sparsity=FLAGS.sparsity, power_law=FLAGS.power_law, seed=FLAGS.seed)
+    print(f"writing a SYNTHETIC (random-weight) sparse model: {dataclasses.asdict(spec)}", file=sys.stderr)
+    write_model(FLAGS.output, spec, progress=True)
+    print(f"wrote {FLAGS.output} ({os.path.getsize(FLAGS.output) / 2**20:.1f} MiB)")
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)
