@@ -20,6 +20,8 @@ from jaxinfer.sidecar import atomic_write
 
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 VIRTUAL_FIELDS = ("GGUF.", "general.architecture")  # written by GGUFWriter itself
+PLAIN_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+               GGMLQuantizationType.I32: np.int32}  # stored as numpy arrays of that type, not as block bytes
 
 
 def metadata_fields(gguf: GGUFFile):
@@ -39,13 +41,12 @@ class PendingTensor:
     name: str
     shape: tuple[int, ...]  # logical (numpy order) shape, e.g. (rows, cols)
     qtype: GGMLQuantizationType
-    make: Callable[[], np.ndarray]  # the stored form: float array for F32/F16, raw block bytes otherwise
+    make: Callable[[], np.ndarray]  # the stored form: a PLAIN_TYPES array, raw block bytes otherwise
 
     def stored_layout(self) -> tuple[tuple[int, ...], np.dtype, int]:
-        if self.qtype == GGMLQuantizationType.F32:
-            return self.shape, np.dtype(np.float32), 4 * math.prod(self.shape)
-        if self.qtype == GGMLQuantizationType.F16:
-            return self.shape, np.dtype(np.float16), 2 * math.prod(self.shape)
+        if self.qtype in PLAIN_TYPES:
+            dtype = np.dtype(PLAIN_TYPES[self.qtype])
+            return self.shape, dtype, dtype.itemsize * math.prod(self.shape)
         block_size, type_size = GGML_QUANT_SIZES[self.qtype]
         byte_shape = (*self.shape[:-1], self.shape[-1] // block_size * type_size)
         return byte_shape, np.dtype(np.uint8), math.prod(byte_shape)
