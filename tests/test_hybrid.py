@@ -1,0 +1,51 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from jaxinfer import engine, hybrid, model, sparsity
+
+
+@pytest.fixture
+def sparse_model(make_model):
+    m = engine.load_model(make_model(n_embd=64, n_ff=256, sparsity=0.85, weight_type=Q.Q8_0, n_ctx=64))
+    return sparsity.apply(m, sparsity.SparsitySpec("predictor"))
+
+
+@pytest.mark.parametrize("hot_share", [0.0, 0.3, 1.0])
+def test_hybrid_equals_the_dense_masked_model(sparse_model, hot_share):
+    m = sparse_model
+    placement = hybrid.Placement.detect()
+    assert placement.accelerator != placement.host
+    n_ff = m.config.n_ff
+    hot = [np.sort(np.random.default_rng(i).permutation(n_ff)[:int(hot_share * n_ff)]) for i in range(2)]
+    hw = hybrid.split_weights(m.weights, hot, placement)
+    assert (hybrid.ffn_bytes(hw.hot) > 0) == (hot_share > 0) and (hybrid.ffn_bytes(hw.cold) > 0) == (hot_share < 1)
+    assert all(p is None or p.ffn_gate.data.devices() == {placement.host} for p in hw.cold)
+
+    tokens = np.random.default_rng(5).integers(3, 259, size=(1, 12)).astype(np.int32)
+    reference, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
+    expected = np.asarray(model.logits(reference, m.weights))[0]
+
+    cache = jax.device_put(model.init_cache(m.config, 1, 32), placement.accelerator)
+    prompt = np.zeros((1, 16), np.int32)
+    prompt[0, :8] = tokens[0, :8]
+    logits, cache = hybrid.prefill(prompt, jnp.int32(8), hw, cache, m.config, placement)
+    got = [np.asarray(logits)[0]]
+    for position in range(8, 12):  # incremental decode through the split
+        logits, cache = hybrid.decode_step(tokens[:, position], hw, cache, m.config, placement)
+        got.append(np.asarray(logits)[0])
+    np.testing.assert_allclose(np.stack(got), expected[7:], rtol=0, atol=1e-4 * np.abs(expected).max())
+
+
+def test_swiglu_model_with_ffn_down_splits_too(make_model):
+    m = engine.load_model(make_model())  # ffn_down [d, n_ff]: decoded once to rows per neuron for the split
+    placement = hybrid.Placement.detect()
+    hot = [np.arange(0, 128, 3), np.arange(5)]
+    hw = hybrid.split_weights(m.weights, hot, placement)
+    tokens = np.random.default_rng(6).integers(0, m.config.n_vocab, size=(2, 8)).astype(np.int32)
+    reference, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
+    cache = jax.device_put(model.init_cache(m.config, 2, 8), placement.accelerator)
+    hidden, _ = hybrid.forward(tokens, hw, m.config, cache, placement)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5, atol=1e-5)
