@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import model
+from jaxinfer import hybrid, model
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -40,6 +40,7 @@ class LoadedModel:
     weights: model.Weights
     tokenizer: GGUFTokenizer
     load_seconds: float
+    split: "Split | None" = None  # hot/cold placement across accelerator and host, when --vram-budget is given
 
     def describe(self) -> str:
         c = self.config
@@ -136,18 +137,14 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     key = jax.random.key(seed)
     padded = np.zeros((1, _prefill_length(len(prompt_ids), ctx)), np.int32)
     padded[0, : len(prompt_ids)] = prompt_ids
-    cache = model.init_cache(m.config, 1, ctx)
 
     key, subkey = jax.random.split(key)
-    prefill_args = (padded, jnp.int32(len(prompt_ids)), recent, subkey, m.weights, cache, m.config, params)
     start = time.perf_counter()
-    prefill_fn = _prefill_and_sample.lower(*prefill_args).compile()
-    decode_fn = _decode_and_sample.lower(np.zeros(1, np.int32), recent, subkey, m.weights, cache, m.config,
-                                         params).compile()
+    prefill_fn, decode_fn, cache = _step_functions(m, padded, recent, subkey, ctx, params)
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    token, cache = prefill_fn(*prefill_args)
+    token, cache = prefill_fn(padded, jnp.int32(len(prompt_ids)), recent, subkey, cache)
     token = int(token[0])
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
@@ -166,7 +163,64 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
             break
         remember(token)
         key, subkey = jax.random.split(key)
-        next_token, cache = decode_fn(np.array([token], np.int32), recent, subkey, m.weights, cache, m.config, params)
+        next_token, cache = decode_fn(np.array([token], np.int32), recent, subkey, cache)
         token = int(next_token[0])
         position += 1
         stats.decode_seconds = time.perf_counter() - start
+
+
+def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: SamplingParams):
+    """(prefill(tokens, n_valid, recent, key, cache), decode(tokens, recent, key, cache), empty cache): the one
+    place that picks how a step runs. Dense models compile each step (sampling included) ahead of time; a model
+    split between accelerator and host runs hybrid.prefill/decode_step, whose pieces compile on first use."""
+    cache = model.init_cache(m.config, 1, ctx)
+    if m.split is None:
+        prefill = _prefill_and_sample.lower(padded, jnp.int32(1), recent, key, m.weights, cache, m.config,
+                                            params).compile()
+        decode = _decode_and_sample.lower(np.zeros(1, np.int32), recent, key, m.weights, cache, m.config,
+                                          params).compile()
+        return (lambda tokens, n_valid, recent, key, cache: prefill(tokens, n_valid, recent, key, m.weights, cache,
+                                                                    m.config, params),
+                lambda tokens, recent, key, cache: decode(tokens, recent, key, m.weights, cache, m.config, params),
+                cache)
+    hw, placement = m.split.weights, m.split.placement
+
+    def hybrid_prefill(tokens, n_valid, recent, key, cache):
+        logits, cache = hybrid.prefill(tokens, n_valid, hw, cache, m.config, placement)
+        return _sample(logits, recent, key, params), cache
+
+    def hybrid_decode(tokens, recent, key, cache):
+        logits, cache = hybrid.decode_step(tokens, hw, cache, m.config, placement)
+        return _sample(logits, recent, key, params), cache
+
+    return hybrid_prefill, hybrid_decode, jax.device_put(cache, placement.accelerator)
+
+
+_sample = jax.jit(sample)
+
+
+@dataclasses.dataclass
+class Split:
+    """A model placed across accelerator and host (see hybrid.py and placement.py)."""
+
+    weights: "hybrid.HybridWeights"
+    placement: "hybrid.Placement"
+    summary: str
+
+
+def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool) -> LoadedModel:
+    """Place `m`'s FFN neurons under an accelerator memory budget, from its activation profile (the cached
+    .gpuidx when it matches the model and budget)."""
+    from jaxinfer import placement, profile
+
+    directory = activation_dir or os.path.join(os.path.dirname(os.path.abspath(m.path)), "activation")
+    costs = placement.model_costs(m.gguf, m.config, ctx)
+    budget = int(budget_gib * placement.GIB)
+    split = placement.load_or_solve(m.path, lambda: profile.read_profile(directory, m.path, m.config.n_layer),
+                                    costs, budget, reset)
+    devices = hybrid.Placement.detect()
+    hw = hybrid.split_weights(m.weights, split.hot, devices)
+    summary = (f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} "
+               f"({100 * split.hot_share(m.config.n_ff):.1f}% of neurons), {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} "
+               f"MiB stay on the host {devices.host}; index {placement.gpuidx_path(m.path)}")
+    return dataclasses.replace(m, split=Split(hw, devices, summary))

@@ -25,6 +25,11 @@ flags.DEFINE_float("repeat_penalty", 1.0, "penalty for tokens among the last --r
 flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat penalty considers")
 flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
+flags.DEFINE_float("vram_budget", -1.0, "GiB of accelerator memory: place hot FFN neurons there and the rest on "
+                   "the host CPU (needs an activation profile, python -m jaxinfer.profile); -1: no split")
+flags.DEFINE_bool("reset_gpu_index", False, "solve the hot/cold split again instead of reusing MODEL.generated.gpuidx")
+flags.DEFINE_bool("disable_gpu_index", False, "run without a hot/cold split even when --vram-budget is given")
+flags.DEFINE_string("activation_dir", None, "activation profile folder (default: activation/ beside the model)")
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
 FLAGS = flags.FLAGS
@@ -62,10 +67,18 @@ def main(argv):
     from jaxinfer import engine, runtime, sparsity
 
     spec = sparsity.parse_spec(FLAGS.sparsity)
+    split = FLAGS.vram_budget >= 0 and not FLAGS.disable_gpu_index
+    if split:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
     m = sparsity.apply(engine.load_model(FLAGS.model), spec)
     print(m.describe(), file=sys.stderr)
     ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)
+    if split:
+        m = engine.split_model(m, FLAGS.vram_budget, ctx, FLAGS.activation_dir, FLAGS.reset_gpu_index)
+        print(m.split.summary, file=sys.stderr)
     prompt = FLAGS.prompt
     if FLAGS.chat:
         if not m.tokenizer.chat_template:

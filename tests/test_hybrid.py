@@ -49,3 +49,32 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model):
     cache = jax.device_put(model.init_cache(m.config, 2, 8), placement.accelerator)
     hidden, _ = hybrid.forward(tokens, hw, m.config, cache, placement)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_generate_cli_with_a_vram_budget(make_model, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from jaxinfer import perplexity, placement, profile
+
+    path = make_model(n_embd=64, n_ff=256, sparsity=0.85, n_ctx=64)
+    m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
+    tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
+    counts = profile.profile_counts(m, perplexity.make_windows(tokens, 32, -1, None))
+    profile.write_profile(str(tmp_path / "activation"), path, counts, tokens.size, "predictor")
+    costs = placement.model_costs(m.gguf, m.config, n_ctx=32)
+    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.neuron_bytes[0])
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "jaxinfer.generate", "-m", path, "--sparsity", "predictor",
+                               "-n", "6", "-c", "32", "--temp", "0", *extra], capture_output=True, text=True, env=env,
+                              timeout=300)
+
+    dense = run()
+    split = run("--vram-budget", f"{budget / placement.GIB:.12f}")
+    assert split.returncode == 0, split.stderr
+    assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
+    assert split.stdout == dense.stdout  # the same greedy text, split or not
+    assert os.path.exists(placement.gpuidx_path(path))
