@@ -106,14 +106,16 @@ class GenerationStats:
                 f"generated {self.generated_tokens} tokens, {tg:.2f} tok/s | stop: {self.stop_reason}")
 
 
-def _prefill_length(n_prompt: int, ctx: int) -> int:
-    """Prompts are padded to a power of two (at least MIN_PREFILL_LEN) so a few compiled shapes serve them all."""
-    return min(max(MIN_PREFILL_LEN, 1 << (n_prompt - 1).bit_length()), ctx)
+def _prefill_chunk(n_prompt: int, ubatch: int) -> int:
+    """Prompts are prefilled in chunks of at most `ubatch` tokens (bounding activation and attention memory), padded
+    to a power of two (at least MIN_PREFILL_LEN) so a few compiled shapes serve every prompt."""
+    return min(max(MIN_PREFILL_LEN, 1 << (min(n_prompt, ubatch) - 1).bit_length()), ubatch)
 
 
 def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: int, params: SamplingParams,
-                    seed: int, stats: GenerationStats | None = None) -> Iterator[int]:
-    """Yield up to `n_predict` new token ids (fewer on a stop token or a full context). `stats` is filled in."""
+                    seed: int, stats: GenerationStats | None = None, ubatch: int = 512) -> Iterator[int]:
+    """Yield up to `n_predict` new token ids (fewer on a stop token or a full context). `stats` is filled in.
+    The prompt is prefilled in micro-batches of at most `ubatch` tokens."""
     stats = stats if stats is not None else GenerationStats()
     if ctx > m.config.n_ctx_train:
         raise JaxinferError(f"context {ctx} exceeds the model's training context {m.config.n_ctx_train}")
@@ -135,16 +137,22 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     for token in prompt_ids[-recent.shape[1]:]:
         remember(token)
     key = jax.random.key(seed)
-    padded = np.zeros((1, _prefill_length(len(prompt_ids), ctx)), np.int32)
-    padded[0, : len(prompt_ids)] = prompt_ids
+    chunk = _prefill_chunk(len(prompt_ids), ubatch)
+    pieces = [prompt_ids[i:i + chunk] for i in range(0, len(prompt_ids), chunk)]
+    # Padding of the last piece is written past the prompt: the cache is rounded up so it always fits.
+    cache_len = -(-max(ctx, len(pieces) * chunk) // chunk) * chunk
 
     key, subkey = jax.random.split(key)
     start = time.perf_counter()
-    prefill_fn, decode_fn, cache = _step_functions(m, padded, recent, subkey, ctx, params)
+    prefill_fn, decode_fn, cache = _step_functions(m, np.zeros((1, chunk), np.int32), recent, subkey, cache_len,
+                                                   params)
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
-    token, cache = prefill_fn(padded, jnp.int32(len(prompt_ids)), recent, subkey, cache)
+    for piece in pieces:
+        padded = np.zeros((1, chunk), np.int32)
+        padded[0, : len(piece)] = piece
+        token, cache = prefill_fn(padded, jnp.int32(len(piece)), recent, subkey, cache)
     token = int(token[0])
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()

@@ -17,6 +17,8 @@ flags.DEFINE_string("prompt", "The capital of France is", "prompt text", short_n
 flags.DEFINE_integer("n_predict", 128, "number of tokens to generate", short_name="n")
 flags.DEFINE_integer("ctx_size", 4096, "context size (prompt + generated tokens); capped at the model's",
                      short_name="c")
+flags.DEFINE_integer("ubatch_size", 512, "prefill the prompt in micro-batches of at most this many tokens",
+                     short_name="ub")
 flags.DEFINE_float("temp", 0.8, "temperature; 0 is greedy")
 flags.DEFINE_integer("top_k", 40, "top-k sampling; 0 disables")
 flags.DEFINE_float("top_p", 0.95, "top-p (nucleus) sampling; 1.0 disables")
@@ -59,6 +61,8 @@ def main(argv):
         raise JaxinferError(f"-n/--n_predict must be >= 0, got {FLAGS.n_predict}")
     if FLAGS.ctx_size < 1:
         raise JaxinferError(f"-c/--ctx_size must be >= 1, got {FLAGS.ctx_size}")
+    if FLAGS.ubatch_size < 1:
+        raise JaxinferError(f"-ub/--ubatch_size must be >= 1, got {FLAGS.ubatch_size}")
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(FLAGS.temp, FLAGS.top_k, FLAGS.top_p, FLAGS.min_p, FLAGS.repeat_penalty,
@@ -90,7 +94,7 @@ def main(argv):
     if not FLAGS.chat:
         sys.stdout.write(FLAGS.prompt)
     stream = TextStream(m.tokenizer)
-    for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats):
+    for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats, FLAGS.ubatch_size):
         stream.add(token)
     sys.stdout.write("\n")
     print(f"load {m.load_seconds:.2f} s | {stats.summary()} | seed {seed}", file=sys.stderr)

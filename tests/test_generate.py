@@ -92,3 +92,13 @@ def test_prompt_longer_than_context(make_model):
 ])
 def test_bad_flag_values(make_model, flag, value, fragment):
     assert_one_line_error(run_cli("-m", make_model(), flag, value), fragment)
+
+
+def test_results_are_identical_across_micro_batch_sizes(make_model):
+    """A 21-token prompt prefilled in chunks of 3, 8 or all at once gives the same greedy continuation, also when
+    the padded last chunk reaches past the context."""
+    m = engine.load_model(make_model())
+    prompt = m.tokenizer.encode("in the hall of the mountain king")[:21]
+    runs = {ub: list(engine.generate_tokens(m, prompt, 6, 27, SamplingParams(temperature=0), 0, ubatch=ub))
+            for ub in (3, 8, 512)}
+    assert runs[3] == runs[8] == runs[512] and len(runs[512]) == 6
