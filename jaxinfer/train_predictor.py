@@ -102,9 +102,9 @@ def evaluate_predictor(p: Predictor, x: np.ndarray, y: np.ndarray, threshold: fl
 
 
 def with_predictors(weights, predictors: list[Predictor]):
-    """The model's weights with these predictors attached in memory (f32), ready for --sparsity predictor."""
+    """The model's weights with these predictors attached in memory, stored F16 as `export` writes them."""
     def as_array(values):
-        return quant.QuantArray(jnp.asarray(values, jnp.float32), GGMLQuantizationType.F32, values.shape)
+        return quant.QuantArray(jnp.asarray(values, jnp.float16), GGMLQuantizationType.F16, values.shape)
 
     layers = [dataclasses.replace(layer, fc1=as_array(p.fc1), fc2=as_array(p.fc2))
               for layer, p in zip(weights.layers, predictors)]

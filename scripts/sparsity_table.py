@@ -27,7 +27,9 @@ flags.DEFINE_list("levels", ["0.3", "0.5", "0.7"], "target sparsity levels for t
 flags.DEFINE_list("predictor_labels", ["0.5", "0.7"], "hidden:S label sparsities to train predictors for")
 flags.DEFINE_integer("calibration_chunks", 8, "windows for calibration (from the end of the file)")
 flags.DEFINE_integer("train_chunks", 32, "windows to train predictors on (from the end of the file)")
-flags.DEFINE_float("budget", 0.1, "predictor parameters as a share of FFN parameters")
+flags.DEFINE_float("budget", 0.05, "predictor parameters as a share of FFN parameters")
+flags.DEFINE_float("positive_weight", 1.5, "predictor loss weight of active neurons (higher favours recall)")
+flags.DEFINE_list("methods", ["gate", "hidden", "predictor"], "which rows to produce")
 FLAGS = flags.FLAGS
 N_CTX = 512
 
@@ -83,14 +85,14 @@ def main(argv):
 
     measure("dense", base, "dense")
     levels = [float(v) for v in FLAGS.levels]
-    for method in sparsity.THRESHOLD_METHODS:
+    for method in [m for m in sparsity.THRESHOLD_METHODS if m in FLAGS.methods]:
         sparsity.save_thresholds(base.path, method, calibrate.calibrate(base, calibration, method, levels),
                                  f"{FLAGS.file}: last {FLAGS.calibration_chunks} windows")
         for level in levels:
             measure(f"{method}:{level:g}" + (" (CATS)" if method == "gate" else ""),
                     sparsity.apply(base, sparsity.SparsitySpec(method, level)), method)
-    for label_level in [float(v) for v in FLAGS.predictor_labels]:
-        if f"{label_level:g}" not in [f"{v:g}" for v in levels]:
+    for label_level in [float(v) for v in FLAGS.predictor_labels] if "predictor" in FLAGS.methods else []:
+        if "hidden" not in FLAGS.methods or f"{label_level:g}" not in [f"{v:g}" for v in levels]:
             sparsity.save_thresholds(base.path, "hidden", calibrate.calibrate(base, calibration, "hidden",
                                                                               [label_level]), "table")
         labelled = sparsity.apply(base, sparsity.SparsitySpec("hidden", label_level))
@@ -98,11 +100,12 @@ def main(argv):
         ranks = train_predictor.choose_ranks(np.array([v.mean() for v in y]), base.config.n_embd, base.config.n_ff,
                                              FLAGS.budget)
         predictors = [train_predictor.train_layer(x[i], y[i], r, steps=400, batch=1024, learning_rate=3e-3,
-                                                  positive_weight=3.0, seed=i) for i, r in enumerate(ranks)]
+                                                  positive_weight=FLAGS.positive_weight, seed=i)
+                      for i, r in enumerate(ranks)]
         del x, y
         weights = train_predictor.with_predictors(base.weights, predictors)
         predicted = dataclasses.replace(base, weights=weights)
-        measure(f"predictor (hidden:{label_level:g} labels, budget {FLAGS.budget:g})",
+        measure(f"predictor (hidden:{label_level:g} labels, budget {FLAGS.budget:g}, F16)",
                 sparsity.apply(predicted, sparsity.SparsitySpec("predictor")), "predictor")
 
     print(f"| method | FFN sparsity (measured) | PPL (wiki.test.raw, -c 512, {FLAGS.chunks} chunks) | FFN bytes / token |")
