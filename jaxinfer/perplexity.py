@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -54,33 +55,48 @@ def make_windows(tokens: np.ndarray, n_ctx: int, n_chunks: int, bos_id: int | No
     return windows
 
 
-def _scored_logits(windows, weights, cfg: Config):
+def _window_hidden(windows, weights, cfg: Config, ubatch: int):
+    """Final hidden states [B, n_ctx, d]; with ubatch < n_ctx the window goes through the model in micro-batches of
+    ubatch tokens that attend to the earlier ones through a KV cache (bounded activation and attention memory)."""
+    b, n_ctx = windows.shape
+    if ubatch >= n_ctx:
+        return model.forward(windows, weights, cfg)[0]
+    cache = model.init_cache(cfg, b, n_ctx)
+    pieces = []
+    for start in range(0, n_ctx, ubatch):
+        hidden, cache, _ = model.forward(windows[:, start:start + ubatch], weights, cfg, cache)
+        cache = dataclasses.replace(cache, length=cache.length + hidden.shape[1])
+        pieces.append(hidden)
+    return jnp.concatenate(pieces, axis=1)
+
+
+def _scored_logits(windows, weights, cfg: Config, ubatch: int):
     """windows [B, n_ctx] -> (logits [B, count, V] at the scored positions, target ids [B, count])."""
     first, count = scored_positions(windows.shape[1])
-    hidden, _, _ = model.forward(windows, weights, cfg)
+    hidden = _window_hidden(windows, weights, cfg, ubatch)
     return model.logits(hidden[:, first:first + count], weights), windows[:, first + 1:]
 
 
-@jax.jit
-def window_nll(windows, weights, cfg: Config):
+@partial(jax.jit, static_argnames=("ubatch",))
+def window_nll(windows, weights, cfg: Config, ubatch: int):
     """Negative log-likelihood of each scored token: [B, count] f32."""
-    logits, targets = _scored_logits(windows, weights, cfg)
+    logits, targets = _scored_logits(windows, weights, cfg, ubatch)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
 
-@jax.jit
-def window_logits(windows, weights, cfg: Config):
+@partial(jax.jit, static_argnames=("ubatch",))
+def window_logits(windows, weights, cfg: Config, ubatch: int):
     """(logits [B, count, V], nll [B, count]) of the scored tokens, for saving a KL-divergence base."""
-    logits, targets = _scored_logits(windows, weights, cfg)
+    logits, targets = _scored_logits(windows, weights, cfg, ubatch)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     return logits, -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
 
-@jax.jit
-def window_kl(windows, base_q, base_scale, base_min, weights, cfg: Config):
+@partial(jax.jit, static_argnames=("ubatch",))
+def window_kl(windows, base_q, base_scale, base_min, weights, cfg: Config, ubatch: int):
     """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
-    logits, targets = _scored_logits(windows, weights, cfg)
+    logits, targets = _scored_logits(windows, weights, cfg, ubatch)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     base_log_probs = base_min[..., None] + base_scale[..., None] * base_q.astype(jnp.float32)
     nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
@@ -204,7 +220,7 @@ def _batches(windows: np.ndarray, n_seq: int):
         yield start, batch
 
 
-def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *, n_seq: int = 4,
+def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *, n_seq: int = 4, ubatch: int = 512,
                      base: LogitsFile | None = None, save_logits=None, progress: bool = True) -> PerplexityResult:
     """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows. With `base`, also
     KL divergence against it; with `save_logits` (an open binary file, header written), append llama.cpp records."""
@@ -222,9 +238,10 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
     first_batch = windows[:1].repeat(n_seq, axis=0)
     start_time = time.perf_counter()
     if base is not None:
-        step = window_kl.lower(first_batch, *base_inputs(slice(0, 1), 1), weights, cfg).compile()
+        step = window_kl.lower(first_batch, *base_inputs(slice(0, 1), 1), weights, cfg, ubatch=ubatch).compile()
     else:
-        step = (window_logits if save_logits is not None else window_nll).lower(first_batch, weights, cfg).compile()
+        step = (window_logits if save_logits is not None else window_nll).lower(first_batch, weights, cfg,
+                                                                               ubatch=ubatch).compile()
     compile_seconds = time.perf_counter() - start_time
 
     start_time = time.perf_counter()
@@ -311,6 +328,8 @@ def _cli_main(argv):
         tokens = np.asarray(m.tokenizer.encode(text), np.int32)
         print(f"tokenized {f.file}: {len(tokens)} tokens in {time.perf_counter() - start:.2f} s", file=sys.stderr)
         n_ctx, n_chunks, source = f.ctx_size, f.chunks, f.file
+    if f.ubatch_size < 1:
+        raise JaxinferError(f"-ub/--ubatch_size must be >= 1, got {f.ubatch_size}")
     n_seq = max(1, f.batch_size // n_ctx)
     print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
 
@@ -322,8 +341,8 @@ def _cli_main(argv):
             n_max = len(tokens) // n_ctx
             write_logits_header(save, n_ctx, m.config.n_vocab,
                                 tokens[: (n_max if n_chunks < 0 else min(n_chunks, n_max)) * n_ctx])
-        result = evaluate(m, tokens, n_ctx=n_ctx, n_chunks=n_chunks, n_seq=n_seq, progress=True, base=base,
-                          save_logits=save)
+        result = evaluate(m, tokens, n_ctx=n_ctx, n_chunks=n_chunks, n_seq=n_seq, ubatch=f.ubatch_size,
+                          progress=True, base=base, save_logits=save)
     finally:
         if save is not None:
             save.close()
@@ -346,6 +365,8 @@ def main():
                          "run in one compiled call, as llama-perplexity's -b)", short_name="b")
     flags.DEFINE_string("kl_divergence_base", None, "llama.cpp logits file: written by this run, or with "
                         "--kl-divergence read as the base to compare against")
+    flags.DEFINE_integer("ubatch_size", 512, "tokens of a window per micro-batch (through the KV cache)",
+                         short_name="ub")
     flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
 
