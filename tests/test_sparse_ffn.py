@@ -71,3 +71,15 @@ def test_specs_are_validated(make_model):
         sparsity.apply(m, sparsity.SparsitySpec("predictor"))
     with pytest.raises(JaxinferError, match="calibrate"):
         sparsity.apply(m, sparsity.SparsitySpec("gate", 0.5))
+
+
+def test_bamboo_is_relu_on_gate_and_up(make_model):
+    m = engine.load_model(make_model(architecture="bamboo", n_embd=64, n_ff=128, sparsity=0.8))
+    assert (m.config.gate_activation, m.config.up_activation) == ("relu", "relu")
+    layer = m.weights.layers[0]
+    x = np.random.default_rng(3).normal(size=(4, 64)).astype(np.float32)
+    _, trace = sparse_ffn.ffn(jnp.asarray(x), jnp.asarray(x), layer, m.config)
+    gate = np.maximum(x @ np.asarray(quant.dequantize(layer.ffn_gate)).T, 0)
+    up = np.maximum(x @ np.asarray(quant.dequantize(layer.ffn_up)).T, 0)
+    np.testing.assert_allclose(np.asarray(trace.hidden), gate * up, rtol=1e-5, atol=1e-6)
+    assert np.asarray(trace.active).mean() < np.asarray(trace.gate > 0).mean()  # dReLU is sparser than ReLU alone
