@@ -1,0 +1,92 @@
+// Run-time choice of kernels: the library is built without -march flags, the SIMD kernels carry their own target
+// attributes, and the CPU is asked once which of them it can run. The C entry points let Python report the choice
+// and let tests force each implementation on one machine.
+#include <atomic>
+#include <cstring>
+#include <initializer_list>
+
+#include "qmatmul.h"
+
+namespace jaxinfer_cpu {
+
+#if !JAXINFER_CPU_X86  // kernels_avx2.cc and kernels_avx512.cc are only built for x86-64
+const Kernels& avx2_kernels() { return scalar_kernels(); }
+const Kernels& avx512_kernels() { return scalar_kernels(); }
+#endif
+
+namespace {
+
+Kernels complete(Kernels k) {
+  const Kernels& s = scalar_kernels();
+  for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q4_k, &Kernels::q6_k}) {
+    if (k.*field == nullptr) k.*field = s.*field;
+  }
+  if (k.f16 == nullptr) k.f16 = s.f16;
+  if (k.f32 == nullptr) k.f32 = s.f32;
+  if (k.quantize_row == nullptr) k.quantize_row = s.quantize_row;
+  return k;
+}
+
+#if JAXINFER_CPU_X86
+bool cpu_has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
+}
+
+bool cpu_has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+#else  // other architectures run the portable kernels
+bool cpu_has_avx512() { return false; }
+bool cpu_has_avx2() { return false; }
+#endif
+
+const Kernels* by_name(const char* isa) {
+  static const Kernels scalar = scalar_kernels();
+  static const Kernels avx2 = complete(avx2_kernels());
+  static const Kernels avx512 = complete(avx512_kernels());
+  if (std::strcmp(isa, "avx512") == 0) return cpu_has_avx512() ? &avx512 : nullptr;
+  if (std::strcmp(isa, "avx2") == 0) return cpu_has_avx2() ? &avx2 : nullptr;
+  if (std::strcmp(isa, "scalar") == 0) return &scalar;
+  return nullptr;
+}
+
+const Kernels* detect() {
+  for (const char* isa : {"avx512", "avx2"}) {
+    if (const Kernels* k = by_name(isa)) return k;
+  }
+  return by_name("scalar");
+}
+
+std::atomic<const Kernels*> selected{nullptr};
+
+}  // namespace
+
+const Kernels& best_kernels() {
+  const Kernels* k = selected.load(std::memory_order_acquire);
+  if (k == nullptr) {
+    k = detect();
+    selected.store(k, std::memory_order_release);
+  }
+  return *k;
+}
+
+}  // namespace jaxinfer_cpu
+
+extern "C" {
+
+// Name of the kernels in use: "avx512" (AVX-512 + VNNI), "avx2" or "scalar".
+const char* jaxinfer_cpu_isa() { return jaxinfer_cpu::best_kernels().isa; }
+
+// Use the named kernels from now on ("best" re-detects); returns 0 if this CPU cannot run them.
+int jaxinfer_cpu_select_isa(const char* isa) {
+  const jaxinfer_cpu::Kernels* k =
+      std::strcmp(isa, "best") == 0 ? jaxinfer_cpu::detect() : jaxinfer_cpu::by_name(isa);
+  if (k == nullptr) return 0;
+  jaxinfer_cpu::selected.store(k, std::memory_order_release);
+  return 1;
+}
+
+}

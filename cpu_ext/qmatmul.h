@@ -1,0 +1,86 @@
+// Quantized matmul y = x · Wᵀ for GGUF weights, the way llama.cpp's CPU backend does it: the f32 activations are
+// quantized to 8 bits per 32-element block once per call, and each weight block is dotted with its activation
+// block in integers; floats only enter once per block, through the scales.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace jaxinfer_cpu {
+
+constexpr int kQK = 32;    // activation block, and the block of Q4_0/Q4_1/Q8_0 and the sub-block of Q4_K
+constexpr int kQK_K = 256; // K-quant super-block
+
+// One activation block (40 bytes):  | d:f32 | sum:int16[2] | qs:int8[32] |      x[i] ≈ d * qs[i]
+//   qs in [-127, 127]; sum[h] = qs[16h] + ... + qs[16h+15]. The two half sums turn every weight offset into one
+//   multiply per block: Q4_0 (q - 8), Q4_1 (+ m), Q4_K (- min) use sum[0] + sum[1]; Q6_K (q - 32) has one scale
+//   per 16 elements and uses each half on its own.
+struct BlockQ8 {
+  float d;
+  int16_t sum[2];
+  int8_t qs[kQK];
+};
+static_assert(sizeof(BlockQ8) == 40, "BlockQ8 is packed by construction");
+
+// GGUF weight blocks, as stored (little-endian fp16 scales kept as raw bits).
+struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };                         // x = d * q
+struct BlockQ4_0 { uint16_t d; uint8_t qs[16]; };                        // x = d * (q - 8)
+struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };                     // x = d * q + m
+struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };  // see unpack_q4_k_scales
+struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "GGUF layout");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "GGUF layout");
+
+// Portable IEEE half -> float (the SIMD kernels use F16C instead).
+inline float fp16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, mant = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // subnormal: shift the mantissa up until its leading one is the implicit bit
+    exp = 113;
+    while (!(mant & 0x400)) { mant <<= 1; --exp; }
+    bits = sign | (exp << 23) | ((mant & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Q4_K packs eight 6-bit scales and eight 6-bit mins in 12 bytes (A..H scales, a..h mins):
+//   0 EEAAAAAA    4 eeaaaaaa    8 eeeeEEEE
+//   1 FFBBBBBB    5 ffbbbbbb    9 ffffFFFF
+//   2 GGCCCCCC    6 ggcccccc   10 ggggGGGG
+//   3 HHDDDDDD    7 hhdddddd   11 hhhhHHHH
+inline void unpack_q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = s[j] & 0x3F;
+    mn[j] = s[j + 4] & 0x3F;
+    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
+    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+  }
+}
+
+// Row dot products. A quantized row of `n` values is n / 32 activation blocks and n / block_size weight blocks.
+using QuantDot = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n);
+using FloatDot = float (*)(const void* w_row, const float* x_row, int n);
+
+// One implementation per instruction set; a null entry means "use the scalar one".
+struct Kernels {
+  const char* isa;
+  QuantDot q8_0, q4_0, q4_1, q4_k, q6_k;
+  FloatDot f16, f32;
+  void (*quantize_row)(const float* x, BlockQ8* out, int n);
+};
+
+const Kernels& scalar_kernels();
+const Kernels& avx2_kernels();
+const Kernels& avx512_kernels();
+// The best kernels this CPU runs (chosen once, with __builtin_cpu_supports); every null entry filled from scalar.
+const Kernels& best_kernels();
+
+}  // namespace jaxinfer_cpu
