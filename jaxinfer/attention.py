@@ -1,0 +1,123 @@
+"""Causal GQA attention with a bound on the size of its K·Q scores tensor (ik_llama.cpp's `-amb`/`--attn-max-batch`).
+
+Plain attention materialises scores of B·H·T·S·4 bytes (f32): 144 MiB per layer for a 512-token micro-batch of a
+9-head model against an 8192-token cache, 2 GiB for a 64-head model at 16k. When that exceeds `max_batch_mib`,
+`attention` computes it in steps, each over whole KV groups (one KV head with all of its query heads, so K/V are
+never repeated) and, when even one KV group is over the limit, over chunks of the query axis too (ik_llama.cpp
+splits heads only, so a single head can exceed its limit). Steps run in a `lax.fori_loop` that writes into one
+preallocated output, so XLA holds one step's scores at a time.
+
+Steps are all the same size (one compiled body). When the step count does not divide the heads (or queries), the
+last step starts earlier and recomputes a few heads (queries) of the previous one, writing identical values.
+
+The bound is on the K·Q tensor, the quantity ik_llama.cpp bounds; XLA's temporary memory for a step is a small
+multiple of it (scores and probabilities; see scripts/bench_attention_memory.py).
+"""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+MIB = 2**20
+SCORE_BYTES = 4  # scores are f32
+# ik_llama.cpp's default `-amb` (common/common.h): at 512 queries against 8192 keys, 16 heads' scores.
+IK_LLAMA_DEFAULT_MIB = 256.0
+
+
+def scores_bytes(batch: int, n_head: int, n_query: int, n_key: int) -> int:
+    """Bytes of the f32 K·Q scores tensor [B, H, T, S] of one attention call."""
+    return batch * n_head * n_query * n_key * SCORE_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """How `attention` splits one call: steps of `kv_heads_per_step` KV heads × `queries_per_step` queries."""
+
+    kv_heads_per_step: int
+    queries_per_step: int
+    head_steps: int
+    query_steps: int
+    step_bytes: int  # the K·Q scores of one step
+    total_bytes: int  # the K·Q scores of the unsplit call
+
+    @property
+    def steps(self) -> int:
+        return self.head_steps * self.query_steps
+
+
+def _even_split(n: int, most_per_step: int) -> tuple[int, int]:
+    """(per_step, steps): the fewest steps of at most `most_per_step` covering n, with the smallest equal step size."""
+    steps = math.ceil(n / most_per_step)
+    return math.ceil(n / steps), steps
+
+
+def plan_attention(batch: int, n_query: int, n_key: int, n_head: int, n_head_kv: int,
+                   max_batch_mib: float | None) -> AttentionPlan:
+    """The split `attention` uses for q [batch, n_query, n_head, hd] against k/v [batch, n_key, n_head_kv, hd].
+
+    Whole KV groups first; queries are chunked only when one KV group alone exceeds the limit. The smallest step,
+    one query of one KV group (batch·group·n_key·4 bytes), is the floor: a limit below it is exceeded by that step."""
+    group = n_head // n_head_kv
+    total = scores_bytes(batch, n_head, n_query, n_key)
+    if max_batch_mib is None or total <= max_batch_mib * MIB:
+        return AttentionPlan(n_head_kv, n_query, 1, 1, total, total)
+    limit = max_batch_mib * MIB
+    per_kv_head = scores_bytes(batch, group, n_query, n_key)
+    if per_kv_head <= limit:
+        kv_per_step, head_steps = _even_split(n_head_kv, int(limit // per_kv_head))
+        queries, query_steps = n_query, 1
+    else:
+        kv_per_step, head_steps = 1, n_head_kv
+        per_query = scores_bytes(batch, group, 1, n_key)
+        queries, query_steps = _even_split(n_query, max(1, int(limit // per_query)))
+    step = scores_bytes(batch, kv_per_step * group, queries, n_key)
+    return AttentionPlan(kv_per_step, queries, head_steps, query_steps, step, total)
+
+
+def default_max_batch_mib(n_head: int, n_head_kv: int, n_ctx: int, n_ubatch: int, batch: int = 1) -> float:
+    """The limit to use when the user gives none: ik_llama.cpp's 256 MiB, raised to one KV group's scores at full
+    context when that is larger, so that by default attention is split by heads only, as ik_llama.cpp does, and
+    never pays for query chunks (smaller matmuls, more loop steps) unless asked to.
+
+    The default model (SmolLM2-135M: 9 heads, 3 KV heads, context 8192) with a 512-token micro-batch needs
+    9·512·8192·4 B = 144 MiB, under 256 MiB: it is never split by default, so the limit costs it nothing."""
+    one_group = scores_bytes(batch, n_head // n_head_kv, n_ubatch, n_ctx) / MIB
+    return max(IK_LLAMA_DEFAULT_MIB, one_group)
+
+
+def _attend_grouped(q, k, v, q_pos, k_pos):
+    """q [B, T, Hkv, G, hd]; k, v [B, S, Hkv, hd] -> [B, T, Hkv, G, hd]: model.attend on grouped query heads."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+    scores = jnp.where(k_pos[None, :] <= q_pos[:, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v)
+
+
+def attention(q, k, v, q_pos, k_pos, *, max_batch_mib: float | None = None):
+    """Causal GQA softmax attention, as `model.attend`, with K·Q scores of at most `max_batch_mib` MiB per step
+    (None: no limit). q [B, T, H, hd]; k, v [B, S, H_kv, hd]; q_pos [T], k_pos [S] -> [B, T, H, hd]."""
+    b, t, h, hd = q.shape
+    s, n_kv = k.shape[1], k.shape[2]
+    assert h % n_kv == 0, f"{h=} query heads must be a multiple of {n_kv=} KV heads"
+    plan = plan_attention(b, t, s, h, n_kv, max_batch_mib)
+    grouped = q.reshape(b, t, n_kv, h // n_kv, hd)  # query head j uses KV head j // (h / n_kv)
+    if plan.steps == 1:
+        return _attend_grouped(grouped, k, v, q_pos, k_pos).reshape(b, t, h, hd)
+    heads, queries = plan.kv_heads_per_step, plan.queries_per_step
+
+    def step(i, out):
+        # The last step of each axis is pulled back to end at the edge (see the module docstring).
+        head = jnp.minimum((i // plan.query_steps) * heads, n_kv - heads)
+        first = jnp.minimum((i % plan.query_steps) * queries, t - queries)
+        q_step = jax.lax.dynamic_slice_in_dim(jax.lax.dynamic_slice_in_dim(grouped, head, heads, 2), first, queries, 1)
+        k_step = jax.lax.dynamic_slice_in_dim(k, head, heads, 2)
+        v_step = jax.lax.dynamic_slice_in_dim(v, head, heads, 2)
+        pos_step = jax.lax.dynamic_slice_in_dim(q_pos, first, queries)
+        o_step = _attend_grouped(q_step, k_step, v_step, pos_step, k_pos)
+        return jax.lax.dynamic_update_slice(out, o_step, (0, first, head, 0, 0))
+
+    out_dtype = jnp.promote_types(jnp.float32, v.dtype)  # what the unsplit path returns
+    out = jax.lax.fori_loop(0, plan.steps, step, jnp.zeros(grouped.shape, out_dtype))
+    return out.reshape(b, t, h, hd)
