@@ -165,6 +165,9 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend. F32 stays with XLA, whose own f32 GEMM is as good.
 CPU_KERNEL_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+# The kernels read each weight once per call but are not tiled for many tokens: up to this many tokens per call they
+# beat dequantize + XLA's f32 GEMM (20-30x at 1 token, about even at 32-64), beyond it XLA is up to 3x faster.
+CPU_KERNEL_MAX_TOKENS = 32
 
 
 @functools.cache
@@ -181,12 +184,15 @@ def _cpu_ext():
 def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     """x [..., cols] @ w.T -> [..., rows] in f32, whatever the storage format of `w`.
 
-    On the CPU backend, block-quantized and F16 weights go to the cpu_ext FFI kernels, which quantize x to 8 bits
-    per 32 values and dot in integers as llama.cpp does (about 1e-2 relative difference on random data); elsewhere
-    (and for F32/BF16) XLA multiplies x with the dequantized weight."""
-    # JAXINFER_EXACT_MATMUL=1 keeps the exact product on CPU too, e.g. to compare with an F32 model.
+    On the CPU backend, for up to CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches), block-quantized and
+    F16 weights go to the cpu_ext FFI kernels, which quantize x to 8 bits per 32 values and dot in integers as
+    llama.cpp does (about 1e-2 relative difference on random data); otherwise XLA multiplies x with the dequantized
+    weight."""
+    # JAXINFER_EXACT_MATMUL=1 keeps the exact product on CPU too, e.g. to compare with an F32 model (it is read
+    # when matmul is traced, so set it before jitting).
     use_kernels = (
         w.qtype in CPU_KERNEL_TYPES
+        and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
         and jax.default_backend() == "cpu"
         and os.environ.get("JAXINFER_EXACT_MATMUL", "0") == "0"
     )
