@@ -50,6 +50,11 @@ class Config:
     # Activation sparsity (see sparse_ffn.py): which FFN neurons run for a token.
     ffn_sparsity: str = "dense"  # one of SPARSITY_MODES
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
+    # Attention (model.attend): "xla" computes softmax(K·Q)V in head groups whose scores stay under
+    # attn_max_batch_mib MiB (None: unbounded); "pallas" runs pallas_kernels' flash kernels (GPU);
+    # "pallas_interpret" the same kernels interpreted, for tests on a CPU.
+    attention_kernel: str = "xla"
+    attn_max_batch_mib: float | None = None
 
     @property
     def n_group(self) -> int:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import hybrid, model
+from jaxinfer import attention, hybrid, model
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -52,11 +52,15 @@ class LoadedModel:
                 f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}")
 
 
-def load_model(path: str | None = None) -> LoadedModel:
+def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB
+               ) -> LoadedModel:
+    """Load a GGUF model. Kernels are chosen here, once: flash attention kernels on a GPU, otherwise XLA attention
+    computed in head groups whose K·Q scores stay under `attn_max_batch_mib` MiB (None: unbounded)."""
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
-    cfg = load_config(gguf)
+    cfg = dataclasses.replace(load_config(gguf), attn_max_batch_mib=attn_max_batch_mib,
+                              attention_kernel="pallas" if jax.default_backend() == "gpu" else "xla")
     weights = jax.block_until_ready(load_weights(gguf, cfg))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)

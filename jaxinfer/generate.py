@@ -19,6 +19,8 @@ flags.DEFINE_integer("ctx_size", 4096, "context size (prompt + generated tokens)
                      short_name="c")
 flags.DEFINE_integer("ubatch_size", 512, "prefill the prompt in micro-batches of at most this many tokens",
                      short_name="ub")
+flags.DEFINE_float("attn_max_batch", 256, "MiB: compute attention in head groups whose K·Q scores stay under this "
+                   "(ik_llama.cpp's -amb); 0: no limit", short_name="amb")
 flags.DEFINE_float("temp", 0.8, "temperature; 0 is greedy")
 flags.DEFINE_integer("top_k", 40, "top-k sampling; 0 disables")
 flags.DEFINE_float("top_p", 0.95, "top-p (nucleus) sampling; 1.0 disables")
@@ -61,6 +63,8 @@ def main(argv):
         raise JaxinferError(f"-n/--n_predict must be >= 0, got {FLAGS.n_predict}")
     if FLAGS.ctx_size < 1:
         raise JaxinferError(f"-c/--ctx_size must be >= 1, got {FLAGS.ctx_size}")
+    if FLAGS.attn_max_batch < 0:
+        raise JaxinferError(f"-amb/--attn_max_batch must be >= 0 MiB, got {FLAGS.attn_max_batch}")
     if FLAGS.ubatch_size < 1:
         raise JaxinferError(f"-ub/--ubatch_size must be >= 1, got {FLAGS.ubatch_size}")
     from jaxinfer.sampling import SamplingParams
@@ -77,7 +81,7 @@ def main(argv):
 
         jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(FLAGS.model), spec)
+    m = sparsity.apply(engine.load_model(FLAGS.model, FLAGS.attn_max_batch or None), spec)
     print(m.describe(), file=sys.stderr)
     ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)
     if split:

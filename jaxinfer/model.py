@@ -12,8 +12,9 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import sparse_ffn
+from jaxinfer import attention, sparse_ffn
 from jaxinfer.config import Config
+from pallas_kernels import attention as flash_attention
 from jaxinfer.quant import QuantArray, matmul, take_rows
 
 
@@ -80,7 +81,8 @@ def rope(x, positions, cfg: Config):
 
 
 def attend(q, k, v, q_pos, k_pos):
-    """Causal GQA softmax attention. q [B, T, H, hd]; k, v [B, S, H_kv, hd]; q_pos [T], k_pos [S] -> [B, T, H, hd]."""
+    """Causal GQA softmax attention, in one piece: the plain reference every attention kernel is tested against.
+    q [B, T, H, hd]; k, v [B, S, H_kv, hd]; q_pos [T], k_pos [S] -> [B, T, H, hd]."""
     b, t, h, hd = q.shape
     n_kv = k.shape[2]
     q = q.reshape(b, t, n_kv, h // n_kv, hd)  # query head j uses KV head j // (h / n_kv)
@@ -90,6 +92,16 @@ def attend(q, k, v, q_pos, k_pos):
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
 
 
+def attention_kernel(q, k, v, q_pos, k_pos, cfg: Config):
+    """The one place that picks how attention runs (see Config.attention_kernel); all give `attend`'s result."""
+    if cfg.attention_kernel in ("pallas", "pallas_interpret"):
+        interpret = cfg.attention_kernel == "pallas_interpret"
+        if q.shape[1] == 1:
+            return flash_attention.decode_attention(q[:, 0], k, v, q_pos[0], interpret=interpret)[:, None]
+        return flash_attention.attention(q, k, v, q_pos[0], interpret=interpret)
+    return attention.attention(q, k, v, q_pos, k_pos, max_batch_mib=cfg.attn_max_batch_mib)
+
+
 def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config):
     """x [B, T, d] at `positions` [T] -> ([B, T, d], cache with this layer's K/V written at those positions)."""
     b, t, _ = x.shape
@@ -97,7 +109,7 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
     k = rope(matmul(x, layer.attn_k).reshape(b, t, cfg.n_head_kv, cfg.head_dim), positions, cfg)
     v = matmul(x, layer.attn_v).reshape(b, t, cfg.n_head_kv, cfg.head_dim)
     if cache is None:
-        out = attend(q, k, v, positions, positions)
+        out = attention_kernel(q, k, v, positions, positions, cfg)
     else:
         # Write into the whole donated cache in place; slicing out a layer and writing it back copies it.
         at = (index, 0, positions[0], 0, 0)
@@ -106,7 +118,7 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
             k=jax.lax.dynamic_update_slice(cache.k, k[None], at),
             v=jax.lax.dynamic_update_slice(cache.v, v[None], at),
         )
-        out = attend(q, cache.k[index], cache.v[index], positions, jnp.arange(cache.max_len))
+        out = attention_kernel(q, cache.k[index], cache.v[index], positions, jnp.arange(cache.max_len), cfg)
     return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
 
 

@@ -306,7 +306,7 @@ def _cli_main(argv):
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     spec = sparsity.parse_spec(f.sparsity)
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(f.model), spec)
+    m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None), spec)
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
 
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
@@ -330,6 +330,8 @@ def _cli_main(argv):
         n_ctx, n_chunks, source = f.ctx_size, f.chunks, f.file
     if f.ubatch_size < 1:
         raise JaxinferError(f"-ub/--ubatch_size must be >= 1, got {f.ubatch_size}")
+    if f.attn_max_batch < 0:
+        raise JaxinferError(f"-amb/--attn_max_batch must be >= 0 MiB, got {f.attn_max_batch}")
     n_seq = max(1, f.batch_size // n_ctx)
     print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
 
@@ -365,6 +367,8 @@ def main():
                          "run in one compiled call, as llama-perplexity's -b)", short_name="b")
     flags.DEFINE_string("kl_divergence_base", None, "llama.cpp logits file: written by this run, or with "
                         "--kl-divergence read as the base to compare against")
+    flags.DEFINE_float("attn_max_batch", 256, "MiB: compute attention in head groups whose K·Q scores stay under "
+                       "this (ik_llama.cpp's -amb); 0: no limit", short_name="amb")
     flags.DEFINE_integer("ubatch_size", 512, "tokens of a window per micro-batch (through the KV cache)",
                          short_name="ub")
     flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")

@@ -76,3 +76,29 @@ def test_batched_forward_equals_one_sequence_at_a_time(make_model):
     for row in range(3):
         single, _, _ = forward(tokens[row:row + 1], m.weights, m.config)
         np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single[0]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, {"attention_kernel": "pallas_interpret"}],
+                         ids=["head_groups", "pallas_interpret"])
+def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
+    """Through the whole model, prefill and decode: bounded head-group attention and the Pallas flash kernels
+    (interpreted on CPU) equal the one-piece attention."""
+    import dataclasses
+
+    m = engine.load_model(make_model(n_head=4, n_head_kv=2), attn_max_batch_mib=None)
+    cfg = dataclasses.replace(m.config, **variant)
+    tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)
+
+    def run(config):
+        padded = np.zeros((1, 16), np.int32)
+        padded[0, :8] = tokens[0, :8]
+        cache = model.init_cache(config, 1, 32)
+        logits, cache = model.prefill(padded, jnp.int32(8), m.weights, cache, config)
+        out = [np.asarray(logits)]
+        for position in (8, 9):
+            logits, cache = model.decode_step(tokens[:, position], m.weights, cache, config)
+            out.append(np.asarray(logits))
+        return np.concatenate(out)
+
+    reference = run(m.config)
+    np.testing.assert_allclose(run(cfg), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
