@@ -58,7 +58,7 @@ def plan_attention(batch: int, n_query: int, n_key: int, n_head: int, n_head_kv:
     """The split `attention` uses for q [batch, n_query, n_head, hd] against k/v [batch, n_key, n_head_kv, hd].
 
     Whole KV groups first; queries are chunked only when one KV group alone exceeds the limit. The smallest step,
-    one query of one KV group (batch·group·n_key·4 bytes), is the floor: a limit below it is exceeded by that step."""
+    one query of one KV group (batch·group·n_key·4 bytes), is the floor: a smaller limit is exceeded by that step."""
     group = n_head // n_head_kv
     total = scores_bytes(batch, n_head, n_query, n_key)
     if max_batch_mib is None or total <= max_batch_mib * MIB:
