@@ -52,16 +52,18 @@ class LoadedModel:
                 f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}")
 
 
-def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB
-               ) -> LoadedModel:
+def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
+               exact: bool = False) -> LoadedModel:
     """Load a GGUF model. Kernels are chosen here, once: flash attention kernels on a GPU, otherwise XLA attention
-    computed in head groups whose K·Q scores stay under `attn_max_batch_mib` MiB (None: unbounded)."""
+    computed in head groups whose K·Q scores stay under `attn_max_batch_mib` MiB (None: unbounded); quantized
+    matmuls through cpu_ext's 8-bit-activation kernels on the CPU unless `exact` (f32 products with the dequantized
+    weights, as an F32 model computes)."""
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
     cfg = dataclasses.replace(load_config(gguf), attn_max_batch_mib=attn_max_batch_mib,
                               attention_kernel="pallas" if jax.default_backend() == "gpu" else "xla")
-    weights = jax.block_until_ready(load_weights(gguf, cfg))
+    weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
 

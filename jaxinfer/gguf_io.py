@@ -113,31 +113,35 @@ def load_vector(gguf: GGUFFile, name: str):
     return jax.device_put(t.data.reshape(-1))
 
 
-def load_matrix(gguf: GGUFFile, name: str) -> QuantArray:
+def load_matrix(gguf: GGUFFile, name: str, exact: bool = False) -> QuantArray:
     t, qtype = _tensor(gguf, name)
     shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ReaderTensor.shape is in GGML (innermost-first) order
     w = from_gguf_data(np.asarray(t.data), qtype, shape)
-    return QuantArray(jax.device_put(w.data), w.qtype, w.shape)
+    return QuantArray(jax.device_put(w.data), w.qtype, w.shape, exact)
 
 
-def _load_layer(gguf: GGUFFile, i: int) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
-    def optional(tensor):
-        return load_matrix(gguf, name(tensor)) if name(tensor) in gguf.tensors else None
+    def matrix(tensor):
+        return load_matrix(gguf, name(tensor), exact)
 
-    tensors = {field: (load_vector if field.endswith("_norm") else load_matrix)(gguf, name(tensor))
+    def optional(tensor):
+        return matrix(tensor) if name(tensor) in gguf.tensors else None
+
+    tensors = {field: load_vector(gguf, name(tensor)) if field.endswith("_norm") else matrix(tensor)
                for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
-    down = None if down_t is not None else load_matrix(gguf, name("ffn_down"))
+    down = None if down_t is not None else matrix("ffn_down")
     return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"))
 
 
-def load_weights(gguf: GGUFFile, cfg: Config) -> Weights:
-    token_embd = load_matrix(gguf, "token_embd.weight")
-    layers = [_load_layer(gguf, i) for i in range(cfg.n_layer)]
-    output = load_matrix(gguf, "output.weight") if "output.weight" in gguf.tensors else token_embd
+def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False) -> Weights:
+    """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels."""
+    token_embd = load_matrix(gguf, "token_embd.weight", exact)
+    layers = [_load_layer(gguf, i, exact) for i in range(cfg.n_layer)]
+    output = load_matrix(gguf, "output.weight", exact) if "output.weight" in gguf.tensors else token_embd
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight"), output)
 
 

@@ -8,7 +8,6 @@ weight, so a row of a [rows, cols] weight is `cols / block_size` consecutive blo
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +131,9 @@ class QuantArray:
     data: jax.Array
     qtype: GGMLQuantizationType = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+    # Multiply exactly (x with the dequantized weight) even where 8-bit-activation kernels would run. Static, so
+    # it is part of every jit cache key: exact and kernel traces never mix.
+    exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
@@ -188,13 +190,11 @@ def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     F16 weights go to the cpu_ext FFI kernels, which quantize x to 8 bits per 32 values and dot in integers as
     llama.cpp does (about 1e-2 relative difference on random data); otherwise XLA multiplies x with the dequantized
     weight."""
-    # JAXINFER_EXACT_MATMUL=1 keeps the exact product on CPU too, e.g. to compare with an F32 model (it is read
-    # when matmul is traced, so set it before jitting).
     use_kernels = (
-        w.qtype in CPU_KERNEL_TYPES
+        not w.exact
+        and w.qtype in CPU_KERNEL_TYPES
         and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
         and jax.default_backend() == "cpu"
-        and os.environ.get("JAXINFER_EXACT_MATMUL", "0") == "0"
     )
     kernels = _cpu_ext() if use_kernels else None
     if kernels is not None:

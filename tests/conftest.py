@@ -31,5 +31,13 @@ def default_model():
     return engine.load_model(engine.default_model_path())
 
 
+@pytest.fixture(scope="session")
+def default_model_exact():
+    """The default model computing with its Q4_1 weights dequantized to f32: llama.cpp's F32 reference rows."""
+    from jaxinfer import engine
+
+    return engine.load_model(engine.default_model_path(), exact=True)
+
+
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices {jax.devices()}"

@@ -1,6 +1,8 @@
 """cpu_ext kernels against the plain-jnp reference (dequantize, then x @ W.T), for every weight type, every
 instruction set this CPU runs, several shapes and batch sizes, under jit and vmap; bad inputs raise."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,7 +99,7 @@ def test_vmap_over_x_weights_and_both():
     check(x[:, :, None], data[0], Q.Q8_0, rows, cols, nested)
 
 
-def test_quant_matmul_uses_kernels_on_cpu_unless_exact(monkeypatch):
+def test_quant_matmul_uses_kernels_on_cpu_unless_exact():
     rng = np.random.default_rng(2)
     w = quant.from_gguf_data(random_weight(Q.Q4_1, 8, 64, rng), Q.Q4_1, (8, 64))
     x = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
@@ -105,8 +107,8 @@ def test_quant_matmul_uses_kernels_on_cpu_unless_exact(monkeypatch):
     fast = quant.matmul(x, w)
     assert not np.allclose(fast, exact, rtol=1e-5, atol=1e-5)  # the 8-bit activation path ran
     check(x, w.data, Q.Q4_1, 8, 64, fast)
-    monkeypatch.setenv("JAXINFER_EXACT_MATMUL", "1")
-    np.testing.assert_allclose(quant.matmul(x, w), exact, rtol=1e-5, atol=1e-5)
+    exact_w = dataclasses.replace(w, exact=True)
+    np.testing.assert_allclose(jax.jit(quant.matmul)(x, exact_w), exact, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

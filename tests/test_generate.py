@@ -29,12 +29,12 @@ def assert_one_line_error(result, *fragments):
 
 
 @pytest.mark.parametrize("prompt", json.loads((DATA / "llama_cpp_greedy.json").read_text())["continuations"])
-def test_greedy_output_matches_llama_cpp_f32(default_model, prompt):
+def test_greedy_output_matches_llama_cpp_f32(default_model_exact, prompt):
     """The Q4_1 weights dequantized to f32 must reproduce llama.cpp's F32 greedy text token for token."""
+    m = default_model_exact
     expected = json.loads((DATA / "llama_cpp_greedy.json").read_text())["continuations"][prompt]
-    ids = default_model.tokenizer.encode(prompt)
-    new = list(engine.generate_tokens(default_model, ids, 32, 128, SamplingParams(temperature=0), seed=0))
-    assert default_model.tokenizer.decode(new) == expected
+    new = list(engine.generate_tokens(m, m.tokenizer.encode(prompt), 32, 128, SamplingParams(temperature=0), seed=0))
+    assert m.tokenizer.decode(new) == expected
 
 
 def test_cli_streams_text_and_reports_timings(make_model):
