@@ -30,7 +30,7 @@ def test_all_active_mask_equals_dense(make_model, mode):
 
 
 def test_masked_ffn_matches_a_numpy_reference(make_model):
-    m = engine.load_model(make_model(weight_type=Q.Q8_0))
+    m = engine.load_model(make_model(weight_type=Q.Q8_0), exact=True)
     layer = m.weights.layers[0]
     x = np.random.default_rng(1).normal(size=(3, 64)).astype(np.float32)
     cfg = dataclasses.replace(m.config, ffn_sparsity="hidden")

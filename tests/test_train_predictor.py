@@ -32,14 +32,14 @@ def test_choose_ranks_spends_the_budget_on_the_hardest_layers():
 
 
 def test_export_writes_a_powerinfer_file_that_runs_with_its_predictors(make_model, tmp_path):
-    m = engine.load_model(make_model(weight_type=Q.Q8_0))  # a SwiGLU model
+    m = engine.load_model(make_model(weight_type=Q.Q8_0), exact=True)  # a SwiGLU model
     x, y = train_predictor.collect(sparsity.apply(m, sparsity.SparsitySpec("dense")), windows_for(m, 2))
     predictors = [train_predictor.train_layer(x[i], y[i], 16, steps=2, batch=32, learning_rate=1e-3,
                                               positive_weight=1.0, seed=i) for i in range(len(x))]
     path = train_predictor.export(m, predictors, str(tmp_path / "with_predictors.gguf"), threshold=0.25)
     g = open_gguf(path)
     assert g.powerinfer and g.metadata["powerinfer.sparse_threshold"] == 0.25
-    exported = engine.load_model(path)
+    exported = engine.load_model(path, exact=True)
     assert exported.config.gate_activation == "silu"  # kept through jaxinfer.gate_activation, not read as ReLU
     assert exported.weights.layers[0].ffn_down_t.qtype == Q.F16 and exported.weights.layers[0].ffn_down is None
     np.testing.assert_allclose(np.asarray(exported.weights.layers[1].fc1.data, np.float32), predictors[1].fc1,
