@@ -5,6 +5,11 @@ with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants us
 (their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes
 results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
 
+Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
+and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
+down projection stored transposed, one row per neuron; h stays f32, so these match their references to f32
+rounding).
+
 The shared library is loaded with ctypes and its handler registered with XLA once, at import. It is looked for in
 this package (editable or wheel install) and in cpu_ext/build (`cmake -S cpu_ext -B cpu_ext/build && cmake --build
 cpu_ext/build`, for machines without network access).
@@ -23,7 +28,6 @@ from gguf import GGMLQuantizationType
 from jaxinfer import quant
 
 _LIBRARY = "libjaxinfer_cpu.so"
-_TARGET = "jaxinfer_quantized_matmul"
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name] for name in ("F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K")
 )
@@ -46,7 +50,16 @@ def _find_library() -> pathlib.Path:
 _lib = ctypes.cdll.LoadLibrary(str(_find_library()))
 _lib.jaxinfer_cpu_isa.restype = ctypes.c_char_p
 _lib.jaxinfer_cpu_select_isa.argtypes = [ctypes.c_char_p]
-jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(_lib.QuantizedMatmul), platform="cpu")
+# op -> (handler symbol, which args carry the tokens' leading dims, last output dim from (rows, cols, *args)).
+_OPS = {
+    "quantized_matmul": ("QuantizedMatmul", (True, False), lambda rows, cols, x, data: rows),
+    "masked_matmul": ("MaskedMatmul", (True, False, True), lambda rows, cols, x, data, mask: rows),
+    "gather_matmul": ("GatherMatmul", (True, False, False), lambda rows, cols, x, data, index: index.shape[0]),
+    "masked_axpy": ("MaskedAxpy", (True, False, True), lambda rows, cols, h, data_t, mask: cols),
+    "gather_axpy": ("GatherAxpy", (True, False, False), lambda rows, cols, h, data_t, index: cols),
+}
+for _op, (_symbol, _, _) in _OPS.items():
+    jax.ffi.register_ffi_target(f"jaxinfer_{_op}", jax.ffi.pycapsule(getattr(_lib, _symbol)), platform="cpu")
 
 
 def isa() -> str:
@@ -61,41 +74,131 @@ def select_isa(name: str) -> None:
 
 
 @functools.cache
-def _batched_call(qtype: GGMLQuantizationType, rows: int, cols: int):
-    """The FFI call for one weight shape and type, with a batching rule. The handler takes any leading dims on x, so
-    vmap over x only folds the batch axis into them; vmap over the weights too (rare) maps the call over it."""
+def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int):
+    """The FFI call of `op` for one weight shape and type, with a batching rule. The handlers take any leading dims
+    on the token args (x or h, and mask), so vmap over those only folds the batch axis into them, broadcasting the
+    unbatched ones; vmap over the weights or the index too (rare) maps the call over them."""
+    _, token_args, out_last = _OPS[op]
 
-    def call(x, data):
-        out = jax.ShapeDtypeStruct(x.shape[:-1] + (rows,), jnp.float32)
+    def call(*args):
+        out = jax.ShapeDtypeStruct(args[0].shape[:-1] + (out_last(rows, cols, *args),), jnp.float32)
         attrs = dict(qtype=np.int64(int(qtype)), rows=np.int64(rows), cols=np.int64(cols))
-        return jax.ffi.ffi_call(_TARGET, out)(x, data, **attrs)
+        return jax.ffi.ffi_call(f"jaxinfer_{op}", out)(*args, **attrs)
 
     @jax.custom_batching.custom_vmap
-    def batched(x, data):
-        return call(x, data)
+    def batched(*args):
+        return call(*args)
 
     @batched.def_vmap
-    def _(axis_size, in_batched, x, data):
-        x_batched, data_batched = in_batched
-        if not x_batched:
-            x = jnp.broadcast_to(x, (axis_size, *x.shape))
-        if data_batched:
-            return jax.lax.map(lambda args: batched(*args), (x, data)), True
-        return batched(x, data), True
+    def _(axis_size, in_batched, *args):
+        if any(b and not token for b, token in zip(in_batched, token_args)):
+
+            def one(mapped):
+                mapped = iter(mapped)
+                return batched(*(next(mapped) if b else a for a, b in zip(args, in_batched)))
+
+            return jax.lax.map(one, tuple(a for a, b in zip(args, in_batched) if b)), True
+        args = (a if b or not token else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, b, token in zip(args, in_batched, token_args))
+        return batched(*args), True
 
     return batched
+
+
+def _check_type(op: str, qtype) -> GGMLQuantizationType:
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in SUPPORTED_TYPES:
+        raise ValueError(f"cpu_ext.{op}: unsupported type {qtype.name}")
+    return qtype
+
+
+def _mask(op: str, mask) -> jax.Array:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"cpu_ext.{op}: mask must be bool, got {mask.dtype}")
+    return mask
+
+
+def _index(op: str, index) -> jax.Array:
+    index = jnp.asarray(index)
+    if not jnp.issubdtype(index.dtype, jnp.integer) or index.ndim != 1:
+        raise ValueError(f"cpu_ext.{op}: index must be a 1-D integer array, got {index.dtype}{list(index.shape)}")
+    return index.astype(jnp.int32)
+
+
+def _dequantize(data, qtype, rows: int, cols: int) -> jax.Array:
+    return quant.dequantize(quant.QuantArray(jnp.asarray(data), GGMLQuantizationType(qtype), (rows, cols)))
 
 
 def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationType, rows: int, cols: int) -> jax.Array:
     """x [..., cols] · Wᵀ -> f32 [..., rows], W given as `QuantArray.data`: uint8 blocks [rows, cols / block_size *
     type_size], or f16/f32 [rows, cols]. Raises on shapes, byte counts or types the kernels do not take."""
-    qtype = GGMLQuantizationType(qtype)
-    if qtype not in SUPPORTED_TYPES:
-        raise ValueError(f"cpu_ext.quantized_matmul: unsupported type {qtype.name}")
-    return _batched_call(qtype, int(rows), int(cols))(jnp.asarray(x, jnp.float32), data)
+    qtype = _check_type("quantized_matmul", qtype)
+    return _batched_call("quantized_matmul", qtype, int(rows), int(cols))(jnp.asarray(x, jnp.float32), data)
 
 
 def quantized_matmul_reference(x: jax.Array, data: jax.Array, *, qtype, rows: int, cols: int) -> jax.Array:
     """The same product in plain jnp: dequantize W to f32 with jaxinfer.quant, then x @ W.T."""
-    w = quant.QuantArray(data, GGMLQuantizationType(qtype), (rows, cols))
-    return jnp.asarray(x, jnp.float32) @ quant.dequantize(w).T
+    return jnp.asarray(x, jnp.float32) @ _dequantize(data, qtype, rows, cols).T
+
+
+def masked_matmul(x: jax.Array, data: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                  cols: int) -> jax.Array:
+    """x [..., cols] · Wᵀ where mask, else 0 -> f32 [..., rows]; mask bool [..., rows] with the leading dims of x, W
+    as in quantized_matmul. Weight rows masked off for every token are not read (up/gate projections of a sparse
+    FFN)."""
+    qtype = _check_type("masked_matmul", qtype)
+    call = _batched_call("masked_matmul", qtype, int(rows), int(cols))
+    return call(jnp.asarray(x, jnp.float32), data, _mask("masked_matmul", mask))
+
+
+def masked_matmul_reference(x, data, mask, *, qtype, rows: int, cols: int) -> jax.Array:
+    """where(mask, x @ dequantize(W).T, 0) in plain jnp."""
+    return jnp.where(mask, quantized_matmul_reference(x, data, qtype=qtype, rows=rows, cols=cols), 0.0)
+
+
+def gather_matmul(x: jax.Array, data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                  cols: int) -> jax.Array:
+    """x [..., cols] · W[index]ᵀ -> f32 [..., k] for index int [k] (any order, repeats allowed; entries outside
+    [0, rows) give 0, for padding). Only the indexed rows of W are read."""
+    qtype = _check_type("gather_matmul", qtype)
+    call = _batched_call("gather_matmul", qtype, int(rows), int(cols))
+    return call(jnp.asarray(x, jnp.float32), data, _index("gather_matmul", index))
+
+
+def gather_matmul_reference(x, data, index, *, qtype, rows: int, cols: int) -> jax.Array:
+    """x @ dequantize(W)[index].T in plain jnp, 0 where index is out of range."""
+    valid = (index >= 0) & (index < rows)
+    w = _dequantize(data, qtype, rows, cols)[jnp.where(valid, index, 0)]
+    return jnp.where(valid, jnp.asarray(x, jnp.float32) @ w.T, 0.0)
+
+
+def masked_axpy(h: jax.Array, data_t: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                cols: int) -> jax.Array:
+    """sum over j with mask[..., j] of h[..., j] W_t[j] -> f32 [..., cols]: h f32 [..., rows], mask bool of h's shape,
+    W_t [rows, cols] as in quantized_matmul (the down projection stored transposed: one row per neuron). Rows masked
+    off for every token are not read. h is not quantized: the result matches the reference to f32 rounding."""
+    qtype = _check_type("masked_axpy", qtype)
+    call = _batched_call("masked_axpy", qtype, int(rows), int(cols))
+    return call(jnp.asarray(h, jnp.float32), data_t, _mask("masked_axpy", mask))
+
+
+def masked_axpy_reference(h, data_t, mask, *, qtype, rows: int, cols: int) -> jax.Array:
+    """where(mask, h, 0) @ dequantize(W_t) in plain jnp."""
+    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ _dequantize(data_t, qtype, rows, cols)
+
+
+def gather_axpy(h: jax.Array, data_t: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                cols: int) -> jax.Array:
+    """sum over i of h[..., i] W_t[index[i]] -> f32 [..., cols] for h f32 [..., k], index int [k] (entries outside
+    [0, rows) are skipped). Only the indexed rows of W_t are read."""
+    qtype = _check_type("gather_axpy", qtype)
+    call = _batched_call("gather_axpy", qtype, int(rows), int(cols))
+    return call(jnp.asarray(h, jnp.float32), data_t, _index("gather_axpy", index))
+
+
+def gather_axpy_reference(h, data_t, index, *, qtype, rows: int, cols: int) -> jax.Array:
+    """h @ dequantize(W_t)[index] in plain jnp, out-of-range entries of index left out."""
+    valid = (index >= 0) & (index < rows)
+    w = _dequantize(data_t, qtype, rows, cols)[jnp.where(valid, index, 0)]
+    return jnp.where(valid, jnp.asarray(h, jnp.float32), 0.0) @ w

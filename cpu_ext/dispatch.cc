@@ -21,6 +21,10 @@ Kernels complete(Kernels k) {
   for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q4_k, &Kernels::q6_k}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
+  for (auto field : {&Kernels::axpy_q8_0, &Kernels::axpy_q4_0, &Kernels::axpy_q4_1, &Kernels::axpy_q4_k,
+                     &Kernels::axpy_q6_k, &Kernels::axpy_f16, &Kernels::axpy_f32}) {
+    if (k.*field == nullptr) k.*field = s.*field;
+  }
   if (k.f16 == nullptr) k.f16 = s.f16;
   if (k.f32 == nullptr) k.f32 = s.f32;
   if (k.quantize_row == nullptr) k.quantize_row = s.quantize_row;

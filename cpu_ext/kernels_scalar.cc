@@ -120,10 +120,100 @@ float dot_f32(const void* w_row, const float* x, int n) {
   return total;
 }
 
+// Block dequantizers for the axpy kernels: one block of `type_size` bytes -> its values in f32, computed as
+// jaxinfer.quant and gguf-py do (d * q + m, in f32), so the scalar axpy only differs from dequantize(W) and an f32
+// product in summation order.
+void dequantize_q8_0(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ8_0*>(block);
+  const float d = fp16_to_f32(w->d);
+  for (int i = 0; i < kQK; ++i) out[i] = d * (float)w->qs[i];
+}
+
+// Q4_0/Q4_1: byte i of qs holds element i in its low nibble and element i + 16 in its high nibble.
+void dequantize_q4_0(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_0*>(block);
+  const float d = fp16_to_f32(w->d);
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * (float)((w->qs[i] & 0x0F) - 8);
+    out[i + 16] = d * (float)((w->qs[i] >> 4) - 8);
+  }
+}
+
+void dequantize_q4_1(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_1*>(block);
+  const float d = fp16_to_f32(w->d), m = fp16_to_f32(w->m);
+  for (int i = 0; i < 16; ++i) {
+    out[i] = d * (float)(w->qs[i] & 0x0F) + m;
+    out[i + 16] = d * (float)(w->qs[i] >> 4) + m;
+  }
+}
+
+void dequantize_q4_k(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ4_K*>(block);
+  const float d = fp16_to_f32(w->d), dmin = fp16_to_f32(w->dmin);
+  uint8_t sc[8], mn[8];
+  unpack_q4_k_scales(w->scales, sc, mn);
+  for (int j = 0; j < 8; ++j) {  // sub-block j: low (j even) or high (j odd) nibbles of qs[32 * (j / 2) ...]
+    const float scale = d * sc[j], min = dmin * mn[j];
+    const uint8_t* q = w->qs + 32 * (j / 2);
+    for (int i = 0; i < kQK; ++i) out[32 * j + i] = scale * (float)((q[i] >> (4 * (j % 2))) & 0x0F) - min;
+  }
+}
+
+// Element 128h + 32s + l as in dot_q6_k.
+void dequantize_q6_k(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ6_K*>(block);
+  const float d = fp16_to_f32(w->d);
+  for (int h = 0; h < 2; ++h) {
+    for (int s = 0; s < 4; ++s) {
+      for (int l = 0; l < kQK; ++l) {
+        const int e = 128 * h + 32 * s + l;
+        const int low = (w->ql[64 * h + 32 * (s % 2) + l] >> (4 * (s / 2))) & 0x0F;
+        const int q = low | (((w->qh[32 * h + l] >> (2 * s)) & 3) << 4);
+        out[e] = d * (float)w->scales[e / 16] * (float)(q - 32);
+      }
+    }
+  }
+}
+
+void dequantize_f16(const uint8_t* value, float* out) {
+  uint16_t h;
+  std::memcpy(&h, value, 2);
+  *out = fp16_to_f32(h);
+}
+
+void dequantize_f32(const uint8_t* value, float* out) { std::memcpy(out, value, 4); }
+
+template <int kBlock, size_t kBytes, void (*dequantize)(const uint8_t*, float*)>
+void axpy(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n) {
+  float w[kBlock];
+  for (int r = 0; r < n_rows; ++r) {
+    for (int b = 0; b < n / kBlock; ++b) {
+      dequantize(w_rows[r] + b * kBytes, w);
+      for (int i = 0; i < kBlock; ++i) y[kBlock * b + i] += h[r] * w[i];
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() {
-  static const Kernels k = {"scalar", dot_q8_0, dot_q4_0, dot_q4_1, dot_q4_k, dot_q6_k, dot_f16, dot_f32, quantize_row};
+  static const Kernels k = {"scalar",
+                            dot_q8_0,
+                            dot_q4_0,
+                            dot_q4_1,
+                            dot_q4_k,
+                            dot_q6_k,
+                            dot_f16,
+                            dot_f32,
+                            quantize_row,
+                            axpy<kQK, sizeof(BlockQ8_0), dequantize_q8_0>,
+                            axpy<kQK, sizeof(BlockQ4_0), dequantize_q4_0>,
+                            axpy<kQK, sizeof(BlockQ4_1), dequantize_q4_1>,
+                            axpy<kQK_K, sizeof(BlockQ4_K), dequantize_q4_k>,
+                            axpy<kQK_K, sizeof(BlockQ6_K), dequantize_q6_k>,
+                            axpy<1, sizeof(uint16_t), dequantize_f16>,
+                            axpy<1, sizeof(float), dequantize_f32>};
   return k;
 }
 

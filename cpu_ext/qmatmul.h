@@ -56,18 +56,28 @@ inline float fp16_to_f32(uint16_t h) {
 //   1 FFBBBBBB    5 ffbbbbbb    9 ffffFFFF
 //   2 GGCCCCCC    6 ggcccccc   10 ggggGGGG
 //   3 HHDDDDDD    7 hhdddddd   11 hhhhHHHH
-inline void unpack_q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
-  for (int j = 0; j < 4; ++j) {
-    sc[j] = s[j] & 0x3F;
-    mn[j] = s[j + 4] & 0x3F;
-    sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 2) & 0x30);
-    mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 2) & 0x30);
+// Scale and min of sub-block j (A and a for j = 0):
+inline void q4_k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 0x3F;
+    *mn = s[j + 4] & 0x3F;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
   }
+}
+
+inline void unpack_q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+  for (int j = 0; j < 8; ++j) q4_k_scale_min(s, j, sc + j, mn + j);
 }
 
 // Row dot products. A quantized row of `n` values is n / 32 activation blocks and n / block_size weight blocks.
 using QuantDot = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n);
 using FloatDot = float (*)(const void* w_row, const float* x_row, int n);
+// Row axpys for the sparse down projection: y[0, n) += sum over r < n_rows of h[r] * W_r[0, n), where w_rows[r]
+// points at the first block of n values of row r (n a multiple of the block size). h stays f32: each weight block
+// is dequantized to f32 and multiplied in, as dequantize(W) and an f32 product would.
+using Axpy = void (*)(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n);
 
 // One implementation per instruction set; a null entry means "use the scalar one".
 struct Kernels {
@@ -75,6 +85,7 @@ struct Kernels {
   QuantDot q8_0, q4_0, q4_1, q4_k, q6_k;
   FloatDot f16, f32;
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
+  Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q4_k, axpy_q6_k, axpy_f16, axpy_f32;
 };
 
 const Kernels& scalar_kernels();

@@ -1,0 +1,163 @@
+// What the FFI handlers (ffi_handlers.cc: dense, sparse_handlers.cc: row-sparse) share: the GGML type table, the
+// weight checks, XLA's thread pool as a parallel for, per-thread scratch buffers and the activation side of the row
+// dot products.
+//
+// Work is split over XLA's own intra-op thread pool (Ctx<ThreadPool>): OpenMP threads would compete with XLA's
+// threads and were measured 2-3x slower on per-layer-sized calls (shared/notes/jax-feasibility.md §3.4).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "qmatmul.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jaxinfer_cpu {
+
+// gguf.GGMLQuantizationType values of the supported weight types.
+enum GgmlType : int64_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+
+struct TypeInfo {
+  int block_size, type_size;     // values and bytes per block (1 and 2 or 4 for float types)
+  ffi::DataType storage;         // element type of the weight buffer
+  QuantDot Kernels::*quant_dot;  // exactly one of these two is set
+  FloatDot Kernels::*float_dot;
+  Axpy Kernels::*axpy;
+};
+
+inline bool type_info(int64_t qtype, TypeInfo* info) {
+  switch (qtype) {
+    case kF32: *info = {1, 4, ffi::DataType::F32, nullptr, &Kernels::f32, &Kernels::axpy_f32}; return true;
+    case kF16: *info = {1, 2, ffi::DataType::F16, nullptr, &Kernels::f16, &Kernels::axpy_f16}; return true;
+    case kQ4_0: *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0}; return true;
+    case kQ4_1: *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1}; return true;
+    case kQ8_0: *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0}; return true;
+    case kQ4_K: *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k}; return true;
+    case kQ6_K: *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k}; return true;
+    default: return false;
+  }
+}
+
+// Checks the type attributes and a weight W [rows, cols] of GGML type `qtype` as stored (uint8 blocks [rows,
+// row_bytes], or f16/f32 [rows, cols]); on success fills `info` and `row_bytes`. `op` prefixes the messages.
+inline ffi::Error check_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,
+                               int64_t cols, TypeInfo* info, int64_t* row_bytes) {
+  if (!type_info(qtype, info)) {
+    return ffi::Error::InvalidArgument(op + ": unsupported GGML type " + std::to_string(qtype));
+  }
+  if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % info->block_size != 0 ||
+      cols > (int64_t{1} << 30)) {
+    return ffi::Error::InvalidArgument(op + ": rows=" + std::to_string(rows) + " must be positive and cols=" +
+                                       std::to_string(cols) + " must be a positive multiple of the block size " +
+                                       std::to_string(info->block_size));
+  }
+  *row_bytes = cols / info->block_size * info->type_size;
+  const auto dims = w.dimensions();
+  const int64_t last = info->storage == ffi::DataType::U8 ? *row_bytes : cols;
+  if (w.element_type() != info->storage || dims.size() != 2 || dims[0] != rows || dims[1] != last) {
+    return ffi::Error::InvalidArgument(op + ": weight must be [" + std::to_string(rows) + ", " +
+                                       std::to_string(last) + "] of the type's storage dtype for GGML type " +
+                                       std::to_string(qtype));
+  }
+  return ffi::Error::Success();
+}
+
+// Runs fn(0) .. fn(n_tasks - 1) on the calling thread and up to pool.num_threads() - 1 pool threads. Tasks are
+// claimed from a shared counter, so the caller never waits for a pool thread that has not started: a helper that
+// starts after all tasks are claimed exits without touching what fn points to (the shared state outlives this call).
+//
+// A cache line that one thread writes while the other reads it in every task makes the threads wait on each other:
+// measured 1.5x slower dense matmuls at SmolLM2 sizes on two threads (42 vs 28 µs). Hence the shared counters get a
+// line of their own, each pool thread runs its own copy of fn on its own stack (the closure Schedule allocates may
+// share a line with other heap data), and task lambdas capture by value what their loops read: a helper reading the
+// caller's stack frame shares lines with the return addresses the caller pushes on every kernel call.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n_tasks, const F& fn) {
+  const int64_t n_helpers = std::min(pool.num_threads(), n_tasks) - 1;
+  if (n_helpers <= 0) {
+    for (int64_t i = 0; i < n_tasks; ++i) fn(i);
+    return;
+  }
+  struct alignas(64) State {  // a cache line of its own: every task writes it
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, n_tasks](const F& f) {
+    for (int64_t i; (i = state->next.fetch_add(1)) < n_tasks;) {
+      f(i);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t t = 0; t < n_helpers; ++t) {
+    pool.Schedule([work, fn] {  // Schedule takes ownership of this closure, on the heap next to who knows what
+      const F own = fn;
+      work(own);
+    });
+  }
+  work(fn);
+  while (state->done.load(std::memory_order_acquire) < n_tasks) std::this_thread::yield();
+}
+
+constexpr int64_t kRowsPerTask = 16;    // small enough to balance two threads, large enough that W rows stay in L1
+constexpr int64_t kActRowsPerTask = 8;  // activation rows quantized per task
+
+// Buffers reused by every call on a thread, so calls in steady state do not allocate: a handler runs on one thread at
+// a time, and the pool helpers of its parallel_for only write into the buffers of the thread that called them. They
+// keep the size of the largest call seen (activations, an index list over the rows, the axpy accumulators).
+struct Scratch {
+  std::vector<BlockQ8> xq;
+  std::vector<uint8_t> active;
+  std::vector<int32_t> rows;
+  std::vector<float> acc;
+};
+
+inline Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+// The activations x [m, cols] as the row dot kernels take them: as given for float weights, else quantized to 8-bit
+// blocks (in parallel, into `xq`). dot(w_row, t) is W row · x[t].
+class RowDot {
+ public:
+  RowDot(ffi::ThreadPool& pool, const Kernels& k, const TypeInfo& info, const float* x, int64_t m, int64_t cols,
+         std::vector<BlockQ8>& xq)
+      : x_(x), cols_(cols), blocks_(cols / kQK), n_(static_cast<int>(cols)) {
+    if (info.float_dot != nullptr) {
+      float_dot_ = k.*info.float_dot;
+      return;
+    }
+    quant_dot_ = k.*info.quant_dot;
+    xq.resize(static_cast<size_t>(m * blocks_));
+    BlockQ8* out = xq.data();
+    const auto quantize_row = k.quantize_row;
+    const int64_t blocks = blocks_;
+    parallel_for(pool, (m + kActRowsPerTask - 1) / kActRowsPerTask, [=](int64_t task) {
+      for (int64_t t = task * kActRowsPerTask; t < std::min(m, (task + 1) * kActRowsPerTask); ++t) {
+        quantize_row(x + t * cols, out + t * blocks, static_cast<int>(cols));
+      }
+    });
+    xq_ = out;
+  }
+
+  float operator()(const uint8_t* w_row, int64_t t) const {
+    return float_dot_ != nullptr ? float_dot_(w_row, x_ + t * cols_, n_) : quant_dot_(w_row, xq_ + t * blocks_, n_);
+  }
+
+ private:
+  const float* x_;
+  const BlockQ8* xq_ = nullptr;
+  int64_t cols_, blocks_;
+  int n_;
+  FloatDot float_dot_ = nullptr;
+  QuantDot quant_dot_ = nullptr;
+};
+
+}  // namespace jaxinfer_cpu

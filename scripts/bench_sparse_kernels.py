@@ -1,0 +1,107 @@
+"""Row-sparse cpu_ext kernels against the dense quantized matmul of the same weights, on FFN shapes:
+
+    up/gate  dense: quantized_matmul(x [m, d], W [n_ff, d])     sparse: masked_matmul(x, W, mask [m, n_ff])
+    down     dense: quantized_matmul(h [m, n_ff], W [d, n_ff])  sparse: masked_axpy(h, W_t [n_ff, d], mask)
+
+    python scripts/bench_sparse_kernels.py [--types Q4_1,Q8_0] [--shapes 576x1536,4096x11008] [--tokens 1,8]
+        [--sparsity 0,0.5,0.9] [--isa best]
+
+Masks are random: each (token, neuron) is active with probability 1 - sparsity, so with several tokens the rows
+active for any token (the `rows read` column) are many more than each token's. Each timing is one jitted call that
+runs the kernel `--calls` times in a lax.fori_loop (each call's input depends on the previous output, so XLA cannot
+hoist it; this adds a one-element update per call), so Python's dispatch is not in the numbers; the table shows the
+median over `--repeats` timings, the kernels timed round-robin so that load from other processes hits them alike.
+"""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from gguf import GGMLQuantizationType
+
+import cpu_ext
+from jaxinfer.synthetic import encode_tensor
+
+flags.DEFINE_list("types", ["Q4_1", "Q8_0"], "GGML weight types")
+flags.DEFINE_list("shapes", ["576x1536", "4096x11008"], "d_model x n_ff (SmolLM2-135M, a 7B model)")
+flags.DEFINE_list("tokens", ["1", "8"], "tokens per call")
+flags.DEFINE_list("sparsity", ["0", "0.5", "0.9"], "share of inactive neurons per token")
+flags.DEFINE_integer("calls", 50, "kernel calls per timing")
+flags.DEFINE_integer("repeats", 15, "timings per kernel; the median is shown")
+flags.DEFINE_string("isa", "best", "cpu_ext kernels: best, avx512, avx2 or scalar")
+flags.DEFINE_integer("seed", 0, "random weights, inputs and masks")
+FLAGS = flags.FLAGS
+
+
+def looped(fn, n_calls: int):
+    """jit of n_calls calls of fn(a, *rest) -> y in a loop, each a depending on the previous y."""
+
+    def run(a, *rest):
+        def body(_, carry):
+            a, total = carry
+            y = fn(a, *rest)
+            return a.at[..., 0].add(1e-30 * y[..., 0]), total + y[..., 0]
+
+        return jax.lax.fori_loop(0, n_calls, body, (a, jnp.zeros(a.shape[:-1], jnp.float32)))[1]
+
+    return jax.jit(run)
+
+
+def median_us(runs: dict, repeats: int, n_calls: int) -> dict:
+    """Times every (name -> (jitted fn, args)) `repeats` times, round-robin; median µs per kernel call."""
+    for fn, args in runs.values():
+        jax.block_until_ready(fn(*args))  # compiles
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, (fn, args) in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append((time.perf_counter() - start) / n_calls * 1e6)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def main(_):
+    cpu_ext.select_isa(FLAGS.isa)
+    rng = np.random.default_rng(FLAGS.seed)
+    print(f"cpu_ext kernels: {cpu_ext.isa()}; µs per call, median of {FLAGS.repeats} timings of {FLAGS.calls} calls")
+    header = (f"{'type':5} {'d x n_ff':>11} {'tok':>3} {'sparse':>6} {'rows read':>9} | {'dense up':>9} "
+              f"{'masked_mm':>9} {'ratio':>5} | {'dense down':>10} {'masked_axpy':>11} {'ratio':>5}")
+    print(header + "\n" + "-" * len(header))
+    for type_name in FLAGS.types:
+        qtype = GGMLQuantizationType[type_name]
+        for shape in FLAGS.shapes:
+            d, n_ff = map(int, shape.split("x"))
+            w_up = jnp.asarray(encode_tensor(rng.normal(size=(n_ff, d)).astype(np.float32), qtype, rng))
+            w_down = jnp.asarray(encode_tensor(rng.normal(size=(d, n_ff)).astype(np.float32), qtype, rng))
+            w_down_t = jnp.asarray(encode_tensor(rng.normal(size=(n_ff, d)).astype(np.float32), qtype, rng))
+            up = dict(qtype=qtype, rows=n_ff, cols=d)
+            down = dict(qtype=qtype, rows=d, cols=n_ff)
+            dense_up = looped(lambda x, w: cpu_ext.quantized_matmul(x, w, **up), FLAGS.calls)
+            dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), FLAGS.calls)
+            masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), FLAGS.calls)
+            masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), FLAGS.calls)
+            for m in map(int, FLAGS.tokens):
+                x = jnp.asarray(rng.normal(size=(m, d)).astype(np.float32))
+                h = jnp.asarray(rng.normal(size=(m, n_ff)).astype(np.float32))
+                for sparsity in map(float, FLAGS.sparsity):
+                    mask = rng.random((m, n_ff)) >= sparsity
+                    t = median_us(
+                        {
+                            "dense_up": (dense_up, (x, w_up)),
+                            "masked_mm": (masked_mm, (x, w_up, jnp.asarray(mask))),
+                            "dense_down": (dense_down, (h, w_down)),
+                            "masked_axpy": (masked_axpy, (h, w_down_t, jnp.asarray(mask))),
+                        },
+                        FLAGS.repeats,
+                        FLAGS.calls,
+                    )
+                    print(f"{type_name:5} {d:>5}x{n_ff:<5} {m:>3} {sparsity:>6.0%} {mask.any(0).mean():>9.0%} | "
+                          f"{t['dense_up']:>9.1f} {t['masked_mm']:>9.1f} {t['masked_mm'] / t['dense_up']:>5.2f} | "
+                          f"{t['dense_down']:>10.1f} {t['masked_axpy']:>11.1f} "
+                          f"{t['masked_axpy'] / t['dense_down']:>5.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
