@@ -60,6 +60,7 @@ _OPS = {
 }
 for _op, (_symbol, _, _) in _OPS.items():
     jax.ffi.register_ffi_target(f"jaxinfer_{_op}", jax.ffi.pycapsule(getattr(_lib, _symbol)), platform="cpu")
+jax.ffi.register_ffi_target("jaxinfer_cached_attention", jax.ffi.pycapsule(_lib.CachedAttention), platform="cpu")
 
 
 def isa() -> str:
@@ -202,3 +203,24 @@ def gather_axpy_reference(h, data_t, index, *, qtype, rows: int, cols: int) -> j
     valid = (index >= 0) & (index < rows)
     w = _dequantize(data_t, qtype, rows, cols)[jnp.where(valid, index, 0)]
     return jnp.where(valid, jnp.asarray(h, jnp.float32), 0.0) @ w
+
+
+def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start) -> jax.Array:
+    """Causal GQA attention of q [B, T, H, hd] at positions start .. start+T-1 against layer `layer` of the KV
+    caches [n_layer, B, S, H_kv, hd], filled up to start+T-1 -> f32 [B, T, H, hd]. Reads only the filled keys of
+    that layer, in place. A layer or positions outside the cache raise."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("jaxinfer_cached_attention", out)(
+        jnp.asarray(q, jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(start, jnp.int32))
+
+
+def cached_attention_reference(q, k_cache, v_cache, layer, start) -> jax.Array:
+    """The same in plain jnp: softmax(q·kᵀ/√hd) v over keys at positions <= each query's, one piece."""
+    b, t, h, hd = q.shape
+    k, v = k_cache[layer], v_cache[layer]
+    n_kv = k.shape[2]
+    grouped = q.reshape(b, t, n_kv, h // n_kv, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k) / jnp.sqrt(jnp.float32(hd))
+    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
+    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)

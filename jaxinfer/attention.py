@@ -121,3 +121,63 @@ def attention(q, k, v, q_pos, k_pos, *, max_batch_mib: float | None = None):
     out_dtype = jnp.promote_types(jnp.float32, v.dtype)  # what the unsplit path returns
     out = jax.lax.fori_loop(0, plan.steps, step, jnp.zeros(grouped.shape, out_dtype))
     return out.reshape(b, t, h, hd)
+
+
+# Keys per step of `cached_attention` when the limit allows: a decode step within the first 256 positions reads one
+# step of the cache, and longer contexts cost one more step per 256 positions.
+KEY_STEP = 256
+MIN_KEY_STEP = 16
+
+
+def key_step(batch: int, n_query: int, n_head: int, max_len: int, max_batch_mib: float | None) -> int:
+    """Keys per step of `cached_attention`: KEY_STEP, or fewer (a power of two, at least MIN_KEY_STEP) when the
+    scores of KEY_STEP keys for all queries and heads would exceed `max_batch_mib`; never more than the cache."""
+    keys = KEY_STEP
+    if max_batch_mib is not None:
+        while keys > MIN_KEY_STEP and scores_bytes(batch, n_head, n_query, keys) > max_batch_mib * MIB:
+            keys //= 2
+    return min(keys, max_len)
+
+
+def cached_attention(q, k_cache, v_cache, layer, q_pos, *, max_batch_mib: float | None = None):
+    """Causal GQA attention of q [B, T, H, hd] at consecutive positions q_pos [T] against layer `layer` (traced) of
+    KV caches [n_layer, B, max_len, H_kv, hd] filled up to q_pos[-1] -> [B, T, H, hd], equal to `model.attend` over
+    the filled positions.
+
+    Keys are visited in steps of `key_step` positions with an online softmax (a running max, normaliser and
+    weighted sum per query and head), and only the ceil((q_pos[-1] + 1) / step) steps that hold filled positions
+    run: a decode step costs what the context holds so far, not the cache's size, and each step reads its keys
+    straight from the whole cache (no per-layer copy). The scores of one step, B·H·T·step·4 bytes, are what
+    `max_batch_mib` bounds here."""
+    b, t, h, hd = q.shape
+    max_len, n_kv = k_cache.shape[2], k_cache.shape[3]
+    group = h // n_kv
+    step = key_step(b, t, h, max_len, max_batch_mib)
+    grouped = q.reshape(b, t, n_kv, group, hd) * (1.0 / jnp.sqrt(jnp.float32(hd)))
+    n_steps = (q_pos[-1] + step) // step
+
+    def visit(i, carry):
+        running_max, normaliser, weighted = carry
+        nominal = i * step
+        # The last step of a cache whose length is not a multiple of `step` is pulled back to end at the edge; the
+        # keys it shares with the previous step are masked out below so none is counted twice.
+        start = jnp.minimum(nominal, max_len - step)
+        k = jax.lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), (1, b, step, n_kv, hd))[0]
+        v = jax.lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), (1, b, step, n_kv, hd))[0]
+        k_pos = start + jnp.arange(step, dtype=q_pos.dtype)
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= nominal)  # [T, step]
+        scores = jnp.where(visible, jnp.einsum("btkgd,bskd->bkgts", grouped, k), -jnp.inf)
+        new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
+        # Every query sees key 0 in step 0, so new_max is finite from then on; before that the running max is -inf
+        # and its correction exp(-inf) = 0.
+        probs = jnp.exp(scores - new_max[..., None])
+        correction = jnp.exp(running_max - new_max)
+        normaliser = normaliser * correction + jnp.sum(probs, axis=-1)
+        weighted = weighted * correction[..., None] + jnp.einsum("bkgts,bskd->bkgtd", probs, v)
+        return new_max, normaliser, weighted
+
+    init = (jnp.full((b, n_kv, group, t), -jnp.inf, jnp.float32), jnp.zeros((b, n_kv, group, t), jnp.float32),
+            jnp.zeros((b, n_kv, group, t, hd), jnp.float32))
+    _, normaliser, weighted = jax.lax.fori_loop(0, n_steps, visit, init)
+    out = weighted / normaliser[..., None]  # [B, Hkv, G, T, hd]
+    return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, h, hd)

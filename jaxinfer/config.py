@@ -52,7 +52,8 @@ class Config:
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
     # Attention (model.attend): "xla" computes softmax(K·Q)V in head groups whose scores stay under
     # attn_max_batch_mib MiB (None: unbounded); "pallas" runs pallas_kernels' flash kernels (GPU);
-    # "pallas_interpret" the same kernels interpreted, for tests on a CPU.
+    # "pallas_interpret" the same kernels interpreted, for tests on a CPU; "cpu_ext" the XLA path, except that
+    # decode-sized steps against the KV cache run cpu_ext's attention kernel.
     attention_kernel: str = "xla"
     attn_max_batch_mib: float | None = None
 

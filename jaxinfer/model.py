@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxinfer import attention, sparse_ffn
 from jaxinfer.config import Config
 from pallas_kernels import attention as flash_attention
-from jaxinfer.quant import QuantArray, matmul, take_rows
+from jaxinfer.quant import QuantArray, cpu_kernels, matmul, take_rows
 
 
 @jax.tree_util.register_dataclass
@@ -92,14 +92,27 @@ def attend(q, k, v, q_pos, k_pos):
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
 
 
-def attention_kernel(q, k, v, q_pos, k_pos, cfg: Config):
-    """The one place that picks how attention runs (see Config.attention_kernel); all give `attend`'s result."""
+# Up to this many new tokens (decode, small micro-batches) cpu_ext's attention reads the cache in one call; beyond,
+# XLA's batched products win (the kernel visits keys query by query).
+CPU_ATTENTION_MAX_QUERIES = 16
+
+
+def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None):
+    """The one place that picks how attention runs (see Config.attention_kernel); all give `attend`'s result.
+    keys/values are the T new tokens' own [B, T, H_kv, hd] (no cache), or, with `layer`, the whole KV caches
+    [n_layer, B, max_len, H_kv, hd], filled up to q_pos[-1]."""
     if cfg.attention_kernel in ("pallas", "pallas_interpret"):
         interpret = cfg.attention_kernel == "pallas_interpret"
+        if layer is not None:
+            keys, values = keys[layer], values[layer]
         if q.shape[1] == 1:
-            return flash_attention.decode_attention(q[:, 0], k, v, q_pos[0], interpret=interpret)[:, None]
-        return flash_attention.attention(q, k, v, q_pos[0], interpret=interpret)
-    return attention.attention(q, k, v, q_pos, k_pos, max_batch_mib=cfg.attn_max_batch_mib)
+            return flash_attention.decode_attention(q[:, 0], keys, values, q_pos[0], interpret=interpret)[:, None]
+        return flash_attention.attention(q, keys, values, q_pos[0], interpret=interpret)
+    if layer is not None and cfg.attention_kernel == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
+        return cpu_kernels().cached_attention(q, keys, values, layer, q_pos[0])
+    if layer is not None:
+        return attention.cached_attention(q, keys, values, layer, q_pos, max_batch_mib=cfg.attn_max_batch_mib)
+    return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=cfg.attn_max_batch_mib)
 
 
 def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config):
@@ -109,7 +122,7 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
     k = rope(matmul(x, layer.attn_k).reshape(b, t, cfg.n_head_kv, cfg.head_dim), positions, cfg)
     v = matmul(x, layer.attn_v).reshape(b, t, cfg.n_head_kv, cfg.head_dim)
     if cache is None:
-        out = attention_kernel(q, k, v, positions, positions, cfg)
+        out = attention_kernel(q, k, v, positions, cfg)
     else:
         # Write into the whole donated cache in place; slicing out a layer and writing it back copies it.
         at = (index, 0, positions[0], 0, 0)
@@ -118,7 +131,7 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
             k=jax.lax.dynamic_update_slice(cache.k, k[None], at),
             v=jax.lax.dynamic_update_slice(cache.v, v[None], at),
         )
-        out = attention_kernel(q, cache.k[index], cache.v[index], positions, jnp.arange(cache.max_len), cfg)
+        out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index)
     return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
 
 

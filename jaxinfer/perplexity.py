@@ -306,7 +306,8 @@ def _cli_main(argv):
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     spec = sparsity.parse_spec(f.sparsity)
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None), spec)
+    m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None), spec,
+                       sparsity.parse_down_t_type(f.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
 
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
@@ -372,6 +373,7 @@ def main():
     flags.DEFINE_integer("ubatch_size", 512, "tokens of a window per micro-batch (through the KV cache)",
                          short_name="ub")
     flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
+    flags.DEFINE_string("down_t_type", "same", "type of the down projection transposed for a sparse --sparsity (one row per neuron, so inactive rows are skipped): same (the model's own; a second rounding) or q8_0 (near-lossless, 1.7x the bytes of Q4_1)")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)

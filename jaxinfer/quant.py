@@ -6,6 +6,8 @@ uint8 blocks [..., type_size] to f32 values [..., block_size]. Blocks run along 
 weight, so a row of a [rows, cols] weight is `cols / block_size` consecutive blocks.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 
@@ -15,6 +17,7 @@ import ml_dtypes
 import numpy as np
 from absl import logging
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 QK_K = 256
 FLOAT_TYPES = {
@@ -173,7 +176,7 @@ CPU_KERNEL_MAX_TOKENS = 32
 
 
 @functools.cache
-def _cpu_ext():
+def cpu_kernels():
     """The cpu_ext module, or None (warned once) if its library is not built."""
     try:
         import cpu_ext  # imported here, not at the top: cpu_ext imports this module for its reference path
@@ -183,20 +186,82 @@ def _cpu_ext():
     return cpu_ext
 
 
-def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
-    """x [..., cols] @ w.T -> [..., rows] in f32, whatever the storage format of `w`.
+_TRACE_PLATFORM = contextvars.ContextVar("jaxinfer_trace_platform", default=None)
 
-    On the CPU backend, for up to CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches), block-quantized and
-    F16 weights go to the cpu_ext FFI kernels, which quantize x to 8 bits per 32 values and dot in integers as
-    llama.cpp does (about 1e-2 relative difference on random data); otherwise XLA multiplies x with the dequantized
-    weight."""
+
+@contextlib.contextmanager
+def tracing_for(platform: str):
+    """Trace the matmuls inside for `platform` ("cpu", "gpu") rather than the default backend: for a jit placed on
+    a device of another kind (hybrid.py's host part on a GPU machine), which must be a static argument of that jit
+    so that its traces for different platforms stay apart."""
+    token = _TRACE_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TRACE_PLATFORM.reset(token)
+
+
+def _kernels(x: jax.Array, w: QuantArray):
+    """The cpu_ext module where it should multiply x by w, else None: on the CPU, for up to CPU_KERNEL_MAX_TOKENS
+    rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact."""
     use_kernels = (
         not w.exact
         and w.qtype in CPU_KERNEL_TYPES
         and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
-        and jax.default_backend() == "cpu"
+        and (_TRACE_PLATFORM.get() or jax.default_backend()) == "cpu"
     )
-    kernels = _cpu_ext() if use_kernels else None
+    return cpu_kernels() if use_kernels else None
+
+
+def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
+    """x [..., cols] @ w.T -> [..., rows] in f32, whatever the storage format of `w`.
+
+    Where `_kernels` allows, the cpu_ext FFI kernels quantize x to 8 bits per 32 values and dot in integers as
+    llama.cpp does (about 1e-2 relative difference on random data); otherwise XLA multiplies x with the dequantized
+    weight."""
+    kernels = _kernels(x, w)
     if kernels is not None:
         return kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1])
     return jnp.einsum("...i,oi->...o", x, dequantize(w))
+
+
+def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
+    """matmul(x, w) where `mask` [..., rows] is set, else 0. The cpu_ext kernel reads only the rows some token
+    needs (sparse up/gate projections); the XLA path computes all rows and masks them, the reference semantics."""
+    kernels = _kernels(x, w)
+    if kernels is not None:
+        return kernels.masked_matmul(x, w.data, mask, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1])
+    return jnp.where(mask, matmul(x, w), 0.0)
+
+
+def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
+    """Σ_j mask[..., j] h[..., j] w_t[j, :] -> [..., cols]: a product with a transposed weight (one row per input
+    feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows and keeps h in
+    f32; the XLA path zeroes inactive inputs and multiplies with the dequantized weight."""
+    kernels = _kernels(h, w_t)
+    if kernels is not None:
+        return kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
+    return jnp.einsum("...f,fd->...d", jnp.where(mask, h, 0.0), dequantize(w_t))
+
+
+# Types gguf-py can quantize to, so a transposed copy keeps its source's bytes per value; others become Q8_0.
+REQUANTIZABLE_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
+
+
+def transpose(w: QuantArray, qtype: GGMLQuantizationType | None = None) -> QuantArray:
+    """wᵀ, in w's own format or in `qtype` (Q4_0/Q4_1/Q5_0/Q8_0). Quantized blocks run along rows, so a block type
+    is decoded, transposed and quantized again with gguf-py: a second rounding, about the error of the format
+    itself (Q8_0 adds almost none; see README's sparsity table). A K-quant becomes Q8_0 (gguf-py cannot quantize
+    K-quants); float types and exact weights transpose exactly."""
+    values = np.asarray(jax.device_get(dequantize(w))).T
+    rows, cols = values.shape
+    if w.exact or (w.qtype in FLOAT_TYPES and qtype is None):
+        dtype = np.float32 if w.exact else FLOAT_TYPES[w.qtype]
+        float_type = GGMLQuantizationType.F32 if w.exact else w.qtype
+        return QuantArray(jnp.asarray(values.astype(dtype)), float_type, (rows, cols), w.exact)
+    qtype = qtype or (w.qtype if w.qtype in REQUANTIZABLE_TYPES else GGMLQuantizationType.Q8_0)
+    if qtype not in REQUANTIZABLE_TYPES:
+        raise ValueError(f"cannot quantize to {qtype.name}: one of {sorted(t.name for t in REQUANTIZABLE_TYPES)}")
+    if cols % GGML_QUANT_SIZES[qtype][0]:
+        return QuantArray(jnp.asarray(values), GGMLQuantizationType.F32, (rows, cols))
+    return QuantArray(jnp.asarray(gguf_quants.quantize(np.ascontiguousarray(values), qtype)), qtype, (rows, cols))

@@ -10,7 +10,8 @@
     gate       |gate_act(gate)| > t_layer (CATS): the gate is computed densely, up and down rows skipped
     hidden     |h| > t_layer: gate and up are dense, only down rows are skipped (cheapest in quality)
 Thresholds t_layer are calibrated per layer (jaxinfer.calibrate). Here the mask multiplies dense results, which is
-exact; the row-skipping kernels (cpu_ext, pallas_kernels) read only the active rows and must agree with this.
+exact; the row-skipping kernels (quant.masked_matmul / masked_axpy on cpu_ext, pallas_kernels) read only the
+active rows and agree with it.
 """
 
 import dataclasses
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import Config
-from jaxinfer.quant import QuantArray, dequantize, matmul
+from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, matmul
 
 ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v}
 
@@ -40,27 +41,31 @@ def predictor_logits(ffn_inp, fc1: QuantArray, fc2: QuantArray):
     return matmul(jax.nn.relu(matmul(ffn_inp, fc1)), fc2)
 
 
-def down_projection(h, layer):
-    """h [..., n_ff] -> [..., d], from ffn_down [d, n_ff] or PowerInfer's transposed ffn_down_t [n_ff, d]."""
+def down_projection(h, active, layer):
+    """Σ over active neurons of h · down -> [..., d]. From PowerInfer's transposed ffn_down_t [n_ff, d] (one row per
+    neuron, so the rows of inactive neurons are never read) or from ffn_down [d, n_ff] (all of it is read)."""
     if layer.ffn_down_t is not None:
-        return jnp.einsum("...f,fd->...d", h, dequantize(layer.ffn_down_t))
-    return matmul(h, layer.ffn_down)
-
-
-def active_neurons(gate, hidden, ffn_inp, layer, cfg: Config):
-    if cfg.ffn_sparsity == "predictor":
-        return predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold
-    if cfg.ffn_sparsity == "gate":
-        return jnp.abs(gate) > layer.ffn_threshold
-    if cfg.ffn_sparsity == "hidden":
-        return jnp.abs(hidden) > layer.ffn_threshold
-    return hidden != 0
+        return masked_axpy(h, layer.ffn_down_t, active)
+    return matmul(jnp.where(active, h, 0.0), layer.ffn_down)
 
 
 def ffn(x, ffn_inp, layer, cfg: Config):
-    """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace)."""
-    gate = ACTIVATIONS[cfg.gate_activation](matmul(x, layer.ffn_gate))
-    hidden = gate * ACTIVATIONS[cfg.up_activation](matmul(x, layer.ffn_up))
-    active = active_neurons(gate, hidden, ffn_inp, layer, cfg)
-    out = down_projection(jnp.where(active, hidden, 0.0), layer)
+    """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace).
+
+    Each mode computes only what decides `active` densely, and the rest for active neurons only (masked kernels):
+    in predictor mode the trace's gate and hidden are therefore 0 for inactive neurons."""
+    gate_act, up_act = ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
+    if cfg.ffn_sparsity == "predictor":
+        active = predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold
+        gate = gate_act(masked_matmul(x, layer.ffn_gate, active))
+        hidden = gate * up_act(masked_matmul(x, layer.ffn_up, active))
+    elif cfg.ffn_sparsity == "gate":
+        gate = gate_act(matmul(x, layer.ffn_gate))
+        active = jnp.abs(gate) > layer.ffn_threshold
+        hidden = gate * up_act(masked_matmul(x, layer.ffn_up, active))
+    else:
+        gate = gate_act(matmul(x, layer.ffn_gate))
+        hidden = gate * up_act(matmul(x, layer.ffn_up))
+        active = jnp.abs(hidden) > layer.ffn_threshold if cfg.ffn_sparsity == "hidden" else hidden != 0
+    out = down_projection(hidden, active, layer)
     return out, FFNTrace(ffn_inp, gate, hidden, active)

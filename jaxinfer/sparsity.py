@@ -14,9 +14,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
-from jaxinfer import model, sidecar
+from jaxinfer import model, quant, sidecar
 from jaxinfer.config import SPARSITY_MODES
 from jaxinfer.errors import JaxinferError
 
@@ -47,6 +48,16 @@ def parse_spec(text: str) -> SparsitySpec:
     if mode == "dense" and level is not None:
         raise JaxinferError("--sparsity dense takes no value")
     return SparsitySpec(mode, level)
+
+
+DOWN_T_TYPES = ("same", "q4_0", "q4_1", "q5_0", "q8_0")
+
+
+def parse_down_t_type(text: str):
+    """`--down_t_type`: "same" (None: each down projection's own type) or a GGML type gguf-py can quantize to."""
+    if text.lower() not in DOWN_T_TYPES:
+        raise JaxinferError(f"--down_t_type must be one of {', '.join(DOWN_T_TYPES)}, got {text!r}")
+    return None if text.lower() == "same" else GGMLQuantizationType[text.upper()]
 
 
 def thresholds_path(model_path: str) -> str:
@@ -82,8 +93,10 @@ def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.nda
     return path
 
 
-def apply(m, spec: SparsitySpec):
-    """A copy of the loaded model (`engine.LoadedModel`) that runs its FFNs with `spec`."""
+def apply(m, spec: SparsitySpec, down_t_type=None):
+    """A copy of the loaded model (`engine.LoadedModel`) that runs its FFNs with `spec`. Unless dense, its down
+    projections are stored one row per neuron, quantized to `down_t_type` (default: each one's own type; see
+    quant.transpose)."""
     cfg = dataclasses.replace(m.config, ffn_sparsity=spec.mode)
     layers = m.weights.layers
     if spec.mode == "predictor":
@@ -97,8 +110,18 @@ def apply(m, spec: SparsitySpec):
         if len(values) != len(layers):
             raise JaxinferError(f"{thresholds_path(m.path)} has {len(values)} thresholds for {len(layers)} layers")
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
+    if spec.mode != "dense":
+        layers = [with_transposed_down(layer, down_t_type) for layer in layers]
     weights = dataclasses.replace(m.weights, layers=layers)
     return dataclasses.replace(m, config=cfg, weights=weights)
+
+
+def with_transposed_down(layer, qtype=None):
+    """The layer with its down projection stored one row per neuron (ffn_down_t, as PowerInfer files have it), so
+    the rows of inactive neurons need not be read: see quant.transpose for what that costs in accuracy."""
+    if layer.ffn_down_t is not None:
+        return layer
+    return dataclasses.replace(layer, ffn_down=None, ffn_down_t=quant.transpose(layer.ffn_down, qtype))
 
 
 @partial(jax.jit, static_argnames=("statistic",))

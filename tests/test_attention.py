@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import MIB, attention, default_max_batch_mib, plan_attention, scores_bytes
+from jaxinfer.attention import (MIB, MIN_KEY_STEP, attention, cached_attention, default_max_batch_mib, key_step,
+                                plan_attention, scores_bytes)
 from jaxinfer.model import attend
 
 HEAD_DIM = 16
@@ -143,3 +144,41 @@ def test_traced_positions_work_under_jit():
 
     np.testing.assert_allclose(np.asarray(run(q, k, v, 8)), numpy_attention(q, k, v, q_pos, k_pos), rtol=1e-5,
                                atol=1e-5)
+
+
+def cache_inputs(seed, n_layer, batch, max_len, n_head, n_head_kv, n_query, start):
+    """Queries at start..start+T-1 and KV caches [L, B, max_len, H_kv, hd] holding large values past the filled
+    positions (stale padding, in the model), which must not count."""
+    rng = np.random.default_rng(seed)
+    q = rng.normal(size=(batch, n_query, n_head, HEAD_DIM)).astype(np.float32)
+    k = rng.normal(size=(n_layer, batch, max_len, n_head_kv, HEAD_DIM)).astype(np.float32)
+    v = rng.normal(size=(n_layer, batch, max_len, n_head_kv, HEAD_DIM)).astype(np.float32)
+    k[:, :, start + n_query:] = v[:, :, start + n_query:] = 1e6
+    return q, k, v, start + np.arange(n_query, dtype=np.int32)
+
+
+@pytest.mark.parametrize("max_len, n_head, n_head_kv, n_query, start", [
+    (40, 4, 2, 1, 0),     # the first decode step: one key
+    (40, 4, 2, 1, 33),    # the last, partial step of a cache that 16-key steps do not divide
+    (300, 6, 2, 5, 290),  # 256-key steps, the second pulled back to the cache's end
+    (64, 8, 8, 16, 17),   # no GQA, a micro-batch starting mid-step
+    (48, 6, 1, 3, 10),    # multi-query
+])
+@pytest.mark.parametrize("limit_mib", [None, 1e-6], ids=["default_steps", "smallest_steps"])
+def test_cached_attention_equals_a_per_head_loop_over_the_filled_positions(max_len, n_head, n_head_kv, n_query,
+                                                                           start, limit_mib):
+    q, k, v, q_pos = cache_inputs(0, 2, 1, max_len, n_head, n_head_kv, n_query, start)
+    layer = 1
+    filled = start + n_query
+    expected = numpy_attention(q, k[layer][:, :filled], v[layer][:, :filled], q_pos, np.arange(filled))
+    run = jax.jit(cached_attention, static_argnames="max_batch_mib")
+    got = run(q, k, v, jnp.int32(layer), jnp.asarray(q_pos), max_batch_mib=limit_mib)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_key_steps_follow_the_limit():
+    assert key_step(1, 1, 9, 8192, None) == 256  # decode: one step per 256 positions of context
+    assert key_step(1, 1, 9, 100, None) == 100  # never more than the cache
+    assert key_step(1, 512, 64, 8192, 1.0) == MIN_KEY_STEP  # 16 keys would be 2 MiB: the floor wins
+    steps = key_step(1, 512, 9, 8192, 2.0)
+    assert scores_bytes(1, 9, 512, steps) <= 2 * MIB < scores_bytes(1, 9, 512, 2 * steps)

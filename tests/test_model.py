@@ -78,21 +78,23 @@ def test_batched_forward_equals_one_sequence_at_a_time(make_model):
         np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single[0]), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, {"attention_kernel": "pallas_interpret"}],
-                         ids=["head_groups", "pallas_interpret"])
+@pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, {"attention_kernel": "cpu_ext"},
+                                     {"attention_kernel": "pallas_interpret"}],
+                         ids=["bounded", "cpu_ext", "pallas_interpret"])
 def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
-    """Through the whole model, prefill and decode: bounded head-group attention and the Pallas flash kernels
-    (interpreted on CPU) equal the one-piece attention."""
+    """Through the whole model, prefill and decode: bounded attention (head groups without a cache, 16-key steps
+    against it), cpu_ext's cache kernel and the Pallas flash kernels (interpreted on CPU) equal one-piece XLA
+    attention."""
     import dataclasses
 
-    m = engine.load_model(make_model(n_head=4, n_head_kv=2), attn_max_batch_mib=None)
-    cfg = dataclasses.replace(m.config, **variant)
+    m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
+    xla = dataclasses.replace(m.config, attention_kernel="xla", attn_max_batch_mib=None)
     tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)
 
     def run(config):
         padded = np.zeros((1, 16), np.int32)
         padded[0, :8] = tokens[0, :8]
-        cache = model.init_cache(config, 1, 32)
+        cache = model.init_cache(config, 1, 40)  # not a multiple of the bounded run's 16-key steps
         logits, cache = model.prefill(padded, jnp.int32(8), m.weights, cache, config)
         out = [np.asarray(logits)]
         for position in (8, 9):
@@ -100,5 +102,6 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
             out.append(np.asarray(logits))
         return np.concatenate(out)
 
-    reference = run(m.config)
-    np.testing.assert_allclose(run(cfg), reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max())
+    reference = run(xla)
+    np.testing.assert_allclose(run(dataclasses.replace(xla, **variant)), reference, rtol=1e-5,
+                               atol=1e-5 * np.abs(reference).max())

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
 
 from jaxinfer import engine, model, quant, sparse_ffn, sparsity
 from jaxinfer.errors import JaxinferError
@@ -83,3 +84,49 @@ def test_bamboo_is_relu_on_gate_and_up(make_model):
     up = np.maximum(x @ np.asarray(quant.dequantize(layer.ffn_up)).T, 0)
     np.testing.assert_allclose(np.asarray(trace.hidden), gate * up, rtol=1e-5, atol=1e-6)
     assert np.asarray(trace.active).mean() < np.asarray(trace.gate > 0).mean()  # dReLU is sparser than ReLU alone
+
+
+@pytest.mark.parametrize("mode", ["hidden", "gate", "predictor"])
+def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode):
+    """On the CPU the sparse modes go through cpu_ext's masked kernels (8-bit activations for gate/up, f32 axpy
+    over ffn_down_t): the same masks, and outputs within the 8-bit activation error of the exact masked FFN."""
+    pytest.importorskip("cpu_ext")
+    path = make_model(n_embd=64, n_ff=256, sparsity=0.85, weight_type=Q.Q8_0) if mode == "predictor" else \
+        make_model(weight_type=Q.Q8_0)
+    fast, exact = engine.load_model(path), engine.load_model(path, exact=True)
+    layer, exact_layer = fast.weights.layers[0], exact.weights.layers[0]
+    if mode != "predictor":
+        layer = sparsity.with_transposed_down(dataclasses.replace(layer, ffn_threshold=jnp.float32(0.05)))
+        exact_layer = dataclasses.replace(exact_layer, ffn_threshold=jnp.float32(0.05), ffn_down=None,
+                                          ffn_down_t=dataclasses.replace(layer.ffn_down_t, exact=True))
+    assert layer.ffn_down_t is not None
+    cfg = dataclasses.replace(fast.config, ffn_sparsity=mode)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, fast.config.n_embd)).astype(np.float32))
+    run = jax.jit(sparse_ffn.ffn, static_argnums=3)
+    out, trace = run(x, x, layer, cfg)
+    expected, expected_trace = run(x, x, exact_layer, cfg)
+    active = np.asarray(expected_trace.active)
+    assert 0.05 < active.mean() < 0.95
+    assert (np.asarray(trace.active) != active).mean() < 0.02  # only neurons at the threshold may flip
+    scale = np.abs(np.asarray(expected)).max()
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=0, atol=0.05 * scale)
+    assert not np.allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-7)  # the kernels did run
+
+
+def test_down_projection_is_transposed_in_the_requested_type(make_model):
+    m = engine.load_model(make_model(weight_type=Q.Q4_1))
+    down = m.weights.layers[0].ffn_down
+    transposed = quant.transpose(down)
+    assert transposed.qtype == Q.Q4_1 and transposed.shape == down.shape[::-1]
+    values = np.asarray(quant.dequantize(down)).T
+    np.testing.assert_array_equal(np.asarray(transposed.data), gguf_quants.quantize(np.ascontiguousarray(values),
+                                                                                     Q.Q4_1))
+    q8 = quant.transpose(down, Q.Q8_0)
+    assert q8.qtype == Q.Q8_0
+    np.testing.assert_allclose(np.asarray(quant.dequantize(q8)), values, rtol=0, atol=np.abs(values).max() / 100)
+    exact = quant.transpose(dataclasses.replace(down, exact=True))
+    assert exact.qtype == Q.F32 and exact.exact
+    np.testing.assert_array_equal(np.asarray(exact.data), values)
+    with pytest.raises(JaxinferError, match="--down_t_type"):
+        sparsity.parse_down_t_type("q6_k")
+    assert sparsity.parse_down_t_type("Q8_0") == Q.Q8_0 and sparsity.parse_down_t_type("same") is None

@@ -26,6 +26,8 @@ def text(tmp_path):
     ("jaxinfer.train_predictor", ["--sparsity", "predictor"], "labels"),
     ("jaxinfer.perplexity", ["--sparsity", "gate:0.5"], "calibrate"),
     ("jaxinfer.generate", ["--sparsity", "predictor"], "no activation predictors"),
+    ("jaxinfer.generate", ["--down_t_type", "q6_k"], "--down_t_type"),
+    ("jaxinfer.perplexity", ["--down-t-type", "f7"], "--down_t_type"),
 ])
 def test_bad_input_is_one_line(make_model, text, module, args, fragment):
     text_args = [] if module == "jaxinfer.generate" else ["-f", text]

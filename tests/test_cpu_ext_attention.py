@@ -1,0 +1,41 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+cpu_ext = pytest.importorskip("cpu_ext")
+
+
+def caches(seed, n_layer, batch, max_len, n_head_kv, head_dim, filled):
+    rng = np.random.default_rng(seed)
+    k = rng.normal(size=(n_layer, batch, max_len, n_head_kv, head_dim)).astype(np.float32)
+    v = rng.normal(size=(n_layer, batch, max_len, n_head_kv, head_dim)).astype(np.float32)
+    k[:, :, filled:] = v[:, :, filled:] = np.nan  # never read
+    return k, v
+
+
+@pytest.mark.parametrize("batch, n_query, n_head, n_head_kv, head_dim, start", [
+    (1, 1, 9, 3, 64, 0),      # the default model's first decode step
+    (1, 1, 9, 3, 64, 700),
+    (2, 4, 4, 4, 16, 5),      # batch, no GQA, a micro-batch
+    (1, 3, 8, 1, 40, 30),     # multi-query, a head size that is not a multiple of 16
+])
+def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_head_kv, head_dim, start):
+    max_len, layer = 768, 2
+    k, v = caches(0, 3, batch, max_len, n_head_kv, head_dim, start + n_query)
+    q = np.random.default_rng(1).normal(size=(batch, n_query, n_head, head_dim)).astype(np.float32)
+    got = jax.jit(cpu_ext.cached_attention)(q, k, v, jnp.int32(layer), jnp.int32(start))
+    k_ref, v_ref = np.nan_to_num(k), np.nan_to_num(v)  # the reference reads every position, masked
+    expected = cpu_ext.cached_attention_reference(q, k_ref, v_ref, layer, start)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_cached_attention_kernel_rejects_positions_outside_the_cache():
+    k, v = caches(0, 2, 1, 8, 1, 16, 8)
+    q = np.zeros((1, 2, 2, 16), np.float32)
+    with pytest.raises(Exception, match="outside the cache"):
+        jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 0, 7))
+    with pytest.raises(Exception, match="outside the cache"):
+        jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 2, 0))
+    with pytest.raises(Exception, match="disagree"):
+        jax.block_until_ready(cpu_ext.cached_attention(np.zeros((1, 2, 2, 8), np.float32), k, v, 0, 0))
