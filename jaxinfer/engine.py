@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, hybrid, model
+from jaxinfer import attention, hybrid, model, quant
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -61,8 +61,12 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
+    if jax.default_backend() == "gpu":
+        attention_kernel = "pallas"
+    else:
+        attention_kernel = "cpu_ext" if quant.cpu_kernels() is not None else "xla"
     cfg = dataclasses.replace(load_config(gguf), attn_max_batch_mib=attn_max_batch_mib,
-                              attention_kernel="pallas" if jax.default_backend() == "gpu" else "xla")
+                              attention_kernel=attention_kernel)
     weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
@@ -233,7 +237,7 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
     split = placement.load_or_solve(m.path, lambda: profile.read_profile(directory, m.path, m.config.n_layer),
                                     costs, budget, reset)
     devices = hybrid.Placement.detect()
-    hw = hybrid.split_weights(m.weights, split.hot, devices)
+    hw = hybrid.split_weights(m.weights, split.hot, devices, m.config)
     summary = (f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} "
                f"({100 * split.hot_share(m.config.n_ff):.1f}% of neurons), {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} "
                f"MiB stay on the host {devices.host}; index {placement.gpuidx_path(m.path)}")

@@ -7,13 +7,17 @@ down_t and predictor-output rows are that part's rows, run by the unchanged `spa
 them. Everything else (embedding lookup, attention, KV cache, norms, predictor input projection, output head) lives on
 the accelerator.
 
-Where things live is decided by one `Placement` (no device branches in model code): on a machine with a GPU, the GPU
-and the host CPU; on a CPU-only machine, two CPU devices (`jax_num_cpu_devices >= 2`), which runs the same code and
-lets CI test it. The host part's jit is dispatched before the accelerator part's, and both are asynchronous, so the
-two overlap (§4a of the GPU study measured nearly full overlap; a `compute_on` single-jit variant is the next step).
+Where things live and which kernels run is decided by one `Placement` (no device branches in model code): on a
+machine with a GPU, the GPU and the host CPU; on a CPU-only machine, two CPU devices (`jax_num_cpu_devices >= 2`),
+which runs the same code and lets CI test it. The host part is traced for the CPU, so its predicted neurons go
+through cpu_ext's row-sparse kernels (only active rows are read); with a predictor, the accelerator part runs the
+Pallas masked sparse FFN (`pallas_kernels/sparse_ffn.py`) on a GPU. The host part's jit is dispatched before the
+accelerator part's, and both are asynchronous, so the two overlap (§4a of the GPU study measured nearly full
+overlap; a `compute_on` single-jit variant is the next step).
 """
 
 import dataclasses
+import math
 from functools import partial
 
 import jax
@@ -24,19 +28,23 @@ from gguf import GGMLQuantizationType
 from jaxinfer import model, sparse_ffn
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
-from jaxinfer.quant import QuantArray, dequantize, take_rows
+from jaxinfer.quant import QuantArray, dequantize, take_rows, tracing_for
+from pallas_kernels import sparse_ffn as pallas_ffn
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
     accelerator: jax.Device
     host: jax.Device
+    # How the accelerator runs its hot neurons when a predictor decides them: "pallas" (pallas_kernels.sparse_ffn,
+    # reading only the predicted rows), "pallas_interpret" (the same, interpreted: tests) or "xla" (sparse_ffn.ffn).
+    hot_ffn_kernel: str = "xla"
 
     @classmethod
     def detect(cls) -> "Placement":
         host_devices = jax.devices("cpu")
         if jax.default_backend() != "cpu":
-            return cls(jax.devices()[0], host_devices[0])
+            return cls(jax.devices()[0], host_devices[0], "pallas" if jax.default_backend() == "gpu" else "xla")
         if len(host_devices) < 2:
             raise JaxinferError("a hybrid split on a CPU-only machine needs two CPU devices: set "
                                 "JAX_NUM_CPU_DEVICES=2 (or XLA_FLAGS=--xla_force_host_platform_device_count=2)")
@@ -46,16 +54,17 @@ class Placement:
 def _rows(w: QuantArray | None, rows: np.ndarray) -> QuantArray | None:
     if w is None:
         return None
-    return QuantArray(jnp.take(w.data, jnp.asarray(rows), axis=0), w.qtype, (len(rows), w.shape[1]))
+    return dataclasses.replace(w, data=jnp.take(w.data, jnp.asarray(rows), axis=0), shape=(len(rows), w.shape[1]))
 
 
 def transposed_down(layer: model.Layer) -> QuantArray:
     """The down projection one row per neuron. GGUF's ffn_down [d, n_ff] has neurons as columns, which quantized
-    blocks (running along a row) cannot be sliced by, so it is decoded once and stored f32 [n_ff, d]."""
+    blocks (running along a row) cannot be sliced by, so a dense model's is decoded once and stored f32 [n_ff, d]
+    (exact); a sparse model prepared by sparsity.apply already has it in its own format."""
     if layer.ffn_down_t is not None:
         return layer.ffn_down_t
     values = dequantize(layer.ffn_down).T
-    return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape))
+    return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape), layer.ffn_down.exact)
 
 
 def ffn_part(layer: model.Layer, rows: np.ndarray, device) -> model.Layer | None:
@@ -71,19 +80,49 @@ def ffn_part(layer: model.Layer, rows: np.ndarray, device) -> model.Layer | None
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class KernelPart:
+    """A hot part laid out for the Pallas sparse FFN kernel: neuron-major rows, Q8_0 (repacked) or float."""
+
+    gate: pallas_ffn.RowWeights
+    up: pallas_ffn.RowWeights
+    down_t: pallas_ffn.RowWeights
+    fc1: QuantArray
+    fc2: QuantArray  # [n_hot, rank]: the predictor rows of this part's neurons
+
+
+def kernel_part(part: model.Layer) -> KernelPart | None:
+    """`part` in the Pallas kernel's layout, or None where the kernel does not take its weight types."""
+    weights = (part.ffn_gate, part.ffn_up, part.ffn_down_t)
+    types = {w.qtype for w in weights}
+    if types == {GGMLQuantizationType.Q8_0}:
+        rows = [pallas_ffn.repack_q8_0(w.data, w.shape[1]) for w in weights]
+    elif types <= {GGMLQuantizationType.F32, GGMLQuantizationType.F16}:
+        rows = [pallas_ffn.RowWeights(w.data) for w in weights]
+    else:
+        return None
+    return KernelPart(*rows, part.fc1, part.fc2)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class HybridWeights:
     dense: model.Weights  # everything on the accelerator; its layers' FFN rows are the hot parts
-    hot: list[model.Layer | None]  # per layer, on the accelerator
+    hot: list[model.Layer | KernelPart | None]  # per layer, on the accelerator
     cold: list[model.Layer | None]  # per layer, on the host
 
 
-def split_weights(weights: model.Weights, hot: list[np.ndarray], placement: Placement) -> HybridWeights:
-    """Place `weights` for a split: `hot[i]` are layer i's neurons on the accelerator, the rest go to the host."""
+def split_weights(weights: model.Weights, hot: list[np.ndarray], placement: Placement,
+                  cfg: Config | None = None) -> HybridWeights:
+    """Place `weights` for a split: `hot[i]` are layer i's neurons on the accelerator, the rest go to the host.
+    With a predictor (`cfg.ffn_sparsity == "predictor"`) and a Pallas `placement.hot_ffn_kernel`, hot parts whose
+    types the kernel takes are laid out for it."""
+    use_kernel = cfg is not None and cfg.ffn_sparsity == "predictor" and placement.hot_ffn_kernel != "xla"
     hot_parts, cold_parts = [], []
     for layer, hot_rows in zip(weights.layers, hot):
         n_ff = layer.ffn_gate.shape[0]
         cold_rows = np.setdiff1d(np.arange(n_ff), hot_rows)
-        hot_parts.append(ffn_part(layer, np.asarray(hot_rows), placement.accelerator))
+        part = ffn_part(layer, np.asarray(hot_rows), placement.accelerator)
+        hot_parts.append((part is not None and use_kernel and kernel_part(part)) or part)
         cold_parts.append(ffn_part(layer, cold_rows, placement.host))
     without_ffn = [dataclasses.replace(layer, ffn_gate=None, ffn_up=None, ffn_down=None, ffn_down_t=None, fc1=None,
                                        fc2=None) for layer in weights.layers]
@@ -91,8 +130,11 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], placement: Plac
     return HybridWeights(dense, hot_parts, cold_parts)
 
 
-def ffn_bytes(parts: list[model.Layer | None]) -> int:
-    return sum(w.nbytes for p in parts if p is not None for w in (p.ffn_gate, p.ffn_up, p.ffn_down_t))
+def ffn_bytes(parts: list[model.Layer | KernelPart | None]) -> int:
+    def weights(p):
+        return (p.gate, p.up, p.down_t) if isinstance(p, KernelPart) else (p.ffn_gate, p.ffn_up, p.ffn_down_t)
+
+    return sum(a.nbytes for p in parts if p is not None for a in jax.tree.leaves(weights(p)))
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -104,9 +146,29 @@ def _attention(x, layer, index, positions, cache, cfg: Config):
     return x, model.rms_norm(x, layer.ffn_norm, cfg.rms_eps), cache
 
 
-@jax.jit
-def _ffn(normed, ffn_inp, part, cfg: Config):
-    return sparse_ffn.ffn(normed, ffn_inp, part, cfg)[0]
+@partial(jax.jit, static_argnames=("platform", "kernel"))
+def _ffn(normed, ffn_inp, part, cfg: Config, platform: str, kernel: str = "xla"):
+    """One part's FFN, traced for the platform of the device it runs on (the host part of a GPU machine runs
+    cpu_ext's row-sparse kernels)."""
+    if isinstance(part, KernelPart):
+        return _kernel_ffn(normed, ffn_inp, part, cfg, interpret=kernel == "pallas_interpret")
+    with tracing_for(platform):
+        return sparse_ffn.ffn(normed, ffn_inp, part, cfg)[0]
+
+
+def _kernel_ffn(normed, ffn_inp, part: KernelPart, cfg: Config, interpret: bool):
+    """The predicted neurons of a hot part through the Pallas kernel. The kernel takes one neuron list for all
+    tokens of a call: the union of their predictions (a decode step's own; a prefill computes, for each token, a few
+    neurons predicted only for others, whose ReLU output is then mostly zero anyway)."""
+    d = normed.shape[-1]
+    x, inp = normed.reshape(-1, d), ffn_inp.reshape(-1, d)
+    active = jnp.any(sparse_ffn.predictor_logits(inp, part.fc1, part.fc2) >= cfg.sparse_threshold, axis=0)
+    blocks = pallas_ffn.BlockSizes(block_d=math.gcd(d, pallas_ffn.BlockSizes.block_d))
+    padded = -(-active.shape[0] // blocks.block_k) * blocks.block_k
+    idx = jnp.nonzero(active, size=padded, fill_value=-1)[0].astype(jnp.int32)
+    out = pallas_ffn.sparse_ffn(x, idx, part.gate, part.up, part.down_t, gate_act=cfg.gate_activation,
+                                up_act=cfg.up_activation, block_sizes=blocks, interpret=interpret)
+    return out.reshape(normed.shape)
 
 
 def forward(tokens, hw: HybridWeights, cfg: Config, cache: model.KVCache, placement: Placement):
@@ -117,9 +179,10 @@ def forward(tokens, hw: HybridWeights, cfg: Config, cache: model.KVCache, placem
         x, normed, cache = _attention(x, layer, jnp.int32(index), positions, cache, cfg)
         cold_out = None
         if cold is not None:  # dispatched first: the host works while the accelerator runs the hot part
-            cold_out = _ffn(jax.device_put(normed, placement.host), jax.device_put(x, placement.host), cold, cfg)
+            cold_out = _ffn(jax.device_put(normed, placement.host), jax.device_put(x, placement.host), cold, cfg,
+                            placement.host.platform)
         if hot is not None:
-            x = x + _ffn(normed, x, hot, cfg)
+            x = x + _ffn(normed, x, hot, cfg, placement.accelerator.platform, placement.hot_ffn_kernel)
         if cold_out is not None:
             x = x + jax.device_put(cold_out, placement.accelerator)
     return _final_norm(x, hw.dense.output_norm, cfg), cache

@@ -79,7 +79,7 @@ def main(argv):
     splits = {"neurons": placement.solve(counts, costs, budget).hot, "layers": layer_split(costs, capacity)}
     results = {}
     for name, hot in splits.items():
-        hw = hybrid.split_weights(m.weights, hot, devices)
+        hw = hybrid.split_weights(m.weights, hot, devices, m.config)
         cache = jax.device_put(model.init_cache(m.config, 1, FLAGS.ctx_size), devices.accelerator)
         hit = sum(counts[i, h].sum() for i, h in enumerate(hot)) / counts.sum()
         results[name] = {
