@@ -24,8 +24,9 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   float* ys = y->typed_data();
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch().xq);
   // Each task is a band of output rows for all m tokens: the band's weights are read from memory once.
-  parallel_for(pool, (rows + kRowsPerTask - 1) / kRowsPerTask, [=](int64_t task) {
-    const int64_t r0 = task * kRowsPerTask, r1 = std::min(rows, r0 + kRowsPerTask);
+  const int64_t band = rows_per_task(pool, rows);
+  parallel_for(pool, (rows + band - 1) / band, [=](int64_t task) {
+    const int64_t r0 = task * band, r1 = std::min(rows, r0 + band);
     for (int64_t t = 0; t < m; ++t) {
       for (int64_t r = r0; r < r1; ++r) ys[t * rows + r] = dot(ws + r * row_bytes, t);
     }

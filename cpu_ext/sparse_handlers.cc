@@ -77,8 +77,8 @@ struct RowAndColumn {
   int64_t row, column;  // weight row, output column
 };
 
-// out[t, column(e)] = W[row(e)] · x[t] for the entries e < n_entries that token t takes, in tasks of kRowsPerTask
-// entries. Other outputs are left as they are.
+// out[t, column(e)] = W[row(e)] · x[t] for the entries e < n_entries that token t takes, in tasks of
+// rows_per_task entries. Other outputs are left as they are.
 //
 // The dot kernels read one row at a time, and the hardware prefetchers, trained on a sequential stream, fetch into
 // rows a sparse set skips and not the next row it reads: at d = 4096 (Q8_0, one thread) half the rows, at random,
@@ -89,8 +89,9 @@ struct RowAndColumn {
 template <typename Entry, typename Take>
 void row_dots(ffi::ThreadPool& pool, const RowDot& dot, const uint8_t* ws, int64_t row_bytes, int64_t m,
               int64_t n_entries, const Entry& entry, const Take& take, float* out, int64_t out_stride) {
-  parallel_for(pool, (n_entries + kRowsPerTask - 1) / kRowsPerTask, [=](int64_t task) {
-    const int64_t e0 = task * kRowsPerTask, e1 = std::min(n_entries, e0 + kRowsPerTask);
+  const int64_t band = rows_per_task(pool, n_entries);
+  parallel_for(pool, (n_entries + band - 1) / band, [=](int64_t task) {
+    const int64_t e0 = task * band, e1 = std::min(n_entries, e0 + band);
     for (int64_t t = 0; t < m; ++t) {  // the task's rows stay in L1 over the tokens
       for (int64_t e = e0; e < e1; ++e) {
         if (t == 0 && e + 2 < e1) {
