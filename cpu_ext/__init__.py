@@ -215,12 +215,9 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 
 
 def cached_attention_reference(q, k_cache, v_cache, layer, start) -> jax.Array:
-    """The same in plain jnp: softmax(q·kᵀ/√hd) v over keys at positions <= each query's, one piece."""
-    b, t, h, hd = q.shape
-    k, v = k_cache[layer], v_cache[layer]
-    n_kv = k.shape[2]
-    grouped = q.reshape(b, t, n_kv, h // n_kv, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k) / jnp.sqrt(jnp.float32(hd))
-    visible = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
-    probs = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
-    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
+    """The same as `jaxinfer.model.attend` (plain jnp, one piece) over that layer's keys at positions <= each
+    query's."""
+    from jaxinfer.model import attend  # here, not at the top: jaxinfer.model reaches this module through quant
+
+    t, max_len = q.shape[1], k_cache.shape[2]
+    return attend(q, k_cache[layer], v_cache[layer], start + jnp.arange(t), jnp.arange(max_len))

@@ -4,6 +4,11 @@ import sys
 
 from absl import flags
 
+# Help of the flags that more than one CLI defines.
+DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --sparsity (one row per neuron, so inactive "
+                    "rows are skipped): same (the model's own; a second rounding) or q8_0 (near-lossless, 1.7x the "
+                    "bytes of Q4_1)")
+
 
 def _underscore(arg: str) -> str:
     """`--kl-divergence-base=x` -> `--kl_divergence_base=x`: llama.cpp spells flags with dashes, absl with

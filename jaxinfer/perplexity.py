@@ -358,7 +358,7 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import parse_flags
+    from jaxinfer.cli import DOWN_T_TYPE_HELP, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "text file to evaluate (e.g. wiki.test.raw)", short_name="f")
@@ -373,7 +373,7 @@ def main():
     flags.DEFINE_integer("ubatch_size", 512, "tokens of a window per micro-batch (through the KV cache)",
                          short_name="ub")
     flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
-    flags.DEFINE_string("down_t_type", "same", "type of the down projection transposed for a sparse --sparsity (one row per neuron, so inactive rows are skipped): same (the model's own; a second rounding) or q8_0 (near-lossless, 1.7x the bytes of Q4_1)")
+    flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)

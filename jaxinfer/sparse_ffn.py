@@ -9,9 +9,9 @@
                FFN from the pre-norm residual, so gate, up and down rows of inactive neurons need not be read
     gate       |gate_act(gate)| > t_layer (CATS): the gate is computed densely, up and down rows skipped
     hidden     |h| > t_layer: gate and up are dense, only down rows are skipped (cheapest in quality)
-Thresholds t_layer are calibrated per layer (jaxinfer.calibrate). Here the mask multiplies dense results, which is
-exact; the row-skipping kernels (quant.masked_matmul / masked_axpy on cpu_ext, pallas_kernels) read only the
-active rows and agree with it.
+Thresholds t_layer are calibrated per layer (jaxinfer.calibrate). Products with a mask go through quant.masked_matmul
+and masked_axpy: off the CPU kernels they multiply the mask into dense results (the reference); cpu_ext's row-
+skipping kernels (and pallas_kernels' in hybrid.py) read only the active rows and agree with it.
 """
 
 import dataclasses
