@@ -1,6 +1,6 @@
 """Prompt-processing and generation speed, measured like llama-bench: pp = prefill of N prompt tokens,
-tg = N greedy decode steps after a short prompt, into a KV cache of --ctx_size positions as `generate` allocates.
-Compile time is excluded.
+tg = N greedy decode steps after a one-token prompt, through `generate`'s own decode loop, into a KV cache of
+--ctx_size positions as `generate` allocates. Compile time is excluded.
 
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same]] [--llama_bench path/to/llama-bench [--threads 2]]
@@ -23,6 +23,7 @@ from absl import app, flags, logging
 
 from jaxinfer import engine, model, runtime, sparsity
 from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.sampling import SamplingParams
 
 flags.DEFINE_string("model", None, "GGUF model (default: the built-in SmolLM2 Q4_1)", short_name="m")
 flags.DEFINE_list("pp", ["128", "512"], "prompt lengths to time")
@@ -50,20 +51,15 @@ def time_prefill(m, n_tokens, repetitions):
 
 
 def time_decode(m, n_tokens, repetitions):
-    times = []
+    """generate's own decode loop (greedy, stop tokens ignored) after a one-token prompt: n_tokens decode steps."""
+    rates = []
     for _ in range(repetitions + 1):
-        cache = model.init_cache(m.config, 1, max(FLAGS.ctx_size, n_tokens + 16))
-        prompt = np.zeros((1, 16), np.int32)
-        logits, cache = model.prefill(prompt, jnp.int32(1), m.weights, cache, m.config)
-        token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        jax.block_until_ready(token)
-        start = time.perf_counter()
-        for _ in range(n_tokens):
-            logits, cache = model.decode_step(token, m.weights, cache, m.config)
-            token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            int(token[0])  # the host needs each token, as in real generation
-        times.append(time.perf_counter() - start)
-    return n_tokens / min(times[1:])
+        stats = engine.GenerationStats()
+        for _ in engine.generate_tokens(m, [m.tokenizer.bos_id or 0], n_tokens + 1, max(FLAGS.ctx_size, n_tokens + 1),
+                                        SamplingParams(temperature=0), 0, stats, stop_ids=frozenset()):
+            pass
+        rates.append((stats.generated_tokens - 1) / stats.decode_seconds)
+    return max(rates[1:])
 
 
 def run_llama_bench(path, pp, tg) -> dict[str, float]:

@@ -102,3 +102,83 @@ def test_results_are_identical_across_micro_batch_sizes(make_model):
     runs = {ub: list(engine.generate_tokens(m, prompt, 6, 27, SamplingParams(temperature=0), 0, ubatch=ub))
             for ub in (3, 8, 512)}
     assert runs[3] == runs[8] == runs[512] and len(runs[512]) == 6
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=0, top_p=1.0,
+                                                                                  min_p=0.0, repeat_penalty=1.3)])
+def test_decode_chunk_matches_step_by_step_decoding(make_model, params):
+    """The on-device decode loop feeds and samples exactly as stepping model.decode_step from the host would: same
+    tokens, same key splits, same repeat-penalty window, same cache."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer import model
+    from jaxinfer.sampling import sample
+
+    m = engine.load_model(make_model())
+    prompt = np.array([m.tokenizer.encode("hello the hall")], np.int32)
+    recent = np.full((1, 4), -1, np.int32)
+    recent[0, -prompt.shape[1]:] = prompt[0, -4:]
+    key = jax.random.key(7)
+
+    def prefilled():
+        logits, cache = model.prefill(prompt, jnp.int32(prompt.shape[1]), m.weights,
+                                      model.init_cache(m.config, 1, 32), m.config)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache
+
+    token, cache = prefilled()
+    expected, state_recent, step_key = [], jnp.asarray(recent), key
+    for _ in range(6):
+        step_key, subkey = jax.random.split(step_key)
+        state_recent = jnp.concatenate([state_recent[:, 1:], token[:, None]], axis=1)
+        logits, cache = model.decode_step(token, m.weights, cache, m.config)
+        token = sample(logits, state_recent, subkey, params)
+        expected.append(int(token[0]))
+    expected_cache = cache
+
+    token, cache = prefilled()
+    state = engine.DecodeState(token, jnp.asarray(recent), key, jnp.zeros((), bool))
+    no_stop = jnp.array([-1], jnp.int32)
+    first, state, cache = engine.decode_chunk(state, jnp.int32(4), no_stop, m.weights, cache, m.config, params,
+                                              n_steps=4)
+    second, state, cache = engine.decode_chunk(state, jnp.int32(2), no_stop, m.weights, cache, m.config, params,
+                                               n_steps=4)
+    assert np.asarray(first)[:, 0].tolist() == expected[:4]
+    assert np.asarray(second)[:, 0].tolist() == expected[4:] + [-1, -1]  # the budget of 2 ends the chunk
+    assert int(cache.length) == int(expected_cache.length) == prompt.shape[1] + 6
+    np.testing.assert_array_equal(np.asarray(cache.k), np.asarray(expected_cache.k))
+
+
+def test_decode_chunk_stops_after_a_stop_token(make_model):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxinfer import model
+
+    m = engine.load_model(make_model())
+    params = SamplingParams(temperature=0)
+    cache = model.init_cache(m.config, 1, 32)
+    start = engine.DecodeState(jnp.array([5], jnp.int32), jnp.full((1, 1), -1, jnp.int32), jax.random.key(0),
+                               jnp.zeros((), bool))
+    free, _, _ = engine.decode_chunk(start, jnp.int32(6), jnp.array([-1], jnp.int32), m.weights, cache, m.config,
+                                     params, n_steps=6)
+    free = np.asarray(free)[:, 0].tolist()
+    stop = free[2]  # make the third token a stop token: the loop keeps it and runs no further step
+    cache = model.init_cache(m.config, 1, 32)
+    stopped, state, cache = engine.decode_chunk(start, jnp.int32(6), jnp.array([stop], jnp.int32), m.weights, cache,
+                                                m.config, params, n_steps=6)
+    first_stop = free.index(stop)
+    assert np.asarray(stopped)[:, 0].tolist() == free[:first_stop + 1] + [-1] * (5 - first_stop)
+    assert bool(state.stopped) and int(cache.length) == first_stop + 1
+
+
+def test_generation_ends_when_the_context_is_full(make_model):
+    m = engine.load_model(make_model())
+    prompt = m.tokenizer.encode("hello the")
+    stats = engine.GenerationStats()
+    ctx = len(prompt) + 11  # room for the prefill's token and 11 decode steps: more than one chunk
+    tokens = list(engine.generate_tokens(m, prompt, 100, ctx, SamplingParams(temperature=0), 0, stats,
+                                         stop_ids=frozenset()))
+    assert len(tokens) == 12 and stats.stop_reason == "context full"
