@@ -2,7 +2,14 @@
 //
 // XLA:CPU runs a decode step's attention as a loop of a dozen small thunks per layer (slices of the cache, two
 // einsums, the softmax pieces), about 120 µs a layer for 9 heads; here it is one call that reads exactly the filled
-// keys of one layer, in place in the cache buffer (no slice is copied), about 10 µs at a short context.
+// keys of one layer, in place in the cache buffer (no slice is copied).
+//
+// A task is one batch row over a chunk of kChunkKeys positions, all heads: the query heads of a GQA group are done
+// together, so each key and value row is read once for all of them, and a task reads one contiguous piece of each
+// cache. Chunks spread long contexts over the
+// threads (flash-decoding); each leaves its softmax partials (running max, sum, weighted values) and the calling
+// thread merges them. Vectors are GCC vector extensions: one source, compiled for AVX-512, AVX2 and baseline x86-64
+// (target_clones picks one per CPU at load time).
 //
 //   q       f32 [B, T, H, hd]                queries at positions start .. start + T - 1
 //   k, v    f32 [n_layer, B, S, H_kv, hd]    the caches, filled up to start + T - 1 (this step's K/V included)
@@ -12,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -20,29 +28,115 @@
 namespace jaxinfer_cpu {
 namespace {
 
-// The two inner loops, compiled for AVX-512, AVX2 and plain x86-64; the loader picks one per CPU (GCC ifunc).
 #if JAXINFER_CPU_X86
-#define JAXINFER_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
+#define JAXINFER_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define JAXINFER_VECTOR_CLONES
 #endif
 
-// Sixteen running sums: one sum would be a chain of dependent adds that the compiler may not reorder (no
-// -ffast-math), so it could not vectorize; sixteen independent ones become one or two vector registers.
-JAXINFER_VECTOR_CLONES float dot(const float* a, const float* b, int n) {
-  float sums[16] = {};
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    for (int j = 0; j < 16; ++j) sums[j] += a[i + j] * b[i + j];
-  }
-  for (; i < n; ++i) sums[0] += a[i] * b[i];
-  float total = 0.0f;
-  for (float s : sums) total += s;
-  return total;
+constexpr int64_t kChunkKeys = 64;  // positions per task: enough work to hide the task claim, few enough to balance
+constexpr int kLanes = 16;
+// The vector helpers below are always inlined into each clone, so the ABI of passing 64-byte vectors (which GCC warns
+// differs between the clones' targets) never applies.
+#pragma GCC diagnostic ignored "-Wpsabi"
+typedef float F32x16 __attribute__((vector_size(64)));
+typedef int32_t I32x16 __attribute__((vector_size(64)));
+
+__attribute__((always_inline)) inline F32x16 load(const float* p) {
+  F32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+__attribute__((always_inline)) inline void store(float* p, F32x16 v) { std::memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) inline F32x16 splat(float x) { return F32x16{} + x; }
+
+__attribute__((always_inline)) inline float sum_lanes(F32x16 v) {  // a tree, so the halves add in vector registers
+  typedef float F32x8 __attribute__((vector_size(32)));
+  typedef float F32x4 __attribute__((vector_size(16)));
+  const F32x8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const F32x4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
-JAXINFER_VECTOR_CLONES void axpy(float alpha, const float* x, float* y, int n) {
-  for (int i = 0; i < n; ++i) y[i] += alpha * x[i];
+// exp(x) for x <= 0 (scores minus their maximum), to about 2e-7 relative: x = (n + r) ln 2 with n an integer and
+// |r| <= 1/2, 2^n built in the exponent bits, e^(r ln 2) a degree-6 Taylor polynomial. Below -87 the result is
+// ~1e-38 instead of 0 (harmless as a softmax weight).
+__attribute__((always_inline)) inline F32x16 exp_nonpositive(F32x16 x) {
+  const F32x16 t = (x < -87.0f ? splat(-87.0f) : x) * 1.44269504f;
+  const I32x16 n = __builtin_convertvector(t - 0.5f, I32x16);  // truncation toward zero: round(t) for t <= 0
+  const F32x16 y = (t - __builtin_convertvector(n, F32x16)) * 0.69314718f;
+  F32x16 p = splat(1.0f / 720);
+  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = p * y + c;
+  const I32x16 bits = (n + 127) << 23;
+  F32x16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return p * two_n;
+}
+
+// The query heads of one KV head (`group` queries of `head_dim`, scaled by 1/sqrt(hd)) against keys [0, n_keys) of
+// that head (rows `row` floats apart): per query head g, m[g] = max score, l[g] = sum of exp(score - m[g]) and
+// o[g] = sum of exp(score - m[g]) * value. `scores` holds group * n_keys floats. HeadDim is the head size when it
+// is known at compile time (the common 64 and 128: loops unroll and accumulators stay in registers), else 0.
+template <int HeadDim>
+__attribute__((always_inline)) inline void attend_chunk(const float* queries, int group, int runtime_head_dim,
+                                                        const float* keys, const float* values, int64_t row,
+                                                        int64_t n_keys, float* scores, float* m, float* l, float* o) {
+  const int head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
+  const int full = head_dim / kLanes * kLanes;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const float* key = keys + j * row;
+    for (int g = 0; g < group; ++g) {
+      const float* query = queries + g * head_dim;
+      F32x16 acc{};
+      for (int d = 0; d < full; d += kLanes) acc += load(query + d) * load(key + d);
+      float score = sum_lanes(acc);
+      for (int d = full; d < head_dim; ++d) score += query[d] * key[d];
+      scores[g * n_keys + j] = score;
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    float* s = scores + g * n_keys;
+    F32x16 max_lanes = splat(-INFINITY);
+    int64_t j = 0;
+    for (; j + kLanes <= n_keys; j += kLanes) {
+      const F32x16 x = load(s + j);
+      max_lanes = x > max_lanes ? x : max_lanes;
+    }
+    float max_score = -INFINITY;
+    for (int i = 0; i < kLanes; ++i) max_score = max_lanes[i] > max_score ? max_lanes[i] : max_score;
+    for (; j < n_keys; ++j) max_score = s[j] > max_score ? s[j] : max_score;
+    F32x16 total{};
+    for (j = 0; j + kLanes <= n_keys; j += kLanes) {
+      const F32x16 e = exp_nonpositive(load(s + j) - max_score);
+      store(s + j, e);
+      total += e;
+    }
+    float sum = sum_lanes(total);
+    for (; j < n_keys; ++j) sum += (s[j] = std::exp(s[j] - max_score));
+    m[g] = max_score;
+    l[g] = sum;
+  }
+  std::fill(o, o + group * head_dim, 0.0f);
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const float* value = values + j * row;
+    for (int g = 0; g < group; ++g) {
+      const float p = scores[g * n_keys + j];
+      float* out = o + g * head_dim;
+      for (int d = 0; d < full; d += kLanes) store(out + d, load(out + d) + p * load(value + d));
+      for (int d = full; d < head_dim; ++d) out[d] += p * value[d];
+    }
+  }
+}
+
+JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, int head_dim, const float* keys,
+                                             const float* values, int64_t row, int64_t n_keys, float* scores,
+                                             float* m, float* l, float* o) {
+  switch (head_dim) {
+    case 64: return attend_chunk<64>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
+    case 128: return attend_chunk<128>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
+    default: return attend_chunk<0>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
+  }
 }
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -69,31 +163,67 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const float* ks = k.typed_data() + layer * batch * max_len * row;
   const float* vs = v.typed_data() + layer * batch * max_len * row;
   const float* qs = q.typed_data();
-  float* os = out->typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int n = static_cast<int>(head_dim);
+  const int64_t n_chunks = (start + n_query + kChunkKeys - 1) / kChunkKeys;
 
-  // One task per (batch, head): its queries share the keys, which stay in cache across them.
-  parallel_for(pool, batch * n_head, [&](int64_t task) {
-    const int64_t b = task / n_head, h = task % n_head, kv_head = h / group;
-    const float* k_head = ks + b * max_len * row + kv_head * head_dim;
-    const float* v_head = vs + b * max_len * row + kv_head * head_dim;
-    std::vector<float> scores(static_cast<size_t>(start + n_query));
+  // Partials of (batch row, query, head, chunk): head_dim weighted values, then the max and the sum.
+  const int64_t stride = head_dim + 2;
+  thread_local std::vector<float> partials;
+  partials.resize(static_cast<size_t>(batch * n_query * n_head * n_chunks * stride));
+  float* parts = partials.data();
+  auto part = [=](int64_t b, int64_t t, int64_t h, int64_t c) {
+    return parts + (((b * n_query + t) * n_head + h) * n_chunks + c) * stride;
+  };
+
+  parallel_for(pool, batch * n_chunks, [=](int64_t task) {
+    const int64_t b = task / n_chunks, c = task % n_chunks, first = c * kChunkKeys;
+    thread_local std::vector<float> scaled, scores, out, m, l;
+    scaled.resize(group * head_dim);
+    scores.resize(group * kChunkKeys);
+    out.resize(group * head_dim);
+    m.resize(group);
+    l.resize(group);
     for (int64_t t = 0; t < n_query; ++t) {
-      const float* query = qs + ((b * n_query + t) * n_head + h) * head_dim;
-      float* o = os + ((b * n_query + t) * n_head + h) * head_dim;
-      const int64_t n_keys = start + t + 1;  // causal: positions 0 .. start + t
-      float max_score = -INFINITY;
-      for (int64_t j = 0; j < n_keys; ++j) {
-        scores[j] = scale * dot(query, k_head + j * row, n);
-        max_score = std::fmax(max_score, scores[j]);
+      const int64_t n_keys = std::min(kChunkKeys, start + t + 1 - first);  // causal: positions 0 .. start + t
+      for (int64_t kv_head = 0; kv_head < n_head_kv; ++kv_head) {
+        const int64_t h0 = kv_head * group;
+        if (n_keys <= 0) {
+          for (int64_t g = 0; g < group; ++g) part(b, t, h0 + g, c)[head_dim] = -INFINITY;
+          continue;
+        }
+        const float* query = qs + ((b * n_query + t) * n_head + h0) * head_dim;  // the group's heads are adjacent
+        for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query[i] * scale;
+        const int64_t offset = (b * max_len + first) * row + kv_head * head_dim;
+        attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), ks + offset, vs + offset,
+                     row, n_keys, scores.data(), m.data(), l.data(), out.data());
+        for (int64_t g = 0; g < group; ++g) {
+          float* p = part(b, t, h0 + g, c);
+          std::copy(out.data() + g * head_dim, out.data() + (g + 1) * head_dim, p);
+          p[head_dim] = m[g];
+          p[head_dim + 1] = l[g];
+        }
       }
-      float total = 0.0f;
-      for (int64_t j = 0; j < n_keys; ++j) total += (scores[j] = std::exp(scores[j] - max_score));
-      std::fill(o, o + head_dim, 0.0f);
-      for (int64_t j = 0; j < n_keys; ++j) axpy(scores[j] / total, v_head + j * row, o, n);
     }
   });
+
+  // Merge the chunks: rescale each by exp(its max - the overall max).
+  float* os = out->typed_data();
+  for (int64_t i = 0; i < batch * n_query * n_head; ++i) {
+    const float* first = parts + i * n_chunks * stride;
+    float max_all = -INFINITY;
+    for (int64_t c = 0; c < n_chunks; ++c) max_all = std::fmax(max_all, first[c * stride + head_dim]);
+    float* o = os + i * head_dim;
+    std::fill(o, o + head_dim, 0.0f);
+    float total = 0.0f;
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      const float* p = first + c * stride;
+      if (p[head_dim] == -INFINITY) continue;  // a chunk wholly after this query
+      const float w = std::exp(p[head_dim] - max_all);
+      total += w * p[head_dim + 1];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += w * p[d];
+    }
+    for (int64_t d = 0; d < head_dim; ++d) o[d] /= total;
+  }
   return ffi::Error::Success();
 }
 

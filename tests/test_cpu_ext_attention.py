@@ -19,6 +19,9 @@ def caches(seed, n_layer, batch, max_len, n_head_kv, head_dim, filled):
     (1, 1, 9, 3, 64, 700),
     (2, 4, 4, 4, 16, 5),      # batch, no GQA, a micro-batch
     (1, 3, 8, 1, 40, 30),     # multi-query, a head size that is not a multiple of 16
+    (1, 12, 9, 3, 64, 60),    # queries on both sides of a 64-key chunk boundary: partials merged per query
+    (2, 2, 4, 2, 128, 130),   # the other unrolled head size, three chunks
+    (1, 1, 2, 1, 80, 5),      # a head size with a 16-lane body and no tail
 ])
 def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_head_kv, head_dim, start):
     max_len, layer = 768, 2
