@@ -3,12 +3,15 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
 --ctx_size positions as `generate` allocates. Compile time is excluded.
 
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--repetitions 3] [--json]
-        [--sparsity hidden:0.5 [--down_t_type same]] [--llama_bench path/to/llama-bench [--threads 2]]
+        [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
+        [--llama_bench path/to/llama-bench [--threads 2]]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
 repetition of the largest pp and of tg). With --llama_bench (a llama.cpp build you have; nothing is downloaded or
 built here) llama-bench runs the same tests on the same model right after, and the ratios are printed: absolute
-numbers on shared machines are noisy, ratios measured in one run much less so.
+numbers on shared machines are noisy, ratios measured in one run much less so. With --compare_dense, tg of the
+dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of weight
+bytes a decode step skips (counted from the neurons active on the generated tokens).
 """
 
 import json
@@ -35,6 +38,8 @@ flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity, as generate's
 flags.DEFINE_string("down_t_type", "same", "as generate's --down_t_type")
 flags.DEFINE_string("llama_bench", None, "path to llama.cpp's llama-bench: run it on the same model and report ratios")
 flags.DEFINE_integer("threads", 2, "llama-bench threads (-t)")
+flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense and the sparse model alternately "
+                  "(--repetitions each) and compare the speed-up with the share of weight bytes not read")
 FLAGS = flags.FLAGS
 
 
@@ -50,16 +55,55 @@ def time_prefill(m, n_tokens, repetitions):
     return n_tokens / min(times[1:])
 
 
-def time_decode(m, n_tokens, repetitions):
-    """generate's own decode loop (greedy, stop tokens ignored) after a one-token prompt: n_tokens decode steps."""
+def decode_rates(m, n_tokens, repetitions) -> tuple[list[float], list[int]]:
+    """generate's own decode loop (greedy, stop tokens ignored) after a one-token prompt: n_tokens decode steps,
+    `repetitions` timed runs after an untimed one -> (tokens/s of each timed run, the tokens generated)."""
+    prompt = [m.tokenizer.bos_id or 0]
     rates = []
     for _ in range(repetitions + 1):
         stats = engine.GenerationStats()
-        for _ in engine.generate_tokens(m, [m.tokenizer.bos_id or 0], n_tokens + 1, max(FLAGS.ctx_size, n_tokens + 1),
-                                        SamplingParams(temperature=0), 0, stats, stop_ids=frozenset()):
-            pass
+        tokens = list(engine.generate_tokens(m, prompt, n_tokens + 1, max(FLAGS.ctx_size, n_tokens + 1),
+                                             SamplingParams(temperature=0), 0, stats, stop_ids=frozenset()))
         rates.append((stats.generated_tokens - 1) / stats.decode_seconds)
-    return max(rates[1:])
+    return rates[1:], prompt + tokens
+
+
+def decode_weight_bytes(m, tokens) -> tuple[float, float]:
+    """(bytes of weights a decode step reads, share of FFN neurons active) for `tokens`: every matrix (a tied output
+    once, the embedding only if it is also the output), the transposed down projections only for active neurons,
+    counted by running the model over the tokens with its own sparsity."""
+    layers = m.weights.layers
+    matrices = [w for layer in layers for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output,
+                                                 layer.ffn_gate, layer.ffn_up, layer.ffn_down, layer.fc1, layer.fc2)
+                if w is not None] + [m.weights.output]
+    total = sum(w.nbytes for w in matrices)
+    counts = sparsity.reduce_over_windows(m, np.array([tokens]), sparsity.count_active, n_seq=1, desc="counting")
+    active = float(np.sum(counts)) / (len(tokens) * m.config.n_ff * len(layers))
+    total += sum(layer.ffn_down_t.nbytes * float(np.sum(c)) / (len(tokens) * m.config.n_ff)
+                 for layer, c in zip(layers, counts) if layer.ffn_down_t is not None)
+    return total, active
+
+
+def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
+    """tg of the dense and the sparse model, timed alternately so that load from other processes hits both alike,
+    against the share of weight bytes the sparse model does not read."""
+    n = FLAGS.tg
+    dense_rates, sparse_rates = [], []
+    for _ in range(FLAGS.repetitions):
+        dense_rates += decode_rates(dense, n, 1)[0]
+        rates, tokens = decode_rates(sparse, n, 1)
+        sparse_rates += rates
+    dense_tg, sparse_tg = float(np.median(dense_rates)), float(np.median(sparse_rates))
+    dense_bytes, _ = decode_weight_bytes(dense, tokens)
+    sparse_bytes, active = decode_weight_bytes(sparse, tokens)
+    saved = 1 - sparse_bytes / dense_bytes
+    print(f"tg{n}: dense {dense_tg:.2f} / --sparsity {spec} {sparse_tg:.2f} tokens/s (medians of "
+          f"{len(dense_rates)} alternating runs) = {sparse_tg / dense_tg:.3f}x", flush=True)
+    print(f"weights read per decode step: dense {dense_bytes / 2**20:.1f} MiB, sparse {sparse_bytes / 2**20:.1f} MiB "
+          f"({100 * active:.1f}% of FFN neurons active on these tokens): {100 * saved:.1f}% fewer bytes, "
+          f"{1 / (1 - saved):.3f}x if speed followed bytes", flush=True)
+    return {"dense_generation_tokens_per_s": dense_tg, "sparse_generation_tokens_per_s": sparse_tg,
+            "sparse_speedup": sparse_tg / dense_tg, "bytes_saved_share": saved, "active_share": active}
 
 
 def run_llama_bench(path, pp, tg) -> dict[str, float]:
@@ -84,14 +128,18 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     runtime.enable_compilation_cache()
     spec = sparsity.parse_spec(FLAGS.sparsity)
-    m = sparsity.apply(engine.load_model(FLAGS.model), spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
+    if FLAGS.compare_dense and spec.mode == "dense":
+        raise JaxinferError("--compare_dense needs a --sparsity other than dense")
+    dense = engine.load_model(FLAGS.model)
+    m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     results = {}
     for n in [int(p) for p in FLAGS.pp]:
         results[f"pp{n}"] = time_prefill(m, n, FLAGS.repetitions)
         print(f"pp{n}: {results[f'pp{n}']:.1f} tokens/s", flush=True)
-    results[f"tg{FLAGS.tg}"] = time_decode(m, FLAGS.tg, FLAGS.repetitions)
+    results[f"tg{FLAGS.tg}"] = max(decode_rates(m, FLAGS.tg, FLAGS.repetitions)[0])
     print(f"tg{FLAGS.tg}: {results[f'tg{FLAGS.tg}']:.2f} tokens/s", flush=True)
+    comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
     if FLAGS.llama_bench:
         llama = run_llama_bench(m.path, FLAGS.pp, FLAGS.tg)
         for test, ours in results.items():
@@ -102,7 +150,8 @@ def main(argv):
         print(json.dumps({"model": m.path, "backend": jax.default_backend(),
                           "prompt_tokens_per_s": round(results[f"pp{largest_pp}"], 2),
                           "generation_tokens_per_s": round(results[f"tg{FLAGS.tg}"], 2), **{
-                              k: round(v, 2) for k, v in results.items()}}))
+                              k: round(v, 2) for k, v in results.items()},
+                          **{k: round(v, 4) for k, v in comparison.items()}}))
 
 
 if __name__ == "__main__":

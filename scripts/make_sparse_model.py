@@ -6,6 +6,11 @@ benchmarked at real shapes (up to 7B) without downloading a model. See jaxinfer/
 
     python scripts/make_sparse_model.py -o sparse-tiny.gguf
     python scripts/make_sparse_model.py --shape 7b --weight_type Q4_0 -o sparse-7b.gguf   # ~3.8 GB
+
+With --sparsity 0 it writes a plain llama file instead (SwiGLU, random weights, no predictors): a model for the
+training-free sparsity modes (calibrate, then --sparsity hidden:S), e.g. four 7B-shaped layers (436 MiB):
+
+    python scripts/make_sparse_model.py --shape 7b --n_layer 4 --sparsity 0 -o llama7b-4l.gguf
 """
 
 import dataclasses
@@ -29,7 +34,8 @@ flags.DEFINE_enum("shape", "tiny", list(SHAPES), "preset shape (overridden by th
 flags.DEFINE_integer("n_layer", None, "layers")
 flags.DEFINE_integer("n_embd", None, "hidden size")
 flags.DEFINE_integer("n_ff", None, "FFN neurons per layer")
-flags.DEFINE_float("sparsity", 0.9, "mean share of inactive FFN neurons per token")
+flags.DEFINE_float("sparsity", 0.9, "mean share of inactive FFN neurons per token; 0: a plain llama file "
+                   "(SwiGLU, no predictors)")
 flags.DEFINE_float("power_law", 1.0, "firing frequency of the k-th hottest neuron ~ k^-power_law")
 flags.DEFINE_string("weight_type", "Q4_0", "GGML type of the large matrices (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, ...)")
 flags.DEFINE_integer("seed", 0, "random seed")
@@ -42,8 +48,8 @@ def main(argv):
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.output:
         raise JaxinferError("-o/--output is required")
-    if not 0 < FLAGS.sparsity < 1:
-        raise JaxinferError(f"--sparsity must be in (0, 1), got {FLAGS.sparsity}")
+    if not 0 <= FLAGS.sparsity < 1:
+        raise JaxinferError(f"--sparsity must be in [0, 1), got {FLAGS.sparsity}")
     try:
         weight_type = GGMLQuantizationType[FLAGS.weight_type.upper()]
     except KeyError:
@@ -53,8 +59,9 @@ def main(argv):
         n_layer=FLAGS.n_layer or n_layer, n_embd=FLAGS.n_embd or n_embd, n_ff=FLAGS.n_ff or n_ff, n_head=n_head,
         n_head_kv=n_head_kv, n_vocab=n_vocab, n_ctx=4096, weight_type=weight_type,
         embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
-        sparsity=FLAGS.sparsity, power_law=FLAGS.power_law, seed=FLAGS.seed)
-    print(f"writing a SYNTHETIC (random-weight) sparse model: {dataclasses.asdict(spec)}", file=sys.stderr)
+        sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed)
+    kind = "sparse model" if spec.sparsity else "plain llama model"
+    print(f"writing a SYNTHETIC (random-weight) {kind}: {dataclasses.asdict(spec)}", file=sys.stderr)
     write_model(FLAGS.output, spec, progress=True)
     print(f"wrote {FLAGS.output} ({os.path.getsize(FLAGS.output) / 2**20:.1f} MiB)")
 

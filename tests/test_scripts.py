@@ -1,0 +1,53 @@
+"""The benchmark scripts run end to end on a tiny model (their numbers are not checked: speed lives in the scripts,
+not in tests), and what they count is right."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+
+
+def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path):
+    """A plain synthetic llama (make_sparse_model --sparsity 0), calibrated for hidden:0.5: --compare_dense reports
+    both speeds and a share of weight bytes saved that is the skipped share of the down projections."""
+    model = str(tmp_path / "plain.gguf")
+    made = run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "2", "--n_embd", "64",
+               "--n_ff", "256")
+    assert made.returncode == 0 and "plain llama" in made.stderr, made.stderr
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    calibrated = run("-m", "jaxinfer.calibrate", "-m", model, "-f", str(text), "-c", "32", "--levels", "0.5")
+    assert calibrated.returncode == 0, calibrated.stderr
+    result = run("scripts/bench_generate.py", "-m", model, "--pp", "16", "--tg", "8", "--repetitions", "1", "-c", "64",
+                 "--sparsity", "hidden:0.5", "--compare_dense", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["dense_generation_tokens_per_s"] > 0 and report["sparse_generation_tokens_per_s"] > 0
+
+    from jaxinfer import engine
+
+    m = engine.load_model(model)
+    layers = m.weights.layers
+    down = sum(layer.ffn_down.nbytes for layer in layers)
+    total = sum(w.nbytes for layer in layers for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output,
+                                                        layer.ffn_gate, layer.ffn_up, layer.ffn_down))
+    total += m.weights.output.nbytes
+    # Same-type transposition keeps a down projection's bytes, so the saving is the inactive share of them.
+    expected = (1 - report["active_share"]) * down / total
+    assert 0 < report["active_share"] < 1
+    np.testing.assert_allclose(report["bytes_saved_share"], expected, rtol=1e-3)
+
+
+def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
+    result = run("scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"), "--sparsity", "1.5")
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
