@@ -50,7 +50,7 @@ __attribute__((always_inline)) inline F32x16 load(const float* p) {
 __attribute__((always_inline)) inline void store(float* p, F32x16 v) { std::memcpy(p, &v, sizeof v); }
 __attribute__((always_inline)) inline F32x16 splat(float x) { return F32x16{} + x; }
 
-__attribute__((always_inline)) inline float sum_lanes(F32x16 v) {  // a tree, so the halves add in vector registers
+__attribute__((always_inline)) inline float sum_lanes(const F32x16& v) {  // a tree, so the halves add in vector registers
   typedef float F32x8 __attribute__((vector_size(32)));
   typedef float F32x4 __attribute__((vector_size(16)));
   const F32x8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
@@ -62,7 +62,7 @@ __attribute__((always_inline)) inline float sum_lanes(F32x16 v) {  // a tree, so
 // exp(x) for x <= 0 (scores minus their maximum), to about 2e-7 relative: x = (n + r) ln 2 with n an integer and
 // |r| <= 1/2, 2^n built in the exponent bits, e^(r ln 2) a degree-6 Taylor polynomial. Below -87 the result is
 // ~1e-38 instead of 0 (harmless as a softmax weight).
-__attribute__((always_inline)) inline F32x16 exp_nonpositive(F32x16 x) {
+__attribute__((always_inline)) inline F32x16 exp_nonpositive(const F32x16& x) {
   const F32x16 t = (x < -87.0f ? splat(-87.0f) : x) * 1.44269504f;
   const I32x16 n = __builtin_convertvector(t - 0.5f, I32x16);  // truncation toward zero: round(t) for t <= 0
   const F32x16 y = (t - __builtin_convertvector(n, F32x16)) * 0.69314718f;

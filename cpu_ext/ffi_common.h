@@ -30,17 +30,24 @@ struct TypeInfo {
   QuantDot Kernels::*quant_dot;  // exactly one of these two is set
   FloatDot Kernels::*float_dot;
   Axpy Kernels::*axpy;
+  QuantDot4 Kernels::*quant_dot4;  // null where no four-token dot exists
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
   switch (qtype) {
-    case kF32: *info = {1, 4, ffi::DataType::F32, nullptr, &Kernels::f32, &Kernels::axpy_f32}; return true;
-    case kF16: *info = {1, 2, ffi::DataType::F16, nullptr, &Kernels::f16, &Kernels::axpy_f16}; return true;
-    case kQ4_0: *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0}; return true;
-    case kQ4_1: *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1}; return true;
-    case kQ8_0: *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0}; return true;
-    case kQ4_K: *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k}; return true;
-    case kQ6_K: *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k}; return true;
+    case kF32: *info = {1, 4, ffi::DataType::F32, nullptr, &Kernels::f32, &Kernels::axpy_f32, nullptr}; return true;
+    case kF16: *info = {1, 2, ffi::DataType::F16, nullptr, &Kernels::f16, &Kernels::axpy_f16, nullptr}; return true;
+    case kQ4_0:
+      *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0, &Kernels::q4_0_x4};
+      return true;
+    case kQ4_1:
+      *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4};
+      return true;
+    case kQ8_0:
+      *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4};
+      return true;
+    case kQ4_K: *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k, nullptr}; return true;
+    case kQ6_K: *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k, nullptr}; return true;
     default: return false;
   }
 }
@@ -144,6 +151,7 @@ class RowDot {
       return;
     }
     quant_dot_ = k.*info.quant_dot;
+    if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
     xq.resize(static_cast<size_t>(m * blocks_));
     BlockQ8* out = xq.data();
     const auto quantize_row = k.quantize_row;
@@ -160,6 +168,12 @@ class RowDot {
     return float_dot_ != nullptr ? float_dot_(w_row, x_ + t * cols_, n_) : quant_dot_(w_row, xq_ + t * blocks_, n_);
   }
 
+  // out[i] = W row · x[t + i] for i < 4.
+  void four(const uint8_t* w_row, int64_t t, float* out) const {
+    if (quant_dot4_ != nullptr) return quant_dot4_(w_row, xq_ + t * blocks_, blocks_, n_, out);
+    for (int i = 0; i < 4; ++i) out[i] = (*this)(w_row, t + i);
+  }
+
  private:
   const float* x_;
   const BlockQ8* xq_ = nullptr;
@@ -167,6 +181,7 @@ class RowDot {
   int n_;
   FloatDot float_dot_ = nullptr;
   QuantDot quant_dot_ = nullptr;
+  QuantDot4 quant_dot4_ = nullptr;
 };
 
 }  // namespace jaxinfer_cpu

@@ -23,11 +23,20 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   const auto* ws = static_cast<const uint8_t*>(w.untyped_data());
   float* ys = y->typed_data();
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch().xq);
-  // Each task is a band of output rows for all m tokens: the band's weights are read from memory once.
+  // Each task is a band of output rows for all m tokens: the band's weights are read from memory once, and each
+  // row is dotted with four tokens at a time.
   const int64_t band = rows_per_task(pool, rows);
   parallel_for(pool, (rows + band - 1) / band, [=](int64_t task) {
     const int64_t r0 = task * band, r1 = std::min(rows, r0 + band);
-    for (int64_t t = 0; t < m; ++t) {
+    int64_t t = 0;
+    for (; t + 4 <= m; t += 4) {
+      for (int64_t r = r0; r < r1; ++r) {
+        float out[4];
+        dot.four(ws + r * row_bytes, t, out);
+        for (int i = 0; i < 4; ++i) ys[(t + i) * rows + r] = out[i];
+      }
+    }
+    for (; t < m; ++t) {
       for (int64_t r = r0; r < r1; ++r) ys[t * rows + r] = dot(ws + r * row_bytes, t);
     }
   });

@@ -86,7 +86,10 @@ const Kernels& avx2_kernels() {
                             avx2::axpy_q4_k,
                             avx2::axpy_q6_k,
                             avx2::axpy_floats<uint16_t>,
-                            avx2::axpy_floats<float>};
+                            avx2::axpy_floats<float>,
+                            avx2::dot_q8_0_x4,
+                            avx2::dot_q4_0_x4,
+                            avx2::dot_q4_1_x4};
   return k;
 }
 

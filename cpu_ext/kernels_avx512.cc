@@ -74,7 +74,10 @@ const Kernels& avx512_kernels() {
                             avx512::axpy_q4_k,
                             avx512::axpy_q6_k,
                             avx512::axpy_floats<uint16_t>,
-                            avx512::axpy_floats<float>};
+                            avx512::axpy_floats<float>,
+                            avx512::dot_q8_0_x4,
+                            avx512::dot_q4_0_x4,
+                            avx512::dot_q4_1_x4};
   return k;
 }
 

@@ -74,18 +74,22 @@ inline void unpack_q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
 // Row dot products. A quantized row of `n` values is n / 32 activation blocks and n / block_size weight blocks.
 using QuantDot = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n);
 using FloatDot = float (*)(const void* w_row, const float* x_row, int n);
+// One row against four tokens' activations (rows x_row, x_row + x_stride, ... in blocks): out[i] = W row · x[i].
+// Each weight block is unpacked once for the four, which is most of a block's work.
+using QuantDot4 = void (*)(const uint8_t* w_row, const BlockQ8* x_row, int64_t x_stride, int n, float* out);
 // Row axpys for the sparse down projection: y[0, n) += sum over r < n_rows of h[r] * W_r[0, n), where w_rows[r]
 // points at the first block of n values of row r (n a multiple of the block size). h stays f32: each weight block
 // is dequantized to f32 and multiplied in, as dequantize(W) and an f32 product would.
 using Axpy = void (*)(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n);
 
-// One implementation per instruction set; a null entry means "use the scalar one".
+// One implementation per instruction set; a null entry means "use the scalar one" (but see QuantDot4 below).
 struct Kernels {
   const char* isa;
   QuantDot q8_0, q4_0, q4_1, q4_k, q6_k;
   FloatDot f16, f32;
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
   Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q4_k, axpy_q6_k, axpy_f16, axpy_f32;
+  QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4;  // SIMD only; null: four single dots
 };
 
 const Kernels& scalar_kernels();

@@ -170,9 +170,10 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend. F32 stays with XLA, whose own f32 GEMM is as good.
 CPU_KERNEL_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
-# The kernels read each weight once per call but are not tiled for many tokens: up to this many tokens per call they
-# beat dequantize + XLA's f32 GEMM (20-30x at 1 token, about even at 32-64), beyond it XLA is up to 3x faster.
-CPU_KERNEL_MAX_TOKENS = 32
+# The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
+# up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
+# token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
+CPU_KERNEL_MAX_TOKENS = 128
 
 
 @functools.cache

@@ -65,6 +65,20 @@ def check(x, data, qtype, rows, cols, y):
 
 
 @pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
+def test_a_token_gets_the_same_bits_in_any_batch(qtype, isa):
+    """Tokens in a batch are dotted four at a time (QuantDot4) and the rest one at a time: a token's output must not
+    depend on which path or batch it went through."""
+    rng = np.random.default_rng(7)
+    rows, cols = SHAPES[GGML_QUANT_SIZES[qtype][0]][-1]
+    data = random_weight(qtype, rows, cols, rng)
+    x = rng.normal(size=(11, cols)).astype(np.float32)
+    batched = np.asarray(cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=rows, cols=cols))
+    for i in range(len(x)):
+        alone = np.asarray(cpu_ext.quantized_matmul(x[i:i + 1], data, qtype=qtype, rows=rows, cols=cols))
+        np.testing.assert_array_equal(batched[i], alone[0])
+
+
+@pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
 def test_matches_reference(qtype, isa):
     rng = np.random.default_rng(int(qtype))
     for rows, cols in SHAPES[GGML_QUANT_SIZES[qtype][0]]:
