@@ -60,6 +60,8 @@ _OPS = {
 }
 for _op, (_symbol, _, _) in _OPS.items():
     jax.ffi.register_ffi_target(f"jaxinfer_{_op}", jax.ffi.pycapsule(getattr(_lib, _symbol)), platform="cpu")
+jax.ffi.register_ffi_target("jaxinfer_quantized_matmul_group", jax.ffi.pycapsule(_lib.QuantizedMatmulGroup),
+                            platform="cpu")
 jax.ffi.register_ffi_target("jaxinfer_cached_attention", jax.ffi.pycapsule(_lib.CachedAttention), platform="cpu")
 
 
@@ -141,6 +143,41 @@ def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationTy
 def quantized_matmul_reference(x: jax.Array, data: jax.Array, *, qtype, rows: int, cols: int) -> jax.Array:
     """The same product in plain jnp: dequantize W to f32 with jaxinfer.quant, then x @ W.T."""
     return jnp.asarray(x, jnp.float32) @ _dequantize(data, qtype, rows, cols).T
+
+
+@functools.cache
+def _group_call(qtype: GGMLQuantizationType, rows: tuple[int, ...], cols: int):
+    """The FFI call of quantized_matmul_group for one tuple of weight shapes. Under vmap over x only, the batch axis
+    folds into x's leading dims; vmap over a weight too maps the call over the batch."""
+
+    def call(x, *datas):
+        outs = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + (r,), jnp.float32) for r in rows)
+        attrs = dict(qtype=np.int64(int(qtype)), rows=np.array(rows, np.int64), cols=np.int64(cols))
+        return tuple(jax.ffi.ffi_call("jaxinfer_quantized_matmul_group", outs)(x, *datas, **attrs))
+
+    @jax.custom_batching.custom_vmap
+    def batched(x, *datas):
+        return call(x, *datas)
+
+    @batched.def_vmap
+    def _(axis_size, in_batched, x, *datas):
+        if any(in_batched[1:]):
+            args = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip((x, *datas), in_batched))
+            return jax.lax.map(lambda mapped: batched(*mapped), args), (True,) * len(rows)
+        return batched(x, *datas), (True,) * len(rows)
+
+    return batched
+
+
+def quantized_matmul_group(x: jax.Array, datas, *, qtype: GGMLQuantizationType, rows, cols: int) -> list[jax.Array]:
+    """[quantized_matmul(x, datas[i], rows=rows[i]) ...] in one call, for weights of one type and input size (a
+    layer's q/k/v, or gate/up): x is quantized once and the rows of all the weights are split over the threads
+    together. Gives the same bits as the separate calls."""
+    qtype = _check_type("quantized_matmul_group", qtype)
+    if len(datas) != len(rows):
+        raise ValueError(f"cpu_ext.quantized_matmul_group: {len(datas)} weights but {len(rows)} row counts")
+    call = _group_call(qtype, tuple(int(r) for r in rows), int(cols))
+    return list(call(jnp.asarray(x, jnp.float32), *datas))
 
 
 def masked_matmul(x: jax.Array, data: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,

@@ -1,45 +1,114 @@
-// XLA FFI handler: y[..., rows] = x[..., cols] · Wᵀ for a GGUF weight W [rows, cols] (see qmatmul.h, ffi_common.h).
+// XLA FFI handlers: y[..., rows] = x[..., cols] · Wᵀ for a GGUF weight W [rows, cols] (see qmatmul.h, ffi_common.h),
+// and the same for a group of weights sharing x, type and cols (a layer's q/k/v, or gate/up): one call quantizes x
+// once and splits the rows of all of them over the threads, instead of paying a call, a quantization and a thread
+// hand-off per weight (the default model's decode: 4.9 -> 4.2 ms per token for 4 calls per layer instead of 7).
+#include <string>
+
 #include "ffi_common.h"
 
 namespace jaxinfer_cpu {
 namespace {
 
+constexpr size_t kMaxGroup = 8;
+
+// One weight of a group: its blocks, row size and row count, and where its outputs go.
+struct Product {
+  const uint8_t* w;
+  int64_t row_bytes, rows;
+  float* y;
+};
+
+// ys of every product = x · Wᵀ. Each task is a band of rows, counted across the products in order, for all m tokens:
+// the band's weights are read from memory once, and each row is dotted with four tokens at a time.
+void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products, size_t n_products, int64_t m) {
+  int64_t total = 0;
+  for (size_t i = 0; i < n_products; ++i) total += products[i].rows;
+  const int64_t band = rows_per_task(pool, total);
+  Product own[kMaxGroup];
+  std::copy(products, products + n_products, own);
+  parallel_for(pool, (total + band - 1) / band, [=](int64_t task) {
+    int64_t start = 0;  // first row of product i in the count across products
+    for (size_t i = 0; i < n_products; start += own[i].rows, ++i) {
+      const int64_t r0 = std::max(task * band - start, int64_t{0});
+      const int64_t r1 = std::min((task + 1) * band - start, own[i].rows);
+      const Product& p = own[i];
+      int64_t t = 0;
+      for (; t + 4 <= m; t += 4) {
+        for (int64_t r = r0; r < r1; ++r) {
+          float out[4];
+          dot.four(p.w + r * p.row_bytes, t, out);
+          for (int k = 0; k < 4; ++k) p.y[(t + k) * p.rows + r] = out[k];
+        }
+      }
+      for (; t < m; ++t) {
+        for (int64_t r = r0; r < r1; ++r) p.y[t * p.rows + r] = dot(p.w + r * p.row_bytes, t);
+      }
+    }
+  });
+}
+
+// Checks x [..., cols] and returns the number of tokens m in *m.
+ffi::Error check_x(const std::string& op, const ffi::Buffer<ffi::F32>& x, int64_t cols, int64_t* m) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() < 1 || x_dims[x_dims.size() - 1] != cols) {
+    return ffi::Error::InvalidArgument(op + ": x must be [..., " + std::to_string(cols) + "]");
+  }
+  *m = x.element_count() / cols;
+  return ffi::Error::Success();
+}
+
+ffi::Error check_output(const std::string& op, const ffi::AnyBuffer& y, int64_t m, int64_t rows) {
+  if (y.element_type() != ffi::DataType::F32 || y.element_count() != static_cast<size_t>(m * rows)) {
+    return ffi::Error::InvalidArgument(op + ": output must be f32 [..., " + std::to_string(rows) + "]");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                               ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols) {
+                               ffi::Result<ffi::AnyBuffer> y, int64_t qtype, int64_t rows, int64_t cols) {
   TypeInfo info;
-  int64_t row_bytes;
+  int64_t row_bytes, m;
   if (ffi::Error error = check_weight("quantized_matmul", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
     return error;
   }
-  const auto x_dims = x.dimensions();
-  if (x_dims.size() < 1 || x_dims[x_dims.size() - 1] != cols) {
-    return ffi::Error::InvalidArgument("quantized_matmul: x must be [..., " + std::to_string(cols) + "]");
-  }
-  const int64_t m = x.element_count() / cols;
-  if (y->element_count() != static_cast<size_t>(m * rows)) {
-    return ffi::Error::InvalidArgument("quantized_matmul: output must be [..., " + std::to_string(rows) + "]");
-  }
-
-  const auto* ws = static_cast<const uint8_t*>(w.untyped_data());
-  float* ys = y->typed_data();
+  if (ffi::Error error = check_x("quantized_matmul", x, cols, &m); error.failure()) return error;
+  if (ffi::Error error = check_output("quantized_matmul", *y, m, rows); error.failure()) return error;
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch().xq);
-  // Each task is a band of output rows for all m tokens: the band's weights are read from memory once, and each
-  // row is dotted with four tokens at a time.
-  const int64_t band = rows_per_task(pool, rows);
-  parallel_for(pool, (rows + band - 1) / band, [=](int64_t task) {
-    const int64_t r0 = task * band, r1 = std::min(rows, r0 + band);
-    int64_t t = 0;
-    for (; t + 4 <= m; t += 4) {
-      for (int64_t r = r0; r < r1; ++r) {
-        float out[4];
-        dot.four(ws + r * row_bytes, t, out);
-        for (int i = 0; i < 4; ++i) ys[(t + i) * rows + r] = out[i];
-      }
+  const Product product{static_cast<const uint8_t*>(w.untyped_data()), row_bytes, rows,
+                        static_cast<float*>(y->untyped_data())};
+  multiply(pool, dot, &product, 1, m);
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                                    ffi::RemainingRets ys, int64_t qtype, ffi::Span<const int64_t> rows,
+                                    int64_t cols) {
+  const std::string op = "quantized_matmul_group";
+  const size_t n = ws.size();
+  if (n == 0 || n > kMaxGroup || ys.size() != n || rows.size() != n) {
+    return ffi::Error::InvalidArgument(op + ": 1 to " + std::to_string(kMaxGroup) + " weights, one output and one "
+                                       "row count each; got " + std::to_string(n) + " weights, " +
+                                       std::to_string(ys.size()) + " outputs, " + std::to_string(rows.size()) +
+                                       " row counts");
+  }
+  int64_t m;
+  if (ffi::Error error = check_x(op, x, cols, &m); error.failure()) return error;
+  TypeInfo info;
+  Product products[kMaxGroup];
+  for (size_t i = 0; i < n; ++i) {
+    const auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(op + ": weights and outputs are buffers");
+    int64_t row_bytes;
+    if (ffi::Error error = check_weight(op, *w, qtype, rows[i], cols, &info, &row_bytes); error.failure()) {
+      return error;
     }
-    for (; t < m; ++t) {
-      for (int64_t r = r0; r < r1; ++r) ys[t * rows + r] = dot(ws + r * row_bytes, t);
-    }
-  });
+    if (ffi::Error error = check_output(op, **y, m, rows[i]); error.failure()) return error;
+    products[i] = {static_cast<const uint8_t*>(w->untyped_data()), row_bytes, rows[i],
+                   static_cast<float*>((*y)->untyped_data())};
+  }
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch().xq);
+  multiply(pool, dot, products, n, m);
   return ffi::Error::Success();
 }
 
@@ -51,7 +120,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, jaxinfer_cpu::QuantizedMatmulImpl
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., cols]
                                   .Arg<ffi::AnyBuffer>()         // W: uint8 blocks [rows, bytes], or f16/f32 [rows, cols]
-                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [..., rows]
+                                  .Ret<ffi::AnyBuffer>()         // y [..., rows], f32
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulGroup, jaxinfer_cpu::QuantizedMatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [..., cols]
+                                  .RemainingArgs()               // W_1 .. W_n, as QuantizedMatmul's W
+                                  .RemainingRets()               // y_1 .. y_n [..., rows_i], f32
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<ffi::Span<const int64_t>>("rows")
                                   .Attr<int64_t>("cols"));

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jaxinfer import attention, sparse_ffn
 from jaxinfer.config import Config
 from pallas_kernels import attention as flash_attention
-from jaxinfer.quant import QuantArray, cpu_kernels, matmul, take_rows
+from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, take_rows
 
 
 @jax.tree_util.register_dataclass
@@ -119,9 +119,10 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None):
 def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config):
     """x [B, T, d] at `positions` [T] -> ([B, T, d], cache with this layer's K/V written at those positions)."""
     b, t, _ = x.shape
-    q = rope(matmul(x, layer.attn_q).reshape(b, t, cfg.n_head, cfg.head_dim), positions, cfg)
-    k = rope(matmul(x, layer.attn_k).reshape(b, t, cfg.n_head_kv, cfg.head_dim), positions, cfg)
-    v = matmul(x, layer.attn_v).reshape(b, t, cfg.n_head_kv, cfg.head_dim)
+    q, k, v = matmuls(x, (layer.attn_q, layer.attn_k, layer.attn_v))
+    q = rope(q.reshape(b, t, cfg.n_head, cfg.head_dim), positions, cfg)
+    k = rope(k.reshape(b, t, cfg.n_head_kv, cfg.head_dim), positions, cfg)
+    v = v.reshape(b, t, cfg.n_head_kv, cfg.head_dim)
     if cache is None:
         out = attention_kernel(q, k, v, positions, cfg)
     else:

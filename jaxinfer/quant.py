@@ -226,6 +226,18 @@ def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     return jnp.einsum("...i,oi->...o", x, dequantize(w))
 
 
+def matmuls(x: jax.Array, ws) -> list[jax.Array]:
+    """[matmul(x, w) for w in ws]. Where cpu_ext would run each of them and they share a type and input size (a
+    layer's q/k/v, gate/up), it runs them as one kernel call: x is quantized once and one split of the rows over
+    the threads serves all the weights (the default model's decode: 4.9 -> 4.2 ms per token)."""
+    kernels = _kernels(x, ws[0])
+    if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape[1]) == (ws[0].qtype, ws[0].shape[1])
+                                   for w in ws[1:]):
+        return kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=ws[0].qtype,
+                                              rows=[w.shape[0] for w in ws], cols=ws[0].shape[1])
+    return [matmul(x, w) for w in ws]
+
+
 def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
     """matmul(x, w) where `mask` [..., rows] is set, else 0. The cpu_ext kernel reads only the rows some token
     needs (sparse up/gate projections); the XLA path computes all rows and masks them, the reference semantics."""

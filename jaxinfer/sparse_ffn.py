@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import Config
-from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, matmul
+from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, matmul, matmuls
 
 ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v}
 
@@ -64,8 +64,9 @@ def ffn(x, ffn_inp, layer, cfg: Config):
         active = jnp.abs(gate) > layer.ffn_threshold
         hidden = gate * up_act(masked_matmul(x, layer.ffn_up, active))
     else:
-        gate = gate_act(matmul(x, layer.ffn_gate))
-        hidden = gate * up_act(matmul(x, layer.ffn_up))
+        gate, up = matmuls(x, (layer.ffn_gate, layer.ffn_up))
+        gate = gate_act(gate)
+        hidden = gate * up_act(up)
         active = jnp.abs(hidden) > layer.ffn_threshold if cfg.ffn_sparsity == "hidden" else hidden != 0
     out = down_projection(hidden, active, layer)
     return out, FFNTrace(ffn_inp, gate, hidden, active)

@@ -126,6 +126,58 @@ def test_quant_matmul_uses_kernels_on_cpu_unless_exact():
     np.testing.assert_allclose(jax.jit(quant.matmul)(x, exact_w), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
+def test_group_gives_the_bits_of_separate_calls(qtype, isa):
+    """quantized_matmul_group (one call for q/k/v or gate/up) equals the separate products bit for bit, for weights
+    of different row counts and for batches that take the four-token path and the single one."""
+    rng = np.random.default_rng(8)
+    cols = SHAPES[GGML_QUANT_SIZES[qtype][0]][-1][1]
+    rows = [67, 5, 1]
+    datas = [random_weight(qtype, r, cols, rng) for r in rows]
+    for batch in (1, 6):
+        x = rng.normal(size=(batch, cols)).astype(np.float32)
+        grouped = jax.jit(lambda x, *d: cpu_ext.quantized_matmul_group(x, list(d), qtype=qtype, rows=rows,
+                                                                         cols=cols))(x, *datas)
+        for y, data, r in zip(grouped, datas, rows):
+            assert y.shape == (batch, r)
+            separate = cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=r, cols=cols)
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(separate))
+
+
+def test_group_under_vmap_and_bad_input():
+    rng = np.random.default_rng(9)
+    rows, cols = [40, 8], 256
+    datas = [random_weight(Q.Q8_0, r, cols, rng) for r in rows]
+    x = rng.normal(size=(3, 5, cols)).astype(np.float32)
+
+    def f(x, first):
+        return cpu_ext.quantized_matmul_group(x, [first, datas[1]], qtype=Q.Q8_0, rows=rows, cols=cols)
+
+    over_x = jax.jit(jax.vmap(f, in_axes=(0, None)))(x, datas[0])
+    over_both = jax.jit(jax.vmap(f, in_axes=(0, 0)))(x, np.stack([datas[0]] * 3))
+    for i in range(3):
+        for y in (over_x, over_both):
+            check(x[i], datas[0], Q.Q8_0, rows[0], cols, y[0][i])
+            check(x[i], datas[1], Q.Q8_0, rows[1], cols, y[1][i])
+    with pytest.raises(Exception, match="weight must be"):  # row counts swapped
+        jax.block_until_ready(cpu_ext.quantized_matmul_group(x[0], datas, qtype=Q.Q8_0, rows=rows[::-1], cols=cols))
+    with pytest.raises(ValueError, match="2 weights but 1 row counts"):
+        cpu_ext.quantized_matmul_group(x[0], datas, qtype=Q.Q8_0, rows=rows[:1], cols=cols)
+
+
+def test_quant_matmuls_groups_only_what_the_kernels_take():
+    """quant.matmuls is [quant.matmul(x, w) ...] whether it groups (same type and cols), mixes types (separate
+    calls) or multiplies exactly."""
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
+    q4 = [quant.from_gguf_data(random_weight(Q.Q4_1, r, 64, rng), Q.Q4_1, (r, 64)) for r in (8, 4)]
+    q8 = quant.from_gguf_data(random_weight(Q.Q8_0, 6, 64, rng), Q.Q8_0, (6, 64))
+    for ws in (q4, [q4[0], q8], [dataclasses.replace(w, exact=True) for w in q4]):
+        got = jax.jit(quant.matmuls)(x, ws)
+        for y, w in zip(got, ws):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(quant.matmul)(x, w)))
+
+
 @pytest.mark.parametrize(
     "case, match",
     [
