@@ -112,6 +112,15 @@ class DecodeState:
     stopped: jax.Array  # bool []: a stop token came out; further steps do nothing
 
 
+def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams) -> DecodeState:
+    """The state after `state.token` was fed and gave `logits`: the fed token joins the repeat-penalty window and
+    the next token is sampled with a fresh subkey."""
+    key, subkey = jax.random.split(state.key)
+    recent = jnp.concatenate([state.recent[:, 1:], state.token[:, None]], axis=1)
+    token = sample(logits, recent, subkey, params)
+    return DecodeState(token, recent, key, jnp.any(jnp.isin(token, stop_ids)))
+
+
 @partial(jax.jit, static_argnames=("n_steps",), donate_argnames=("cache",))
 def decode_chunk(state: DecodeState, budget, stop_ids, weights, cache, cfg, params, n_steps: int):
     """Up to `n_steps` decode steps, each feeding the latest token and sampling the next, in one XLA while loop;
@@ -124,12 +133,9 @@ def decode_chunk(state: DecodeState, budget, stop_ids, weights, cache, cfg, para
 
     def decode(carry):
         step, state, cache, tokens = carry
-        key, subkey = jax.random.split(state.key)
-        recent = jnp.concatenate([state.recent[:, 1:], state.token[:, None]], axis=1)
         logits, cache = model.decode_step(state.token, weights, cache, cfg)
-        token = sample(logits, recent, subkey, params)
-        stopped = jnp.any(jnp.isin(token, stop_ids))
-        return step + 1, DecodeState(token, recent, key, stopped), cache, tokens.at[step].set(token)
+        state = sample_next(state, logits, stop_ids, params)
+        return step + 1, state, cache, tokens.at[step].set(state.token)
 
     tokens = jnp.full((n_steps, state.token.shape[0]), -1, jnp.int32)
     _, state, cache, tokens = jax.lax.while_loop(more, decode, (jnp.int32(0), state, cache, tokens))
@@ -266,12 +272,9 @@ def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: Sampl
     def hybrid_decode(state, n_steps, cache):
         tokens = np.full((DECODE_CHUNK, 1), -1, np.int32)
         for step in range(n_steps):
-            key, subkey = jax.random.split(state.key)
-            recent = jnp.concatenate([state.recent[:, 1:], state.token[:, None]], axis=1)
             logits, cache = hybrid.decode_step(state.token, hw, cache, m.config, placement)
-            token = _sample(logits, recent, subkey, params)
-            tokens[step] = np.asarray(token)
-            state = DecodeState(token, recent, key, jnp.asarray(np.isin(tokens[step], stop_ids).any()))
+            state = _sample_next(state, logits, stop_ids, params)
+            tokens[step] = np.asarray(state.token)
             if state.stopped:
                 break
         return tokens, state, cache
@@ -280,6 +283,7 @@ def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: Sampl
 
 
 _sample = jax.jit(sample)
+_sample_next = jax.jit(sample_next)
 
 
 @dataclasses.dataclass
