@@ -21,6 +21,7 @@ void quantize_row(const float* x, BlockQ8* out, int n) {
       }
       out[b].sum[h] = (int16_t)sum;
     }
+    out[b].dsum = d * (float)(out[b].sum[0] + out[b].sum[1]);
   }
 }
 

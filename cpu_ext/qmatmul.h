@@ -12,16 +12,17 @@ namespace jaxinfer_cpu {
 constexpr int kQK = 32;    // activation block, and the block of Q4_0/Q4_1/Q8_0 and the sub-block of Q4_K
 constexpr int kQK_K = 256; // K-quant super-block
 
-// One activation block (40 bytes):  | d:f32 | sum:int16[2] | qs:int8[32] |      x[i] ≈ d * qs[i]
-//   qs in [-127, 127]; sum[h] = qs[16h] + ... + qs[16h+15]. The two half sums turn every weight offset into one
-//   multiply per block: Q4_0 (q - 8), Q4_1 (+ m), Q4_K (- min) use sum[0] + sum[1]; Q6_K (q - 32) has one scale
-//   per 16 elements and uses each half on its own.
+// One activation block (44 bytes):  | d:f32 | dsum:f32 | sum:int16[2] | qs:int8[32] |      x[i] ≈ d * qs[i]
+//   qs in [-127, 127]; sum[h] = qs[16h] + ... + qs[16h+15], dsum = d * (sum[0] + sum[1]). The sums turn every weight
+//   offset into one multiply per block: Q4_0 (q - 8) and Q4_1 (+ m) take dsum, which sits beside d so that one load
+//   and one multiply by a weight block's [d, m] give its scale and its offset; Q4_K (- min) uses sum[0] + sum[1];
+//   Q6_K (q - 32) has one scale per 16 elements and uses each half on its own.
 struct BlockQ8 {
-  float d;
+  float d, dsum;
   int16_t sum[2];
   int8_t qs[kQK];
 };
-static_assert(sizeof(BlockQ8) == 40, "BlockQ8 is packed by construction");
+static_assert(sizeof(BlockQ8) == 44, "BlockQ8 is packed by construction");
 
 // GGUF weight blocks, as stored (little-endian fp16 scales kept as raw bits).
 struct BlockQ8_0 { uint16_t d; int8_t qs[32]; };                         // x = d * q
