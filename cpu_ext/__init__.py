@@ -1,8 +1,8 @@
 """XLA FFI CPU kernels for y = x · Wᵀ with W stored as GGUF blocks (C++ in this directory, see qmatmul.h).
 
-The activations are quantized to 8 bits per 32-value block (an f32 scale and two 16-value sums per block) and dotted
-with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants use the same 32-value activation blocks
-(their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes
+The activations are quantized to 8 bits per 32-value block (an f32 scale and the block sums that fold weight offsets
+in) and dotted with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants use the same 32-value
+activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes
 results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
