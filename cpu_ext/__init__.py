@@ -2,8 +2,8 @@
 
 The activations are quantized to 8 bits per 32-value block (an f32 scale and the block sums that fold weight offsets
 in) and dotted with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants use the same 32-value
-activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes
-results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
+activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That
+8-bit rounding makes results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
