@@ -162,7 +162,8 @@ def _group_call(qtype: GGMLQuantizationType, rows: tuple[int, ...], cols: int):
     @batched.def_vmap
     def _(axis_size, in_batched, x, *datas):
         if any(in_batched[1:]):
-            args = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape)) for a, b in zip((x, *datas), in_batched))
+            args = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                         for a, b in zip((x, *datas), in_batched))
             return jax.lax.map(lambda mapped: batched(*mapped), args), (True,) * len(rows)
         return batched(x, *datas), (True,) * len(rows)
 

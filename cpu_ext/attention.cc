@@ -49,7 +49,8 @@ __attribute__((always_inline)) inline F32x16 load(const float* p) {
 __attribute__((always_inline)) inline void store(float* p, F32x16 v) { std::memcpy(p, &v, sizeof v); }
 __attribute__((always_inline)) inline F32x16 splat(float x) { return F32x16{} + x; }
 
-__attribute__((always_inline)) inline float sum_lanes(const F32x16& v) {  // a tree, so the halves add in vector registers
+// A tree, so the halves add in vector registers.
+__attribute__((always_inline)) inline float sum_lanes(const F32x16& v) {
   typedef float F32x8 __attribute__((vector_size(32)));
   typedef float F32x4 __attribute__((vector_size(16)));
   const F32x8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -46,8 +46,12 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ8_0:
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4};
       return true;
-    case kQ4_K: *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k, nullptr}; return true;
-    case kQ6_K: *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k, nullptr}; return true;
+    case kQ4_K:
+      *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k, nullptr};
+      return true;
+    case kQ6_K:
+      *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k, nullptr};
+      return true;
     default: return false;
   }
 }

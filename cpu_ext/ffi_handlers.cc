@@ -119,7 +119,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, jaxinfer_cpu::QuantizedMatmulImpl
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., cols]
-                                  .Arg<ffi::AnyBuffer>()         // W: uint8 blocks [rows, bytes], or f16/f32 [rows, cols]
+                                  .Arg<ffi::AnyBuffer>()         // W: u8 blocks [rows, bytes] or f16/f32 [rows, cols]
                                   .Ret<ffi::AnyBuffer>()         // y [..., rows], f32
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
