@@ -68,20 +68,26 @@ def decode_rates(m, n_tokens, repetitions) -> tuple[list[float], list[int]]:
     return rates[1:], prompt + tokens
 
 
+# FFN matrices whose rows of inactive neurons a decode step does not read, by --sparsity mode (sparse_ffn.py).
+SKIPPED_WITH_NEURONS = {"dense": (), "hidden": ("ffn_down_t",), "gate": ("ffn_up", "ffn_down_t"),
+                        "predictor": ("ffn_gate", "ffn_up", "ffn_down_t")}
+
+
 def decode_weight_bytes(m, tokens) -> tuple[float, float]:
     """(bytes of weights a decode step reads, share of FFN neurons active) for `tokens`: every matrix (a tied output
-    once, the embedding only if it is also the output), the transposed down projections only for active neurons,
-    counted by running the model over the tokens with its own sparsity."""
-    layers = m.weights.layers
-    matrices = [w for layer in layers for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output,
-                                                 layer.ffn_gate, layer.ffn_up, layer.ffn_down, layer.fc1, layer.fc2)
-                if w is not None] + [m.weights.output]
-    total = sum(w.nbytes for w in matrices)
+    once, the embedding only as the output), those the sparsity mode skips by neuron only for active neurons, counted
+    by running the model over the tokens with its own sparsity."""
     counts = sparsity.reduce_over_windows(m, np.array([tokens]), sparsity.count_active, n_seq=1, desc="counting")
-    active = float(np.sum(counts)) / (len(tokens) * m.config.n_ff * len(layers))
-    total += sum(layer.ffn_down_t.nbytes * float(np.sum(c)) / (len(tokens) * m.config.n_ff)
-                 for layer, c in zip(layers, counts) if layer.ffn_down_t is not None)
-    return total, active
+    skipped = SKIPPED_WITH_NEURONS[m.config.ffn_sparsity]
+    total = m.weights.output.nbytes
+    for layer, count in zip(m.weights.layers, counts):
+        active = float(np.sum(count)) / (len(tokens) * m.config.n_ff)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1",
+                     "fc2"):
+            w = getattr(layer, name)
+            if w is not None:
+                total += w.nbytes * (active if name in skipped else 1.0)
+    return total, float(np.sum(counts)) / (len(tokens) * m.config.n_ff * len(m.weights.layers))
 
 
 def compare_with_dense(dense, sparse, spec) -> dict[str, float]:

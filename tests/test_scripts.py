@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -17,19 +18,22 @@ def run(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
-def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path):
-    """A plain synthetic llama (make_sparse_model --sparsity 0), calibrated for hidden:0.5: --compare_dense reports
-    both speeds and a share of weight bytes saved that is the skipped share of the down projections."""
+@pytest.mark.parametrize("mode, skipped", [("hidden", ("ffn_down",)), ("gate", ("ffn_up", "ffn_down"))])
+def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skipped):
+    """A plain synthetic llama (make_sparse_model --sparsity 0), calibrated for MODE:0.5: --compare_dense reports
+    both speeds and a share of weight bytes saved that is the skipped share of the matrices the mode skips by neuron
+    (down for hidden; up and down for gate)."""
     model = str(tmp_path / "plain.gguf")
     made = run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "2", "--n_embd", "64",
                "--n_ff", "256")
     assert made.returncode == 0 and "plain llama" in made.stderr, made.stderr
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    calibrated = run("-m", "jaxinfer.calibrate", "-m", model, "-f", str(text), "-c", "32", "--levels", "0.5")
+    calibrated = run("-m", "jaxinfer.calibrate", "-m", model, "-f", str(text), "-c", "32", "--method", mode,
+                     "--levels", "0.5")
     assert calibrated.returncode == 0, calibrated.stderr
     result = run("scripts/bench_generate.py", "-m", model, "--pp", "16", "--tg", "8", "--repetitions", "1", "-c", "64",
-                 "--sparsity", "hidden:0.5", "--compare_dense", "--json")
+                 "--sparsity", f"{mode}:0.5", "--compare_dense", "--json")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["dense_generation_tokens_per_s"] > 0 and report["sparse_generation_tokens_per_s"] > 0
@@ -38,14 +42,13 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path):
 
     m = engine.load_model(model)
     layers = m.weights.layers
-    down = sum(layer.ffn_down.nbytes for layer in layers)
-    total = sum(w.nbytes for layer in layers for w in (layer.attn_q, layer.attn_k, layer.attn_v, layer.attn_output,
-                                                        layer.ffn_gate, layer.ffn_up, layer.ffn_down))
-    total += m.weights.output.nbytes
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    total = sum(getattr(layer, name).nbytes for layer in layers for name in names) + m.weights.output.nbytes
+    by_neuron = sum(getattr(layer, name).nbytes for layer in layers for name in skipped)
     # Same-type transposition keeps a down projection's bytes, so the saving is the inactive share of them.
-    expected = (1 - report["active_share"]) * down / total
     assert 0 < report["active_share"] < 1
-    np.testing.assert_allclose(report["bytes_saved_share"], expected, rtol=1e-3)
+    np.testing.assert_allclose(report["bytes_saved_share"], (1 - report["active_share"]) * by_neuron / total,
+                               rtol=1e-3)
 
 
 def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
