@@ -56,6 +56,14 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
   }
 }
 
+// True if dims is [..., last]; *m is then the product of the leading dims (the tokens).
+inline bool tokens_of(ffi::Span<const int64_t> dims, int64_t last, int64_t* m) {
+  if (dims.size() < 1 || dims[dims.size() - 1] != last) return false;
+  *m = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) *m *= dims[i];
+  return true;
+}
+
 // Checks the type attributes and a weight W [rows, cols] of GGML type `qtype` as stored (uint8 blocks [rows,
 // row_bytes], or f16/f32 [rows, cols]); on success fills `info` and `row_bytes`. `op` prefixes the messages.
 inline ffi::Error check_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,

@@ -49,11 +49,9 @@ void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products,
 
 // Checks x [..., cols] and returns the number of tokens m in *m.
 ffi::Error check_x(const std::string& op, const ffi::Buffer<ffi::F32>& x, int64_t cols, int64_t* m) {
-  const auto x_dims = x.dimensions();
-  if (x_dims.size() < 1 || x_dims[x_dims.size() - 1] != cols) {
+  if (!tokens_of(x.dimensions(), cols, m)) {
     return ffi::Error::InvalidArgument(op + ": x must be [..., " + std::to_string(cols) + "]");
   }
-  *m = x.element_count() / cols;
   return ffi::Error::Success();
 }
 

@@ -15,14 +15,6 @@
 namespace jaxinfer_cpu {
 namespace {
 
-// True if dims is [..., last]; *m is then the product of the leading dims (the tokens).
-bool tokens_of(ffi::Span<const int64_t> dims, int64_t last, int64_t* m) {
-  if (dims.size() < 1 || dims[dims.size() - 1] != last) return false;
-  *m = 1;
-  for (size_t i = 0; i + 1 < dims.size(); ++i) *m *= dims[i];
-  return true;
-}
-
 bool same_leading_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i + 1 < a.size(); ++i) {
