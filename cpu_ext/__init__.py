@@ -76,17 +76,10 @@ def select_isa(name: str) -> None:
         raise ValueError(f"this CPU cannot run the {name!r} kernels")
 
 
-@functools.cache
-def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int):
-    """The FFI call of `op` for one weight shape and type, with a batching rule. The handlers take any leading dims
-    on the token args (x or h, and mask), so vmap over those only folds the batch axis into them, broadcasting the
-    unbatched ones; vmap over the weights or the index too (rare) maps the call over them."""
-    _, token_args, out_last = _OPS[op]
-
-    def call(*args):
-        out = jax.ShapeDtypeStruct(args[0].shape[:-1] + (out_last(rows, cols, *args),), jnp.float32)
-        attrs = dict(qtype=np.int64(int(qtype)), rows=np.int64(rows), cols=np.int64(cols))
-        return jax.ffi.ffi_call(f"jaxinfer_{op}", out)(*args, **attrs)
+def _token_batched(call, token_args: tuple[bool, ...], out_batched):
+    """`call` with a batching rule. The handlers take any leading dims on the token args (x or h, and mask), so vmap
+    over those only folds the batch axis into them, broadcasting the unbatched ones; vmap over a weight or the index
+    too (rare) maps the call over the batch. `out_batched` is True, or a tuple of them for several outputs."""
 
     @jax.custom_batching.custom_vmap
     def batched(*args):
@@ -100,12 +93,25 @@ def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int):
                 mapped = iter(mapped)
                 return batched(*(next(mapped) if b else a for a, b in zip(args, in_batched)))
 
-            return jax.lax.map(one, tuple(a for a, b in zip(args, in_batched) if b)), True
+            return jax.lax.map(one, tuple(a for a, b in zip(args, in_batched) if b)), out_batched
         args = (a if b or not token else jnp.broadcast_to(a, (axis_size, *a.shape))
                 for a, b, token in zip(args, in_batched, token_args))
-        return batched(*args), True
+        return batched(*args), out_batched
 
     return batched
+
+
+@functools.cache
+def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int):
+    """The FFI call of `op` for one weight shape and type, batched by _token_batched."""
+    _, token_args, out_last = _OPS[op]
+
+    def call(*args):
+        out = jax.ShapeDtypeStruct(args[0].shape[:-1] + (out_last(rows, cols, *args),), jnp.float32)
+        attrs = dict(qtype=np.int64(int(qtype)), rows=np.int64(rows), cols=np.int64(cols))
+        return jax.ffi.ffi_call(f"jaxinfer_{op}", out)(*args, **attrs)
+
+    return _token_batched(call, token_args, True)
 
 
 def _check_type(op: str, qtype) -> GGMLQuantizationType:
@@ -147,27 +153,15 @@ def quantized_matmul_reference(x: jax.Array, data: jax.Array, *, qtype, rows: in
 
 @functools.cache
 def _group_call(qtype: GGMLQuantizationType, rows: tuple[int, ...], cols: int):
-    """The FFI call of quantized_matmul_group for one tuple of weight shapes. Under vmap over x only, the batch axis
-    folds into x's leading dims; vmap over a weight too maps the call over the batch."""
+    """The FFI call of quantized_matmul_group for one tuple of weight shapes, batched by _token_batched (x is the
+    one token arg)."""
 
     def call(x, *datas):
         outs = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + (r,), jnp.float32) for r in rows)
         attrs = dict(qtype=np.int64(int(qtype)), rows=np.array(rows, np.int64), cols=np.int64(cols))
         return tuple(jax.ffi.ffi_call("jaxinfer_quantized_matmul_group", outs)(x, *datas, **attrs))
 
-    @jax.custom_batching.custom_vmap
-    def batched(x, *datas):
-        return call(x, *datas)
-
-    @batched.def_vmap
-    def _(axis_size, in_batched, x, *datas):
-        if any(in_batched[1:]):
-            args = tuple(a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
-                         for a, b in zip((x, *datas), in_batched))
-            return jax.lax.map(lambda mapped: batched(*mapped), args), (True,) * len(rows)
-        return batched(x, *datas), (True,) * len(rows)
-
-    return batched
+    return _token_batched(call, (True,) + (False,) * len(rows), (True,) * len(rows))
 
 
 def quantized_matmul_group(x: jax.Array, datas, *, qtype: GGMLQuantizationType, rows, cols: int) -> list[jax.Array]:
