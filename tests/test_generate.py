@@ -4,11 +4,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine
-from jaxinfer.sampling import SamplingParams
+from jaxinfer import engine, model
+from jaxinfer.sampling import SamplingParams, sample
 
 DATA = pathlib.Path(__file__).parent / "data"
 
@@ -109,13 +112,6 @@ def test_results_are_identical_across_micro_batch_sizes(make_model):
 def test_decode_chunk_matches_step_by_step_decoding(make_model, params):
     """The on-device decode loop feeds and samples exactly as stepping model.decode_step from the host would: same
     tokens, same key splits, same repeat-penalty window, same cache."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxinfer import model
-    from jaxinfer.sampling import sample
-
     m = engine.load_model(make_model())
     prompt = np.array([m.tokenizer.encode("hello the hall")], np.int32)
     recent = np.full((1, 4), -1, np.int32)
@@ -151,12 +147,6 @@ def test_decode_chunk_matches_step_by_step_decoding(make_model, params):
 
 
 def test_decode_chunk_stops_after_a_stop_token(make_model):
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jaxinfer import model
-
     m = engine.load_model(make_model())
     params = SamplingParams(temperature=0)
     cache = model.init_cache(m.config, 1, 32)

@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from jaxinfer import engine
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
@@ -37,8 +39,6 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["dense_generation_tokens_per_s"] > 0 and report["sparse_generation_tokens_per_s"] > 0
-
-    from jaxinfer import engine
 
     m = engine.load_model(model)
     layers = m.weights.layers
