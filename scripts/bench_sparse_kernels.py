@@ -4,13 +4,16 @@
     down     dense: quantized_matmul(h [m, n_ff], W [d, n_ff])  sparse: masked_axpy(h, W_t [n_ff, d], mask)
 
     python scripts/bench_sparse_kernels.py [--types Q4_1,Q8_0] [--shapes 576x1536,4096x11008] [--tokens 1,8]
-        [--sparsity 0,0.5,0.9] [--isa best]
+        [--sparsity 0,0.5,0.9] [--isa best] [--copies 1]
 
 Masks are random: each (token, neuron) is active with probability 1 - sparsity, so with several tokens the rows
 active for any token (the `rows read` column) are many more than each token's. Each timing is one jitted call that
 runs the kernel `--calls` times in a lax.fori_loop (each call's input depends on the previous output, so XLA cannot
 hoist it; this adds a one-element update per call), so Python's dispatch is not in the numbers; the table shows the
 median over `--repeats` timings, the kernels timed round-robin so that load from other processes hits them alike.
+With one copy of each weight its rows stay in the caches from call to call; a model's layers do not (the default
+model's FFN weights are 50 MB, the L3 here 32 MB): `--copies 30` cycles through 30 copies, so that, as in a decode
+step, each call reads its weight from memory.
 """
 
 import time
@@ -32,19 +35,23 @@ flags.DEFINE_integer("calls", 50, "kernel calls per timing")
 flags.DEFINE_integer("repeats", 15, "timings per kernel; the median is shown")
 flags.DEFINE_string("isa", "best", "cpu_ext kernels: best, avx512, avx2 or scalar")
 flags.DEFINE_integer("seed", 0, "random weights, inputs and masks")
+flags.DEFINE_integer("copies", 1, "copies of each weight, used in turn (30: weights come from memory, as in a model)")
 FLAGS = flags.FLAGS
 
 
 def looped(fn, n_calls: int):
-    """jit of n_calls calls of fn(a, *rest) -> y in a loop, each a depending on the previous y."""
+    """jit of n_calls calls of fn(a, w, *rest) -> y in a loop, each a depending on the previous y, w taking the
+    copies in `ws` (a list) in turn: n_calls / len(ws) rounds of one call per copy."""
 
-    def run(a, *rest):
+    def run(a, ws, *rest):
         def body(_, carry):
-            a, total = carry
-            y = fn(a, *rest)
-            return a.at[..., 0].add(1e-30 * y[..., 0]), total + y[..., 0]
+            for w in ws:
+                a, total = carry
+                y = fn(a, w, *rest)
+                carry = a.at[..., 0].add(1e-30 * y[..., 0]), total + y[..., 0]
+            return carry
 
-        return jax.lax.fori_loop(0, n_calls, body, (a, jnp.zeros(a.shape[:-1], jnp.float32)))[1]
+        return jax.lax.fori_loop(0, n_calls // len(ws), body, (a, jnp.zeros(a.shape[:-1], jnp.float32)))[1]
 
     return jax.jit(run)
 
@@ -64,8 +71,10 @@ def median_us(runs: dict, repeats: int, n_calls: int) -> dict:
 
 def main(_):
     cpu_ext.select_isa(FLAGS.isa)
+    n_calls = max(1, FLAGS.calls // FLAGS.copies) * FLAGS.copies
     rng = np.random.default_rng(FLAGS.seed)
-    print(f"cpu_ext kernels: {cpu_ext.isa()}; µs per call, median of {FLAGS.repeats} timings of {FLAGS.calls} calls")
+    print(f"cpu_ext kernels: {cpu_ext.isa()}; µs per call, median of {FLAGS.repeats} timings of {n_calls} calls"
+          f" ({FLAGS.copies} {'copy' if FLAGS.copies == 1 else 'copies'} of each weight)")
     header = (f"{'type':5} {'d x n_ff':>11} {'tok':>3} {'sparse':>6} {'rows read':>9} | {'dense up':>9} "
               f"{'masked_mm':>9} {'ratio':>5} | {'dense down':>10} {'masked_axpy':>11} {'ratio':>5}")
     print(header + "\n" + "-" * len(header))
@@ -73,15 +82,14 @@ def main(_):
         qtype = GGMLQuantizationType[type_name]
         for shape in FLAGS.shapes:
             d, n_ff = map(int, shape.split("x"))
-            w_up = jnp.asarray(encode_tensor(rng.normal(size=(n_ff, d)).astype(np.float32), qtype, rng))
-            w_down = jnp.asarray(encode_tensor(rng.normal(size=(d, n_ff)).astype(np.float32), qtype, rng))
-            w_down_t = jnp.asarray(encode_tensor(rng.normal(size=(n_ff, d)).astype(np.float32), qtype, rng))
+            w_up, w_down, w_down_t = ([jnp.asarray(encode_tensor(rng.normal(size=s).astype(np.float32), qtype, rng))
+                                       for _ in range(FLAGS.copies)] for s in ((n_ff, d), (d, n_ff), (n_ff, d)))
             up = dict(qtype=qtype, rows=n_ff, cols=d)
             down = dict(qtype=qtype, rows=d, cols=n_ff)
-            dense_up = looped(lambda x, w: cpu_ext.quantized_matmul(x, w, **up), FLAGS.calls)
-            dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), FLAGS.calls)
-            masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), FLAGS.calls)
-            masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), FLAGS.calls)
+            dense_up = looped(lambda x, w: cpu_ext.quantized_matmul(x, w, **up), n_calls)
+            dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), n_calls)
+            masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), n_calls)
+            masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), n_calls)
             for m in map(int, FLAGS.tokens):
                 x = jnp.asarray(rng.normal(size=(m, d)).astype(np.float32))
                 h = jnp.asarray(rng.normal(size=(m, n_ff)).astype(np.float32))
@@ -95,7 +103,7 @@ def main(_):
                             "masked_axpy": (masked_axpy, (h, w_down_t, jnp.asarray(mask))),
                         },
                         FLAGS.repeats,
-                        FLAGS.calls,
+                        n_calls,
                     )
                     print(f"{type_name:5} {d:>5}x{n_ff:<5} {m:>3} {sparsity:>6.0%} {mask.any(0).mean():>9.0%} | "
                           f"{t['dense_up']:>9.1f} {t['masked_mm']:>9.1f} {t['masked_mm'] / t['dense_up']:>5.2f} | "
