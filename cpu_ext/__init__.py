@@ -8,7 +8,8 @@ activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
 down projection stored transposed, one row per neuron; h stays f32, so these match their references to f32
-rounding).
+rounding), and `neuron_major_axpy` (a Q4_0/Q4_1 down projection repacked neuron-major without rounding; h in 8 bits
+and integer dots, as the dense kernels).
 
 The shared library is loaded with ctypes and its handler registered with XLA once, at import. It is looked for in
 this package (editable or wheel install) and in cpu_ext/build (`cmake -S cpu_ext -B cpu_ext/build && cmake --build
@@ -57,6 +58,7 @@ _OPS = {
     "gather_matmul": ("GatherMatmul", (True, False, False), lambda rows, cols, x, data, index: index.shape[0]),
     "masked_axpy": ("MaskedAxpy", (True, False, True), lambda rows, cols, h, data_t, mask: cols),
     "gather_axpy": ("GatherAxpy", (True, False, False), lambda rows, cols, h, data_t, index: cols),
+    "neuron_major_axpy": ("NeuronMajorAxpy", (True, False, True), lambda rows, cols, h, packed, mask: cols),
 }
 for _op, (_symbol, _, _) in _OPS.items():
     jax.ffi.register_ffi_target(f"jaxinfer_{_op}", jax.ffi.pycapsule(getattr(_lib, _symbol)), platform="cpu")
@@ -235,6 +237,26 @@ def gather_axpy_reference(h, data_t, index, *, qtype, rows: int, cols: int) -> j
     valid = (index >= 0) & (index < rows)
     w = _dequantize(data_t, qtype, rows, cols)[jnp.where(valid, index, 0)]
     return jnp.where(valid, jnp.asarray(h, jnp.float32), 0.0) @ w
+
+
+def neuron_major_axpy(h: jax.Array, packed: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                      cols: int) -> jax.Array:
+    """masked_axpy for a Q4_0/Q4_1 W_t [rows = n_ff, cols = d] given as `quant.pack_neuron_major(W).data` (W = W_tᵀ in
+    GGUF's layout, repacked without rounding): the rows of neurons masked off, or whose h rounds to 0, are not read.
+    h is quantized to 8 bits per 32 neurons and dotted in integers, as `quantized_matmul(where(mask, h, 0), W)`
+    would (about 1e-2 relative difference from the reference on random data)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in quant.NEURON_MAJOR_TYPES:
+        raise ValueError(f"cpu_ext.neuron_major_axpy: unsupported type {qtype.name} (Q4_0 or Q4_1)")
+    call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols))
+    return call(jnp.asarray(h, jnp.float32), packed, _mask("neuron_major_axpy", mask))
+
+
+def neuron_major_axpy_reference(h, packed, mask, *, qtype, rows: int, cols: int) -> jax.Array:
+    """where(mask, h, 0) @ W_t in plain jnp, W_t decoded from the packing by jaxinfer.quant."""
+    w_t = quant.dequantize(quant.QuantArray(jnp.asarray(packed), GGMLQuantizationType(qtype), (rows, cols),
+                                            layout=quant.NEURON_MAJOR))
+    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ w_t
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start) -> jax.Array:

@@ -28,6 +28,7 @@ Kernels complete(Kernels k) {
   if (k.f16 == nullptr) k.f16 = s.f16;
   if (k.f32 == nullptr) k.f32 = s.f32;
   if (k.quantize_row == nullptr) k.quantize_row = s.quantize_row;
+  if (k.neuron_block_q4 == nullptr) k.neuron_block_q4 = s.neuron_block_q4;
   return k;
 }
 
@@ -42,15 +43,21 @@ bool cpu_has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
+
+Kernels with_vbmi(Kernels k) {
+  if (__builtin_cpu_supports("avx512vbmi")) k.neuron_block_q4 = neuron_block_q4_vbmi;
+  return k;
+}
 #else  // other architectures run the portable kernels
 bool cpu_has_avx512() { return false; }
+Kernels with_vbmi(Kernels k) { return k; }
 bool cpu_has_avx2() { return false; }
 #endif
 
 const Kernels* by_name(const char* isa) {
   static const Kernels scalar = scalar_kernels();
   static const Kernels avx2 = complete(avx2_kernels());
-  static const Kernels avx512 = complete(avx512_kernels());
+  static const Kernels avx512 = complete(cpu_has_avx512() ? with_vbmi(avx512_kernels()) : avx512_kernels());
   if (std::strcmp(isa, "avx512") == 0) return cpu_has_avx512() ? &avx512 : nullptr;
   if (std::strcmp(isa, "avx2") == 0) return cpu_has_avx2() ? &avx2 : nullptr;
   if (std::strcmp(isa, "scalar") == 0) return &scalar;

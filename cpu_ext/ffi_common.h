@@ -144,6 +144,7 @@ struct Scratch {
   std::vector<uint8_t> active;
   std::vector<int32_t> rows;
   std::vector<float> acc;
+  std::vector<float> masked;  // a token's masked h (neuron_major_axpy)
 };
 
 inline Scratch& thread_scratch() {

@@ -196,6 +196,34 @@ void axpy(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, in
   }
 }
 
+void neuron_block_q4(const uint8_t* block, int d, bool has_min, const BlockQ8& x, float* y) {
+  int active[kQK], n = 0;
+  for (int k = 0; k < kQK; ++k) {
+    active[n] = k;
+    n += x.qs[k] != 0;
+  }
+  if (n == 0) return;  // x.dsum is 0 too
+  const auto* scale = reinterpret_cast<const uint16_t*>(block);
+  const uint16_t* min = scale + d;
+  const uint8_t* q = block + (has_min ? 4 : 2) * d;
+  for (int t = 0; t < d / 64; ++t) {
+    int32_t sum[64] = {};
+    for (int i = 0; i < n; ++i) {
+      const uint8_t* row = q + active[i] * (d / 2) + 32 * t;
+      const int c = x.qs[active[i]];
+      for (int j = 0; j < 32; ++j) {
+        sum[j] += (row[j] & 0x0F) * c;
+        sum[32 + j] += (row[j] >> 4) * c;
+      }
+    }
+    for (int j = 0; j < 64; ++j) {
+      const int o = 64 * t + j;
+      const float s = fp16_to_f32(scale[o]);
+      y[o] += has_min ? s * x.d * sum[j] + fp16_to_f32(min[o]) * x.dsum : s * (x.d * sum[j] - 8 * x.dsum);
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() {
@@ -214,7 +242,11 @@ const Kernels& scalar_kernels() {
                             axpy<kQK_K, sizeof(BlockQ4_K), dequantize_q4_k>,
                             axpy<kQK_K, sizeof(BlockQ6_K), dequantize_q6_k>,
                             axpy<1, sizeof(uint16_t), dequantize_f16>,
-                            axpy<1, sizeof(float), dequantize_f32>};
+                            axpy<1, sizeof(float), dequantize_f32>,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            neuron_block_q4};
   return k;
 }
 

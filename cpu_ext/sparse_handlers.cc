@@ -4,6 +4,8 @@
 //   gather_matmul  y[t, i] = x[t] · W[index[i]], 0 where index[i] is out of range
 //   masked_axpy    y[t]    = sum over j with mask[t, j] of h[t, j] W_t[j]    down: W_t [n_ff, d], one row per neuron
 //   gather_axpy    y[t]    = sum over i with index[i] in range of h[t, i] W_t[index[i]]
+//   neuron_major_axpy  as masked_axpy, from a Q4_0/Q4_1 W [d, n_ff] packed neuron-major (NeuronBlockAxpy in
+//                      qmatmul.h): h quantized to 8 bits, dotted in integers, no second rounding of W
 //
 // The matmuls reuse the dense kernel's row dots (8-bit activations). The axpys keep h in f32 and dequantize each
 // active row into an f32 accumulator (Kernels::axpy_*): h is what the sparse FFN saves work on, and quantizing it
@@ -188,23 +190,17 @@ void add_panel(Axpy axpy, const uint8_t* ws, int64_t row_bytes, int64_t e0, int6
   if (n > 0) axpy(w_rows, h, n, y, static_cast<int>(cols));
 }
 
-// y [m, cols] = the axpys of the entries e < n_entries (see add_panel), overwriting y.
+// ys [size] = the sum of add_items(i0, i1, y) over ranges of the items [0, n_items), each adding its items into a
+// zeroed y.
 //
-// The entries' panels are cut into groups of consecutive panels; a task adds one group's panels, in order, into an
-// accumulator of its own (group 0's is y), and the accumulators are summed in group order at the end. So the result
-// does not depend on which thread ran which group, only on the pool's size, through the number of groups: 4 per
-// thread, so that the threads stay balanced if one starts late or is preempted.
-//
-// Splitting the rows this way was measured (with one accumulator per thread, before the groups made the sums
-// reproducible) against splitting y into block-aligned column bands, a task adding every panel's part of its band
-// with nothing to sum at the end: as fast at d = 576 with 1 token and 90% sparsity, 10-40% faster in every other
-// case (d = 576 and 4096, 1 and 8 tokens, 50% and 90% sparsity), as whole rows are read in order.
-template <typename Row, typename Take>
-void axpy_entries(ffi::ThreadPool& pool, const TypeInfo& info, const uint8_t* ws, int64_t row_bytes, int64_t m,
-                  int64_t cols, int64_t n_entries, const Row& row, const Take& take, float* ys, Scratch& s) {
-  const Axpy axpy = best_kernels().*info.axpy;
-  const int64_t n_panels = (n_entries + kRowsPerTask - 1) / kRowsPerTask, size = m * cols;
-  const int64_t n_groups = std::min(n_panels, 4 * std::max<int64_t>(1, pool.num_threads()));
+// The items are cut into groups of consecutive items; a task adds one group's, in order, into an accumulator of its
+// own (group 0's is ys), and the accumulators are summed in group order at the end. So the result does not depend
+// on which thread ran which group, only on the pool's size, through the number of groups: 4 per thread, so that the
+// threads stay balanced if one starts late or is preempted.
+template <typename AddItems>
+void sum_over_groups(ffi::ThreadPool& pool, int64_t n_items, int64_t size, float* ys, Scratch& s,
+                     const AddItems& add_items) {
+  const int64_t n_groups = std::min(n_items, 4 * std::max<int64_t>(1, pool.num_threads()));
   if (n_groups == 0) {
     std::memset(ys, 0, sizeof(float) * size);
     return;
@@ -214,14 +210,31 @@ void axpy_entries(ffi::ThreadPool& pool, const TypeInfo& info, const uint8_t* ws
   parallel_for(pool, n_groups, [=](int64_t group) {
     float* y = group == 0 ? ys : acc + (group - 1) * size;
     std::memset(y, 0, sizeof(float) * size);
-    for (int64_t panel = group * n_panels / n_groups; panel < (group + 1) * n_panels / n_groups; ++panel) {
-      const int64_t e0 = panel * kRowsPerTask, e1 = std::min(n_entries, e0 + kRowsPerTask);
-      for (int64_t t = 0; t < m; ++t) add_panel(axpy, ws, row_bytes, e0, e1, t, row, take, y + t * cols, cols);
-    }
+    add_items(group * n_items / n_groups, (group + 1) * n_items / n_groups, y);
   });
   for (int64_t g = 1; g < n_groups; ++g) {
     for (int64_t i = 0; i < size; ++i) ys[i] += acc[(g - 1) * size + i];
   }
+}
+
+// y [m, cols] = the axpys of the entries e < n_entries (see add_panel), overwriting y, in panels of kRowsPerTask
+// entries summed over groups of panels (sum_over_groups).
+//
+// Splitting the rows this way was measured (with one accumulator per thread, before the groups made the sums
+// reproducible) against splitting y into block-aligned column bands, a task adding every panel's part of its band
+// with nothing to sum at the end: as fast at d = 576 with 1 token and 90% sparsity, 10-40% faster in every other
+// case (d = 576 and 4096, 1 and 8 tokens, 50% and 90% sparsity), as whole rows are read in order.
+template <typename Row, typename Take>
+void axpy_entries(ffi::ThreadPool& pool, const TypeInfo& info, const uint8_t* ws, int64_t row_bytes, int64_t m,
+                  int64_t cols, int64_t n_entries, const Row& row, const Take& take, float* ys, Scratch& s) {
+  const Axpy axpy = best_kernels().*info.axpy;
+  const int64_t n_panels = (n_entries + kRowsPerTask - 1) / kRowsPerTask;
+  sum_over_groups(pool, n_panels, m * cols, ys, s, [=](int64_t p0, int64_t p1, float* y) {
+    for (int64_t panel = p0; panel < p1; ++panel) {
+      const int64_t e0 = panel * kRowsPerTask, e1 = std::min(n_entries, e0 + kRowsPerTask);
+      for (int64_t t = 0; t < m; ++t) add_panel(axpy, ws, row_bytes, e0, e1, t, row, take, y + t * cols, cols);
+    }
+  });
 }
 
 ffi::Error MaskedAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::AnyBuffer w,
@@ -297,6 +310,82 @@ ffi::Error GatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::An
   return ffi::Error::Success();
 }
 
+// ---- neuron_major_axpy
+
+// While one 32-neuron block is added, the next one's scales and the first four lines of its active rows are asked
+// for (into L2): the kernel prefetches within rows, but each row's start would otherwise wait on memory. With the
+// weights read from memory (bench_sparse_kernels.py --copies 30, d = 576, half the neurons active): 0.99-1.03x ->
+// 0.80-0.91x the dense kernel's time (Q4_1), 0.86-0.89x -> 0.72-0.89x (Q4_0); the whole of the rows, or two blocks
+// ahead, did no better.
+void prefetch_block(const uint8_t* block, int64_t scale_bytes, int64_t row_bytes, const BlockQ8& x) {
+  for (int64_t i = 0; i < scale_bytes; i += 64) __builtin_prefetch(block + i, 0, 1);
+  for (int k = 0; k < kQK; ++k) {
+    if (x.qs[k] == 0) continue;
+    const uint8_t* row = block + scale_bytes + k * row_bytes;
+    for (int64_t i = 0; i < std::min<int64_t>(row_bytes, 256); i += 64) __builtin_prefetch(row + i, 0, 1);
+  }
+}
+
+ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
+                               ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype,
+                               int64_t rows, int64_t cols) {
+  if (qtype != kQ4_0 && qtype != kQ4_1) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: unsupported GGML type " + std::to_string(qtype) +
+                                       " (Q4_0 or Q4_1)");
+  }
+  if (rows <= 0 || rows % kQK != 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % 64 != 0 ||
+      cols > (int64_t{1} << 30)) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: rows=" + std::to_string(rows) +
+                                       " must be a positive multiple of 32 and cols=" + std::to_string(cols) +
+                                       " a positive multiple of 64");
+  }
+  const bool has_min = qtype == kQ4_1;
+  const int64_t n_blocks = rows / kQK, block_bytes = cols * (has_min ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
+  const auto w_dims = w.dimensions();
+  if (w_dims.size() != 2 || w_dims[0] != n_blocks || w_dims[1] != block_bytes) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: packed weight must be uint8 [" + std::to_string(n_blocks) +
+                                       ", " + std::to_string(block_bytes) + "], got " + dims_string(w_dims));
+  }
+  int64_t m;
+  if (!tokens_of(h.dimensions(), rows, &m)) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: h must be [..., " + std::to_string(rows) + "], got " +
+                                       dims_string(h.dimensions()));
+  }
+  if (mask.dimensions().size() != h.dimensions().size() || !same_leading_dims(mask.dimensions(), h.dimensions()) ||
+      mask.dimensions()[mask.dimensions().size() - 1] != rows) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: mask must have the shape of h " +
+                                       dims_string(h.dimensions()) + ", got " + dims_string(mask.dimensions()));
+  }
+  if (y->element_count() != static_cast<size_t>(m * cols)) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: output must be [..., " + std::to_string(cols) + "]");
+  }
+
+  // Each token's h, masked, in 8-bit blocks as the dense kernels quantize it: an inactive neuron is a 0.
+  Scratch& s = thread_scratch();
+  const Kernels& k = best_kernels();
+  s.xq.resize(static_cast<size_t>(m * n_blocks));
+  s.masked.resize(static_cast<size_t>(rows));
+  const float* hs = h.typed_data();
+  const bool* ms = mask.typed_data();
+  for (int64_t t = 0; t < m; ++t) {
+    for (int64_t j = 0; j < rows; ++j) s.masked[j] = ms[t * rows + j] ? hs[t * rows + j] : 0.0f;
+    k.quantize_row(s.masked.data(), s.xq.data() + t * n_blocks, static_cast<int>(rows));
+  }
+  const BlockQ8* xq = s.xq.data();
+  const auto* ws = w.typed_data();
+  const NeuronBlockAxpy add_block = k.neuron_block_q4;
+  const int64_t scale_bytes = cols * (has_min ? 4 : 2), row_bytes = cols / 2;
+  sum_over_groups(pool, n_blocks, m * cols, y->typed_data(), s, [=](int64_t b0, int64_t b1, float* ys) {
+    for (int64_t t = 0; t < m; ++t) {
+      for (int64_t b = b0; b < b1; ++b) {
+        if (b + 1 < b1) prefetch_block(ws + (b + 1) * block_bytes, scale_bytes, row_bytes, xq[t * n_blocks + b + 1]);
+        add_block(ws + b * block_bytes, static_cast<int>(cols), has_min, xq[t * n_blocks + b], ys + t * cols);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxinfer_cpu
 
@@ -341,6 +430,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherAxpy, jaxinfer_cpu::GatherAxpyImpl,
                                   .Arg<ffi::AnyBuffer>()         // W_t [rows, ...]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // index [k]
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., cols]
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+// The packed weight: uint8 [rows / 32, cols * type_size] (quant.pack_neuron_major), one run of bytes per 32 neurons.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(NeuronMajorAxpy, jaxinfer_cpu::NeuronMajorAxpyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // h [..., rows]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // W packed neuron-major
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [..., rows]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [..., cols]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols"));

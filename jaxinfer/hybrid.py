@@ -28,7 +28,7 @@ from gguf import GGMLQuantizationType
 from jaxinfer import model, sparse_ffn
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
-from jaxinfer.quant import QuantArray, dequantize, take_rows, tracing_for
+from jaxinfer.quant import ROW_BLOCKS, QuantArray, dequantize, take_rows, tracing_for
 from pallas_kernels import sparse_ffn as pallas_ffn
 
 
@@ -60,11 +60,13 @@ def _rows(w: QuantArray | None, rows: np.ndarray) -> QuantArray | None:
 def transposed_down(layer: model.Layer) -> QuantArray:
     """The down projection one row per neuron. GGUF's ffn_down [d, n_ff] has neurons as columns, which quantized
     blocks (running along a row) cannot be sliced by, so a dense model's is decoded once and stored f32 [n_ff, d]
-    (exact); a sparse model prepared by sparsity.apply already has it in its own format."""
-    if layer.ffn_down_t is not None:
+    (exact); a sparse model prepared by sparsity.apply already has it in its own format, unless packed neuron-major
+    for cpu_ext (whose rows of nibbles share their blocks' scales), which is decoded too."""
+    if layer.ffn_down_t is not None and layer.ffn_down_t.layout == ROW_BLOCKS:
         return layer.ffn_down_t
-    values = dequantize(layer.ffn_down).T
-    return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape), layer.ffn_down.exact)
+    source = layer.ffn_down if layer.ffn_down_t is None else layer.ffn_down_t
+    values = dequantize(source).T if layer.ffn_down_t is None else dequantize(source)
+    return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape), source.exact)
 
 
 def ffn_part(layer: model.Layer, rows: np.ndarray, device) -> model.Layer | None:

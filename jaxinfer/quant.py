@@ -125,11 +125,15 @@ BLOCK_DEQUANTIZERS = {
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(BLOCK_DEQUANTIZERS)
 
 
+ROW_BLOCKS = "rows"  # GGUF's layout: blocks run along each row
+NEURON_MAJOR = "neuron_major"  # a down projection repacked for the sparse FFN: see pack_neuron_major
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantArray:
     """A 2-D [rows, cols] GGML tensor. `data` is the float array itself for F32/F16/BF16, otherwise the raw
-    blocks as uint8 [rows, cols / block_size * type_size]."""
+    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major."""
 
     data: jax.Array
     qtype: GGMLQuantizationType = dataclasses.field(metadata=dict(static=True))
@@ -137,6 +141,7 @@ class QuantArray:
     # Multiply exactly (x with the dequantized weight) even where 8-bit-activation kernels would run. Static, so
     # it is part of every jit cache key: exact and kernel traces never mix.
     exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    layout: str = dataclasses.field(default=ROW_BLOCKS, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
@@ -155,12 +160,69 @@ def from_gguf_data(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[i
 
 def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
+    if w.layout == NEURON_MAJOR:
+        return _dequantize_neuron_major(w)
     if w.qtype in FLOAT_TYPES:
         return w.data.astype(jnp.float32)
     block_size, type_size = GGML_QUANT_SIZES[w.qtype]
     lead = w.data.shape[:-1]
     blocks = w.data.reshape(*lead, -1, type_size)
     return BLOCK_DEQUANTIZERS[w.qtype](blocks).reshape(*lead, w.shape[1])
+
+
+# The sparse down projection, as the row-skipping kernel reads it. GGUF's ffn_down [d, n_ff] has the neurons as
+# columns, inside the blocks, so skipping a neuron skips no bytes; PowerInfer stores it transposed (one row per neuron),
+# which for block types means decoding and quantizing again (`transpose`: a second rounding) and an f32 axpy per
+# weight. Instead, a Q4_0/Q4_1 ffn_down keeps its own blocks, regrouped per 32 neurons (cpu_ext/qmatmul.h,
+# NeuronBlockAxpy):
+#
+#   data[b] = | scale: f16[d] | min: f16[d] (Q4_1) | 32 neuron rows of d / 2 bytes |    one run of bytes per block b
+#   neuron row k, tile t of 64 outputs: byte j = q[64t + j, 32b + k] | q[64t + 32 + j, 32b + k] << 4
+#
+# (scale, min and q of W[o, 32b + k] are block b of row o's). Same bytes as W, no rounding; the shape stays that of
+# the transposed matrix, [n_ff, d], as ffn_down_t's.
+NEURON_MAJOR_TYPES = frozenset((GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1))
+
+
+def can_pack_neuron_major(w: QuantArray) -> bool:
+    return w.layout == ROW_BLOCKS and w.qtype in NEURON_MAJOR_TYPES and not w.exact and w.shape[0] % 64 == 0
+
+
+def pack_neuron_major(w: QuantArray) -> QuantArray:
+    """A Q4_0/Q4_1 down projection W [d, n_ff] (d a multiple of 64) -> the same weight as a QuantArray [n_ff, d] of
+    layout NEURON_MAJOR (the transposed matrix, one row of nibbles per neuron), bytes as drawn above."""
+    if not can_pack_neuron_major(w):
+        raise ValueError(f"cannot pack a {w.qtype.name} {w.layout} weight of shape {w.shape} neuron-major "
+                         f"({sorted(t.name for t in NEURON_MAJOR_TYPES)}, not exact, rows a multiple of 64)")
+    d, n_ff = w.shape
+    _, type_size = GGML_QUANT_SIZES[w.qtype]
+    n_scales = type_size - 16  # f16 scale, and min for Q4_1
+    blocks = np.asarray(jax.device_get(w.data)).reshape(d, n_ff // 32, type_size).transpose(1, 0, 2)  # [nb, d, bytes]
+    scales = [blocks[:, :, 2 * i : 2 * i + 2].reshape(n_ff // 32, 2 * d) for i in range(n_scales // 2)]
+    qs = blocks[:, :, n_scales:]  # byte j: neuron j (low nibble), neuron 16 + j (high)
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).transpose(0, 2, 1)  # [nb, 32 neurons, d outputs]
+    tiles = q.reshape(n_ff // 32, 32, d // 64, 2, 32)
+    rows = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).reshape(n_ff // 32, 32 * d // 2)
+    packed = np.ascontiguousarray(np.concatenate([*scales, rows], axis=1))
+    return QuantArray(jnp.asarray(packed), w.qtype, (n_ff, d), layout=NEURON_MAJOR)
+
+
+def _dequantize_neuron_major(w: QuantArray) -> jax.Array:
+    """pack_neuron_major's bytes -> f32 [n_ff, d] (the transposed weight)."""
+    n_ff, d = w.shape
+    n_blocks = n_ff // 32
+    scale = _f16(w.data[:, : 2 * d].reshape(n_blocks, d, 2))  # [nb, d]
+    offset = 2 * d
+    if w.qtype == GGMLQuantizationType.Q4_1:
+        minimum = _f16(w.data[:, offset : offset + 2 * d].reshape(n_blocks, d, 2))
+        offset += 2 * d
+    rows = w.data[:, offset:].reshape(n_blocks, 32, d // 64, 1, 32)
+    q = jnp.concatenate([rows & 0x0F, rows >> 4], axis=3).reshape(n_blocks, 32, d).astype(jnp.float32)
+    if w.qtype == GGMLQuantizationType.Q4_1:
+        values = scale[:, None] * q + minimum[:, None]
+    else:
+        values = scale[:, None] * (q - 8.0)
+    return values.reshape(n_ff, d)
 
 
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
@@ -202,11 +264,12 @@ def tracing_for(platform: str):
         _TRACE_PLATFORM.reset(token)
 
 
-def _kernels(x: jax.Array, w: QuantArray):
+def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
     """The cpu_ext module where it should multiply x by w, else None: on the CPU, for up to CPU_KERNEL_MAX_TOKENS
-    rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact."""
+    rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact, in `layout`."""
     use_kernels = (
-        not w.exact
+        w.layout == layout
+        and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
         and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
         and (_TRACE_PLATFORM.get() or jax.default_backend()) == "cpu"
@@ -249,10 +312,12 @@ def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
 
 def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     """Σ_j mask[..., j] h[..., j] w_t[j, :] -> [..., cols]: a product with a transposed weight (one row per input
-    feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows and keeps h in
-    f32; the XLA path zeroes inactive inputs and multiplies with the dequantized weight."""
-    kernels = _kernels(h, w_t)
-    if kernels is not None:
+    feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows: of a NEURON_MAJOR
+    weight with h in 8 bits and integer dots, of a transposed one with h in f32; the XLA path zeroes inactive inputs
+    and multiplies with the dequantized weight."""
+    if (kernels := _kernels(h, w_t, NEURON_MAJOR)) is not None:
+        return kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
+    if (kernels := _kernels(h, w_t)) is not None:
         return kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
     return jnp.einsum("...f,fd->...d", jnp.where(mask, h, 0.0), dequantize(w_t))
 

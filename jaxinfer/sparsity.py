@@ -118,9 +118,13 @@ def apply(m, spec: SparsitySpec, down_t_type=None):
 
 def with_transposed_down(layer, qtype=None):
     """The layer with its down projection stored one row per neuron (ffn_down_t, as PowerInfer files have it), so
-    the rows of inactive neurons need not be read: see quant.transpose for what that costs in accuracy."""
+    the rows of inactive neurons need not be read: a Q4_0/Q4_1 one repacked neuron-major, without rounding, unless
+    `qtype` asks for a transposed copy (quant.pack_neuron_major); others transposed (quant.transpose, for what that
+    costs in accuracy)."""
     if layer.ffn_down_t is not None:
         return layer
+    if qtype is None and quant.can_pack_neuron_major(layer.ffn_down):
+        return dataclasses.replace(layer, ffn_down=None, ffn_down_t=quant.pack_neuron_major(layer.ffn_down))
     return dataclasses.replace(layer, ffn_down=None, ffn_down_t=quant.transpose(layer.ffn_down, qtype))
 
 

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
+from gguf import GGML_QUANT_SIZES
 
-from jaxinfer import engine, model, runtime, sparsity
+from jaxinfer import engine, model, quant, runtime, sparsity
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.sampling import SamplingParams
 
@@ -73,6 +74,14 @@ SKIPPED_WITH_NEURONS = {"dense": (), "hidden": ("ffn_down_t",), "gate": ("ffn_up
                         "predictor": ("ffn_gate", "ffn_up", "ffn_down_t")}
 
 
+def skippable_bytes(w: quant.QuantArray) -> float:
+    """Bytes of a matrix stored one row per neuron that belong to single neurons: all of them, but for a
+    neuron-major packing the scales, which every 32-neuron block with an active neuron reads (all, at 50%)."""
+    if w.layout == quant.NEURON_MAJOR:
+        return w.nbytes * 16 / GGML_QUANT_SIZES[w.qtype][1]  # 16 bytes of nibbles per 32 values
+    return w.nbytes
+
+
 def decode_weight_bytes(m, tokens) -> tuple[float, float]:
     """(bytes of weights a decode step reads, share of FFN neurons active) for `tokens`: every matrix (a tied output
     once, the embedding only as the output), those the sparsity mode skips by neuron only for active neurons, counted
@@ -86,7 +95,7 @@ def decode_weight_bytes(m, tokens) -> tuple[float, float]:
                      "fc2"):
             w = getattr(layer, name)
             if w is not None:
-                total += w.nbytes * (active if name in skipped else 1.0)
+                total += w.nbytes - (1.0 - active) * skippable_bytes(w) if name in skipped else w.nbytes
     return total, float(np.sum(counts)) / (len(tokens) * m.config.n_ff * len(m.weights.layers))
 
 

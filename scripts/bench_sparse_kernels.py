@@ -2,6 +2,8 @@
 
     up/gate  dense: quantized_matmul(x [m, d], W [n_ff, d])     sparse: masked_matmul(x, W, mask [m, n_ff])
     down     dense: quantized_matmul(h [m, n_ff], W [d, n_ff])  sparse: masked_axpy(h, W_t [n_ff, d], mask)
+                                                                 and, for Q4_0/Q4_1 (`nm_axpy`, else -):
+                                                                 neuron_major_axpy(h, pack_neuron_major(W), mask)
 
     python scripts/bench_sparse_kernels.py [--types Q4_1,Q8_0] [--shapes 576x1536,4096x11008] [--tokens 1,8]
         [--sparsity 0,0.5,0.9] [--isa best] [--copies 1]
@@ -25,6 +27,7 @@ from absl import app, flags
 from gguf import GGMLQuantizationType
 
 import cpu_ext
+from jaxinfer import quant
 from jaxinfer.synthetic import encode_tensor
 
 flags.DEFINE_list("types", ["Q4_1", "Q8_0"], "GGML weight types")
@@ -76,7 +79,8 @@ def main(_):
     print(f"cpu_ext kernels: {cpu_ext.isa()}; µs per call, median of {FLAGS.repeats} timings of {n_calls} calls"
           f" ({FLAGS.copies} {'copy' if FLAGS.copies == 1 else 'copies'} of each weight)")
     header = (f"{'type':5} {'d x n_ff':>11} {'tok':>3} {'sparse':>6} {'rows read':>9} | {'dense up':>9} "
-              f"{'masked_mm':>9} {'ratio':>5} | {'dense down':>10} {'masked_axpy':>11} {'ratio':>5}")
+              f"{'masked_mm':>9} {'ratio':>5} | {'dense down':>10} {'masked_axpy':>11} {'ratio':>5} {'nm_axpy':>8} "
+              f"{'ratio':>5}")
     print(header + "\n" + "-" * len(header))
     for type_name in FLAGS.types:
         qtype = GGMLQuantizationType[type_name]
@@ -84,31 +88,35 @@ def main(_):
             d, n_ff = map(int, shape.split("x"))
             w_up, w_down, w_down_t = ([jnp.asarray(encode_tensor(rng.normal(size=s).astype(np.float32), qtype, rng))
                                        for _ in range(FLAGS.copies)] for s in ((n_ff, d), (d, n_ff), (n_ff, d)))
+            packed = [quant.pack_neuron_major(quant.QuantArray(w, qtype, (d, n_ff))).data for w in w_down
+                      if quant.can_pack_neuron_major(quant.QuantArray(w, qtype, (d, n_ff)))]
             up = dict(qtype=qtype, rows=n_ff, cols=d)
             down = dict(qtype=qtype, rows=d, cols=n_ff)
             dense_up = looped(lambda x, w: cpu_ext.quantized_matmul(x, w, **up), n_calls)
             dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), n_calls)
             masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), n_calls)
             masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), n_calls)
+            nm_axpy = looped(lambda h, w, mask: cpu_ext.neuron_major_axpy(h, w, mask, **up), n_calls)
             for m in map(int, FLAGS.tokens):
                 x = jnp.asarray(rng.normal(size=(m, d)).astype(np.float32))
                 h = jnp.asarray(rng.normal(size=(m, n_ff)).astype(np.float32))
                 for sparsity in map(float, FLAGS.sparsity):
                     mask = rng.random((m, n_ff)) >= sparsity
-                    t = median_us(
-                        {
-                            "dense_up": (dense_up, (x, w_up)),
-                            "masked_mm": (masked_mm, (x, w_up, jnp.asarray(mask))),
-                            "dense_down": (dense_down, (h, w_down)),
-                            "masked_axpy": (masked_axpy, (h, w_down_t, jnp.asarray(mask))),
-                        },
-                        FLAGS.repeats,
-                        n_calls,
-                    )
+                    runs = {
+                        "dense_up": (dense_up, (x, w_up)),
+                        "masked_mm": (masked_mm, (x, w_up, jnp.asarray(mask))),
+                        "dense_down": (dense_down, (h, w_down)),
+                        "masked_axpy": (masked_axpy, (h, w_down_t, jnp.asarray(mask))),
+                    }
+                    if packed:
+                        runs["nm_axpy"] = (nm_axpy, (h, packed, jnp.asarray(mask)))
+                    t = median_us(runs, FLAGS.repeats, n_calls)
+                    nm = (f"{t['nm_axpy']:>8.1f} {t['nm_axpy'] / t['dense_down']:>5.2f}" if packed
+                          else f"{'-':>8} {'-':>5}")
                     print(f"{type_name:5} {d:>5}x{n_ff:<5} {m:>3} {sparsity:>6.0%} {mask.any(0).mean():>9.0%} | "
                           f"{t['dense_up']:>9.1f} {t['masked_mm']:>9.1f} {t['masked_mm'] / t['dense_up']:>5.2f} | "
                           f"{t['dense_down']:>10.1f} {t['masked_axpy']:>11.1f} "
-                          f"{t['masked_axpy'] / t['dense_down']:>5.2f}", flush=True)
+                          f"{t['masked_axpy'] / t['dense_down']:>5.2f} {nm}", flush=True)
 
 
 if __name__ == "__main__":

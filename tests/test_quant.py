@@ -55,3 +55,31 @@ def test_matmul_and_take_rows_match_dequantized_numpy(qtype):
     np.testing.assert_allclose(np.asarray(jax.jit(quant.matmul)(x, w)), x @ dense.T, rtol=1e-4, atol=1e-4)
     ids = np.array([[3, 0], [23, 3]])
     np.testing.assert_array_equal(np.asarray(quant.take_rows(w, ids)), dense[ids])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(64, 32), (192, 96)])
+def test_neuron_major_packing_keeps_every_value(qtype, rows, cols):
+    """pack_neuron_major regroups the blocks without rounding: decoded, it is gguf-py's dequantization, transposed;
+    the bytes are W's own, rearranged."""
+    data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    w = quant.QuantArray(data, qtype, (rows, cols))
+    packed = quant.pack_neuron_major(w)
+    assert packed.layout == quant.NEURON_MAJOR and packed.shape == (cols, rows) and packed.nbytes == w.nbytes
+    expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols).T
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), expected)
+    np.testing.assert_array_equal(np.sort(np.asarray(packed.data)[:, :2 * rows].ravel()),
+                                  np.sort(data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])[:, :, :2].ravel()))
+    x = np.random.default_rng(1).normal(size=(2, cols)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(quant.masked_axpy(x, dataclasses.replace(packed, exact=True), x > 0)),
+                               np.where(x > 0, x, 0) @ expected, rtol=1e-5, atol=1e-5)
+
+
+def test_neuron_major_packing_takes_q4_weights_of_64_rows():
+    rng = np.random.default_rng(2)
+    assert not quant.can_pack_neuron_major(quant.QuantArray(random_blocks(Q.Q8_0, 64, 32, rng), Q.Q8_0, (64, 32)))
+    assert not quant.can_pack_neuron_major(quant.QuantArray(random_blocks(Q.Q4_1, 96, 32, rng), Q.Q4_1, (96, 32)))
+    exact = quant.QuantArray(random_blocks(Q.Q4_1, 64, 32, rng), Q.Q4_1, (64, 32), exact=True)
+    assert not quant.can_pack_neuron_major(exact)
+    with pytest.raises(ValueError, match="cannot pack"):
+        quant.pack_neuron_major(exact)

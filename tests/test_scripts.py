@@ -20,14 +20,16 @@ def run(*args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("mode, skipped", [("hidden", ("ffn_down",)), ("gate", ("ffn_up", "ffn_down"))])
-def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skipped):
+@pytest.mark.parametrize("mode, skipped, weight_type", [("hidden", ("ffn_down",), "Q4_0"),
+                                                     ("hidden", ("ffn_down",), "Q8_0"),
+                                                     ("gate", ("ffn_up", "ffn_down"), "Q4_0")])
+def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skipped, weight_type):
     """A plain synthetic llama (make_sparse_model --sparsity 0), calibrated for MODE:0.5: --compare_dense reports
     both speeds and a share of weight bytes saved that is the skipped share of the matrices the mode skips by neuron
-    (down for hidden; up and down for gate)."""
+    (down for hidden; up and down for gate), of a Q4 down projection packed neuron-major its nibbles only."""
     model = str(tmp_path / "plain.gguf")
     made = run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "2", "--n_embd", "64",
-               "--n_ff", "256")
+               "--n_ff", "256", "--weight_type", weight_type)
     assert made.returncode == 0 and "plain llama" in made.stderr, made.stderr
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -44,8 +46,10 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
     layers = m.weights.layers
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     total = sum(getattr(layer, name).nbytes for layer in layers for name in names) + m.weights.output.nbytes
-    by_neuron = sum(getattr(layer, name).nbytes for layer in layers for name in skipped)
-    # Same-type transposition keeps a down projection's bytes, so the saving is the inactive share of them.
+    # A Q4_0 down projection is packed neuron-major: its scales (2 of a block's 18 bytes) are read for every block.
+    # Q8_0 is transposed in its own type, which keeps its bytes, all of them one row per neuron.
+    own_share = {"ffn_down": 16 / 18 if weight_type == "Q4_0" else 1.0, "ffn_up": 1.0}
+    by_neuron = sum(getattr(layer, name).nbytes * own_share[name] for layer in layers for name in skipped)
     assert 0 < report["active_share"] < 1
     np.testing.assert_allclose(report["bytes_saved_share"], (1 - report["active_share"]) * by_neuron / total,
                                rtol=1e-3)

@@ -1,0 +1,102 @@
+// The neuron-major Q4 down projection (NeuronBlockAxpy in qmatmul.h) on AVX-512 VBMI + VNNI. Its own file: the
+// target pragma lets the compiler use VBMI anywhere below, and dispatch.cc only calls this on CPUs that have it.
+#include <immintrin.h>
+
+#include <cstring>
+
+#include "qmatmul.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi")
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // as in kernels_avx512.cc (GCC bug 105593)
+
+namespace jaxinfer_cpu {
+namespace {
+
+// Byte indices that interleave four neuron rows for vpdpbusd, from a = [row 0 | row 1] and b = [row 2 | row 3]
+// (32 bytes each): dword j of the result = (row 0, row 1, row 2, row 3)[first + j], so that lane j sums the four
+// neurons' products for output first + j. Index bit 6 picks b.
+__m512i interleave_four(int first) {
+  alignas(64) uint8_t index[64];
+  for (int j = 0; j < 16; ++j) {
+    for (int r = 0; r < 4; ++r) index[4 * j + r] = static_cast<uint8_t>(32 * r + first + j);
+  }
+  return _mm512_load_si512(index);
+}
+
+}  // namespace
+
+// Neurons with a nonzero activation are taken four at a time (the last group padded with a zero coefficient).
+// For a tile of 64 outputs, each neuron row gives 32 bytes: low nibbles for outputs 0..31, high for 32..63. Two rows
+// per 512-bit register, masked to nibbles, byte-permuted into (n0, n1, n2, n3) per output, and one vpdpbusd per 16
+// outputs adds the four products (u8 weight x s8 activation) into int32 lanes:
+//
+//   rows01 = [n0 bytes 0..31 | n1 bytes 0..31]   low nibbles -> lo01, high -> hi01 (same for rows 2, 3)
+//   permute(lo01, lo23, first 0)  -> outputs  0..15: | n0 n1 n2 n3 | n0 n1 n2 n3 | ...   (4 bytes per output)
+//   permute(lo01, lo23, first 16) -> outputs 16..31;  hi01/hi23 -> outputs 32..47, 48..63
+//
+// Per 256 weights: 2 loads + 2 inserts, 6 mask/shift, 4 permutes, 4 vpdpbusd, against 2 converts and 2 FMAs per 32
+// in the f32 axpy. Each row's next lines are prefetched as in axpy_chunks: a block's rows are visited tile by tile.
+void neuron_block_q4_vbmi(const uint8_t* block, int d, bool has_min, const BlockQ8& x, float* y) {
+  const uint8_t* rows[kQK + 3];
+  alignas(4) int8_t coef[kQK + 3];
+  const uint8_t* q = block + (has_min ? 4 : 2) * d;
+  const int row_bytes = d / 2;
+  int n = 0;
+  for (int k = 0; k < kQK; ++k) {
+    rows[n] = q + k * row_bytes;
+    coef[n] = x.qs[k];
+    n += x.qs[k] != 0;
+  }
+  if (n == 0) return;  // x.dsum is 0 too
+  for (; n % 4; ++n) {
+    rows[n] = rows[0];
+    coef[n] = 0;
+  }
+  const auto* scale = reinterpret_cast<const uint16_t*>(block);
+  const uint16_t* min = scale + d;
+  const __m512i first0 = interleave_four(0), first16 = interleave_four(16), nibble = _mm512_set1_epi8(0x0F);
+  const __m512 xd = _mm512_set1_ps(x.d), xdsum = _mm512_set1_ps(x.dsum);
+  for (int t = 0; t < d / 64; ++t) {
+    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int g = 0; g < n; g += 4) {
+      const uint8_t* const* r = rows + g;
+      for (int i = 0; i < 4; ++i) {
+        __builtin_prefetch(r[i] + 32 * t + 64);
+        __builtin_prefetch(r[i] + 32 * t + 192, 0, 1);
+      }
+      const auto load2 = [t](const uint8_t* a, const uint8_t* b) {
+        return _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * t))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * t)), 1);
+      };
+      const __m512i rows01 = load2(r[0], r[1]), rows23 = load2(r[2], r[3]);
+      const __m512i lo01 = _mm512_and_si512(rows01, nibble), lo23 = _mm512_and_si512(rows23, nibble);
+      const __m512i hi01 = _mm512_and_si512(_mm512_srli_epi16(rows01, 4), nibble);
+      const __m512i hi23 = _mm512_and_si512(_mm512_srli_epi16(rows23, 4), nibble);
+      int32_t c4;
+      std::memcpy(&c4, coef + g, 4);
+      const __m512i c = _mm512_set1_epi32(c4);
+      sum[0] = _mm512_dpbusd_epi32(sum[0], _mm512_permutex2var_epi8(lo01, first0, lo23), c);
+      sum[1] = _mm512_dpbusd_epi32(sum[1], _mm512_permutex2var_epi8(lo01, first16, lo23), c);
+      sum[2] = _mm512_dpbusd_epi32(sum[2], _mm512_permutex2var_epi8(hi01, first0, hi23), c);
+      sum[3] = _mm512_dpbusd_epi32(sum[3], _mm512_permutex2var_epi8(hi01, first16, hi23), c);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int o = 64 * t + 16 * i;
+      const __m512 s = _mm512_cvtepi32_ps(sum[i]);
+      const __m512 d_o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + o)));
+      const __m512 add =
+          has_min ? _mm512_fmadd_ps(_mm512_mul_ps(d_o, xd), s,
+                                    _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(
+                                                      reinterpret_cast<const __m256i*>(min + o))),
+                                                  xdsum))
+                  : _mm512_mul_ps(d_o, _mm512_fmsub_ps(xd, s, _mm512_mul_ps(_mm512_set1_ps(8.0f), xdsum)));
+      _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), add));
+    }
+  }
+}
+
+}  // namespace jaxinfer_cpu
+
+#pragma GCC pop_options
