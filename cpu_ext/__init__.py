@@ -8,8 +8,8 @@ activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
 down projection stored transposed, one row per neuron; h stays f32, so these match their references to f32
-rounding), and `neuron_major_axpy` (a Q4_0/Q4_1 down projection repacked neuron-major without rounding; h in 8 bits
-and integer dots, as the dense kernels).
+rounding), and `neuron_major_axpy` (a Q4_0/Q4_1/Q8_0 down projection repacked neuron-major without rounding; h in 8
+bits and integer dots, as the dense kernels).
 
 The shared library is loaded with ctypes and its handler registered with XLA once, at import. It is looked for in
 this package (editable or wheel install) and in cpu_ext/build (`cmake -S cpu_ext -B cpu_ext/build && cmake --build
@@ -241,13 +241,13 @@ def gather_axpy_reference(h, data_t, index, *, qtype, rows: int, cols: int) -> j
 
 def neuron_major_axpy(h: jax.Array, packed: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
                       cols: int) -> jax.Array:
-    """masked_axpy for a Q4_0/Q4_1 W_t [rows = n_ff, cols = d] given as `quant.pack_neuron_major(W).data` (W = W_tᵀ in
+    """masked_axpy for a Q4_0/Q4_1/Q8_0 W_t [rows = n_ff, cols = d] given as `quant.pack_neuron_major(W).data` (W = W_tᵀ in
     GGUF's layout, repacked without rounding): the rows of neurons masked off, or whose h rounds to 0, are not read.
     h is quantized to 8 bits per 32 neurons and dotted in integers, as `quantized_matmul(where(mask, h, 0), W)`
     would (about 1e-2 relative difference from the reference on random data)."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in quant.NEURON_MAJOR_TYPES:
-        raise ValueError(f"cpu_ext.neuron_major_axpy: unsupported type {qtype.name} (Q4_0 or Q4_1)")
+        raise ValueError(f"cpu_ext.neuron_major_axpy: unsupported type {qtype.name} (Q4_0, Q4_1 or Q8_0)")
     call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols))
     return call(jnp.asarray(h, jnp.float32), packed, _mask("neuron_major_axpy", mask))
 

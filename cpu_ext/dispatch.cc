@@ -28,7 +28,9 @@ Kernels complete(Kernels k) {
   if (k.f16 == nullptr) k.f16 = s.f16;
   if (k.f32 == nullptr) k.f32 = s.f32;
   if (k.quantize_row == nullptr) k.quantize_row = s.quantize_row;
-  if (k.neuron_block_q4 == nullptr) k.neuron_block_q4 = s.neuron_block_q4;
+  for (auto field : {&Kernels::neuron_block_q4_0, &Kernels::neuron_block_q4_1, &Kernels::neuron_block_q8_0}) {
+    if (k.*field == nullptr) k.*field = s.*field;
+  }
   return k;
 }
 
@@ -45,7 +47,11 @@ bool cpu_has_avx2() {
 }
 
 Kernels with_vbmi(Kernels k) {
-  if (__builtin_cpu_supports("avx512vbmi")) k.neuron_block_q4 = neuron_block_q4_vbmi;
+  if (__builtin_cpu_supports("avx512vbmi")) {
+    k.neuron_block_q4_0 = neuron_block_q4_0_vbmi;
+    k.neuron_block_q4_1 = neuron_block_q4_1_vbmi;
+    k.neuron_block_q8_0 = neuron_block_q8_0_vbmi;
+  }
   return k;
 }
 #else  // other architectures run the portable kernels

@@ -1,4 +1,4 @@
-// The neuron-major Q4 down projection (NeuronBlockAxpy in qmatmul.h) on AVX-512 VBMI + VNNI. Its own file: the
+// The neuron-major Q4_0/Q4_1/Q8_0 down projection (NeuronBlockAxpy in qmatmul.h) on AVX-512 VBMI + VNNI. Its own file: the
 // target pragma lets the compiler use VBMI anywhere below, and dispatch.cc only calls this on CPUs that have it.
 #include <immintrin.h>
 
@@ -13,9 +13,8 @@
 namespace jaxinfer_cpu {
 namespace {
 
-// Byte indices that interleave four neuron rows for vpdpbusd, from a = [row 0 | row 1] and b = [row 2 | row 3]
-// (32 bytes each): dword j of the result = (row 0, row 1, row 2, row 3)[first + j], so that lane j sums the four
-// neurons' products for output first + j. Index bit 6 picks b.
+// Permute indices: dword j of the result = (a, b, c, d)[first + j] from a = [row 0 | row 1] and b = [row 2 | row 3]
+// (32 bytes each; index bit 6 picks b), so that lane j sums four neurons' products for output first + j.
 __m512i interleave_four(int first) {
   alignas(64) uint8_t index[64];
   for (int j = 0; j < 16; ++j) {
@@ -24,39 +23,45 @@ __m512i interleave_four(int first) {
   return _mm512_load_si512(index);
 }
 
-}  // namespace
+// Byte pairs (a[first + j], b[first + j]), j < 32, from two 64-byte rows a and b (index bit 6 picks b).
+__m512i interleave_bytes(int first) {
+  alignas(64) uint8_t index[64];
+  for (int j = 0; j < 32; ++j) {
+    index[2 * j] = static_cast<uint8_t>(first + j);
+    index[2 * j + 1] = static_cast<uint8_t>(64 + first + j);
+  }
+  return _mm512_load_si512(index);
+}
 
-// Neurons with a nonzero activation are taken four at a time (the last group padded with a zero coefficient).
-// For a tile of 64 outputs, each neuron row gives 32 bytes: low nibbles for outputs 0..31, high for 32..63. Two rows
-// per 512-bit register, masked to nibbles, byte-permuted into (n0, n1, n2, n3) per output, and one vpdpbusd per 16
-// outputs adds the four products (u8 weight x s8 activation) into int32 lanes:
-//
-//   rows01 = [n0 bytes 0..31 | n1 bytes 0..31]   low nibbles -> lo01, high -> hi01 (same for rows 2, 3)
-//   permute(lo01, lo23, first 0)  -> outputs  0..15: | n0 n1 n2 n3 | n0 n1 n2 n3 | ...   (4 bytes per output)
-//   permute(lo01, lo23, first 16) -> outputs 16..31;  hi01/hi23 -> outputs 32..47, 48..63
-//
-// Per 256 weights: 2 loads + 2 inserts, 6 mask/shift, 4 permutes, 4 vpdpbusd, against 2 converts and 2 FMAs per 32
-// in the f32 axpy. Each row's next lines are prefetched as in axpy_chunks: a block's rows are visited tile by tile.
-void neuron_block_q4_vbmi(const uint8_t* block, int d, bool has_min, const BlockQ8& x, float* y) {
+// 16-bit pairs (a[first + j], b[first + j]), j < 16, from two vectors of 32 words (index bit 5 picks b).
+__m512i interleave_words(int first) {
+  alignas(64) uint16_t index[32];
+  for (int j = 0; j < 16; ++j) {
+    index[2 * j] = static_cast<uint16_t>(first + j);
+    index[2 * j + 1] = static_cast<uint16_t>(32 + first + j);
+  }
+  return _mm512_load_si512(index);
+}
+
+// y[o, o + 16) += d[o..] * x.d * sum (+ the block offset: m x.dsum for Q4_1, -8 d x.dsum for Q4_0, -128 d x.d S for
+// Q8_0's unsigned weights, S the activations' sum), as the dense dots do it.
+inline void add_scaled(float* y, const uint16_t* d, __m512i sum, __m512 d_factor, __m512 offset) {
+  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), _mm512_mul_ps(scale, _mm512_fmadd_ps(
+      d_factor, _mm512_cvtepi32_ps(sum), offset))));
+}
+
+template <bool kHasMin>
+void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
   const uint8_t* rows[kQK + 3];
   alignas(4) int8_t coef[kQK + 3];
-  const uint8_t* q = block + (has_min ? 4 : 2) * d;
-  const int row_bytes = d / 2;
-  int n = 0;
-  for (int k = 0; k < kQK; ++k) {
-    rows[n] = q + k * row_bytes;
-    coef[n] = x.qs[k];
-    n += x.qs[k] != 0;
-  }
+  const int n = nonzero_neurons(x, block + (kHasMin ? 4 : 2) * d, d / 2, 4, rows, coef);
   if (n == 0) return;  // x.dsum is 0 too
-  for (; n % 4; ++n) {
-    rows[n] = rows[0];
-    coef[n] = 0;
-  }
   const auto* scale = reinterpret_cast<const uint16_t*>(block);
   const uint16_t* min = scale + d;
   const __m512i first0 = interleave_four(0), first16 = interleave_four(16), nibble = _mm512_set1_epi8(0x0F);
   const __m512 xd = _mm512_set1_ps(x.d), xdsum = _mm512_set1_ps(x.dsum);
+  const __m512 q4_0_offset = _mm512_set1_ps(-8.0f * x.dsum);
   for (int t = 0; t < d / 64; ++t) {
     __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int g = 0; g < n; g += 4) {
@@ -84,16 +89,79 @@ void neuron_block_q4_vbmi(const uint8_t* block, int d, bool has_min, const Block
     }
     for (int i = 0; i < 4; ++i) {
       const int o = 64 * t + 16 * i;
-      const __m512 s = _mm512_cvtepi32_ps(sum[i]);
-      const __m512 d_o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + o)));
-      const __m512 add =
-          has_min ? _mm512_fmadd_ps(_mm512_mul_ps(d_o, xd), s,
-                                    _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256(
-                                                      reinterpret_cast<const __m256i*>(min + o))),
-                                                  xdsum))
-                  : _mm512_mul_ps(d_o, _mm512_fmsub_ps(xd, s, _mm512_mul_ps(_mm512_set1_ps(8.0f), xdsum)));
-      _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), add));
+      if (kHasMin) {  // d x.d sum + m x.dsum
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min + o)));
+        const __m512 scale_o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + o)));
+        _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), _mm512_fmadd_ps(
+            _mm512_mul_ps(scale_o, xd), _mm512_cvtepi32_ps(sum[i]), _mm512_mul_ps(m, xdsum))));
+      } else {
+        add_scaled(y + o, scale + o, sum[i], xd, q4_0_offset);
+      }
     }
+  }
+}
+
+}  // namespace
+
+// Neurons with a nonzero activation are taken four at a time (the last group padded with a zero coefficient).
+// Q4_0/Q4_1: for a tile of 64 outputs, each neuron row gives 32 bytes, low nibbles for outputs 0..31, high for
+// 32..63. Two rows per 512-bit register, masked to nibbles, byte-permuted into (n0, n1, n2, n3) per output, and one
+// vpdpbusd per 16 outputs adds the four products (u8 weight x s8 activation) into int32 lanes:
+//
+//   rows01 = [n0 bytes 0..31 | n1 bytes 0..31]   low nibbles -> lo01, high -> hi01 (same for rows 2, 3)
+//   permute(lo01, lo23, first 0)  -> outputs  0..15: | n0 n1 n2 n3 | n0 n1 n2 n3 | ...   (4 bytes per output)
+//   permute(lo01, lo23, first 16) -> outputs 16..31;  hi01/hi23 -> outputs 32..47, 48..63
+//
+// Per 256 weights: 2 loads + 2 inserts, 6 mask/shift, 4 permutes, 4 vpdpbusd, against 2 converts and 2 FMAs per 32
+// in the f32 axpy. Each row's next lines are prefetched as in axpy_chunks: a block's rows are visited tile by tile.
+void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+  neuron_block_q4<false>(block, d, x, y);
+}
+
+void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+  neuron_block_q4<true>(block, d, x, y);
+}
+
+// Q8_0: a tile of 64 outputs is one 64-byte register per neuron row (weights + 128, unsigned). Bytes of rows 0 and 1
+// (and 2 and 3) are paired, then the pairs paired:
+//
+//   ab_lo = (n0, n1)[j], j < 32      ab_hi: j = 32..63      (cd_lo, cd_hi: rows 2 and 3)
+//   words(ab_lo, cd_lo, first 0)  -> outputs 0..15: | n0 n1 n2 n3 | ...      first 16 -> outputs 16..31, ab_hi/cd_hi
+//                                                                           -> outputs 32..63
+//
+// and the +128 comes back out per block as 128 x.d S per output, S the sum of the block's activations.
+void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+  const uint8_t* rows[kQK + 3];
+  alignas(4) int8_t coef[kQK + 3];
+  const int n = nonzero_neurons(x, block + 2 * d, d, 4, rows, coef);
+  if (n == 0) return;
+  const auto* scale = reinterpret_cast<const uint16_t*>(block);
+  const __m512i bytes_lo = interleave_bytes(0), bytes_hi = interleave_bytes(32);
+  const __m512i words_lo = interleave_words(0), words_hi = interleave_words(16);
+  const __m512 xd = _mm512_set1_ps(x.d), offset = _mm512_set1_ps(-128.0f * x.d * (x.sum[0] + x.sum[1]));
+  for (int t = 0; t < d / 64; ++t) {
+    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int g = 0; g < n; g += 4) {
+      const uint8_t* const* r = rows + g;
+      __m512i row[4];
+      for (int i = 0; i < 4; ++i) {
+        __builtin_prefetch(r[i] + 64 * t + 64);
+        __builtin_prefetch(r[i] + 64 * t + 192, 0, 1);
+        row[i] = _mm512_loadu_si512(r[i] + 64 * t);
+      }
+      const __m512i ab_lo = _mm512_permutex2var_epi8(row[0], bytes_lo, row[1]);
+      const __m512i ab_hi = _mm512_permutex2var_epi8(row[0], bytes_hi, row[1]);
+      const __m512i cd_lo = _mm512_permutex2var_epi8(row[2], bytes_lo, row[3]);
+      const __m512i cd_hi = _mm512_permutex2var_epi8(row[2], bytes_hi, row[3]);
+      int32_t c4;
+      std::memcpy(&c4, coef + g, 4);
+      const __m512i c = _mm512_set1_epi32(c4);
+      sum[0] = _mm512_dpbusd_epi32(sum[0], _mm512_permutex2var_epi16(ab_lo, words_lo, cd_lo), c);
+      sum[1] = _mm512_dpbusd_epi32(sum[1], _mm512_permutex2var_epi16(ab_lo, words_hi, cd_lo), c);
+      sum[2] = _mm512_dpbusd_epi32(sum[2], _mm512_permutex2var_epi16(ab_hi, words_lo, cd_hi), c);
+      sum[3] = _mm512_dpbusd_epi32(sum[3], _mm512_permutex2var_epi16(ab_hi, words_hi, cd_hi), c);
+    }
+    for (int i = 0; i < 4; ++i) add_scaled(y + 64 * t + 16 * i, scale + 64 * t + 16 * i, sum[i], xd, offset);
   }
 }
 

@@ -196,31 +196,42 @@ void axpy(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, in
   }
 }
 
-void neuron_block_q4(const uint8_t* block, int d, bool has_min, const BlockQ8& x, float* y) {
-  int active[kQK], n = 0;
-  for (int k = 0; k < kQK; ++k) {
-    active[n] = k;
-    n += x.qs[k] != 0;
-  }
+template <bool kHasMin>
+void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+  const uint8_t* rows[kQK];
+  int8_t coef[kQK];
+  const uint8_t* q = block + (kHasMin ? 4 : 2) * d;
+  const int n = nonzero_neurons(x, q, d / 2, 1, rows, coef);
   if (n == 0) return;  // x.dsum is 0 too
   const auto* scale = reinterpret_cast<const uint16_t*>(block);
   const uint16_t* min = scale + d;
-  const uint8_t* q = block + (has_min ? 4 : 2) * d;
   for (int t = 0; t < d / 64; ++t) {
     int32_t sum[64] = {};
     for (int i = 0; i < n; ++i) {
-      const uint8_t* row = q + active[i] * (d / 2) + 32 * t;
-      const int c = x.qs[active[i]];
+      const uint8_t* row = rows[i] + 32 * t;
       for (int j = 0; j < 32; ++j) {
-        sum[j] += (row[j] & 0x0F) * c;
-        sum[32 + j] += (row[j] >> 4) * c;
+        sum[j] += (row[j] & 0x0F) * coef[i];
+        sum[32 + j] += (row[j] >> 4) * coef[i];
       }
     }
     for (int j = 0; j < 64; ++j) {
       const int o = 64 * t + j;
       const float s = fp16_to_f32(scale[o]);
-      y[o] += has_min ? s * x.d * sum[j] + fp16_to_f32(min[o]) * x.dsum : s * (x.d * sum[j] - 8 * x.dsum);
+      y[o] += kHasMin ? s * x.d * sum[j] + fp16_to_f32(min[o]) * x.dsum : s * (x.d * sum[j] - 8 * x.dsum);
     }
+  }
+}
+
+void neuron_block_q8_0(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+  const uint8_t* rows[kQK];
+  int8_t coef[kQK];
+  const int n = nonzero_neurons(x, block + 2 * d, d, 1, rows, coef);
+  if (n == 0) return;
+  const auto* scale = reinterpret_cast<const uint16_t*>(block);
+  for (int o = 0; o < d; ++o) {
+    int32_t sum = 0;
+    for (int i = 0; i < n; ++i) sum += (rows[i][o] - 128) * coef[i];
+    y[o] += fp16_to_f32(scale[o]) * x.d * sum;
   }
 }
 
@@ -246,7 +257,9 @@ const Kernels& scalar_kernels() {
                             nullptr,
                             nullptr,
                             nullptr,
-                            neuron_block_q4};
+                            neuron_block_q4<false>,
+                            neuron_block_q4<true>,
+                            neuron_block_q8_0};
   return k;
 }
 

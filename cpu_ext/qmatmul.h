@@ -83,18 +83,38 @@ using QuantDot4 = void (*)(const uint8_t* w_row, const BlockQ8* x_row, int64_t x
 // is dequantized to f32 and multiplied in, as dequantize(W) and an f32 product would.
 using Axpy = void (*)(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n);
 
-// The sparse down projection of a Q4_0/Q4_1 weight W [d, n_ff] (blocks along n_ff, the neurons), repacked neuron-major
-// so that the neurons a token does not use are not read, while the products stay 8-bit integer dots. Each 32-neuron
-// block b becomes one run of bytes, the same bytes as W's blocks of that column, rearranged (lossless):
+// The sparse down projection of a Q4_0/Q4_1/Q8_0 weight W [d, n_ff] (blocks along n_ff, the neurons), repacked
+// neuron-major so that the neurons a token does not use are not read, while the products stay 8-bit integer dots.
+// Each 32-neuron block b becomes one run of bytes holding the values of W's blocks of that column, rearranged
+// (lossless; W[o, 32 b + k] below):
 //
-//   | d: f16[d] | m: f16[d] (Q4_1 only) | q: 32 neuron rows of d / 2 bytes |     W[o, 32 b + k] = d[o] q_k[o] + m[o]
-//                                                                              (Q4_0: d[o] (q_k[o] - 8))
-//   neuron row k, per tile of 64 outputs (32 bytes): byte j = q_k[64 t + j] | q_k[64 t + 32 + j] << 4
+//   Q4_0/Q4_1  | d: f16[d] | m: f16[d] (Q4_1) | 32 neuron rows of d / 2 bytes |   d[o] q_k[o] + m[o], Q4_0 d[o] (q_k[o] - 8)
+//              neuron row k, per tile of 64 outputs (32 bytes): byte j = q_k[64 t + j] | q_k[64 t + 32 + j] << 4
+//   Q8_0       | d: f16[d] | 32 neuron rows of d bytes |                          d[o] q_k[o]
+//              neuron row k: byte o = q_k[o] + 128 (unsigned, as vpdpbusd takes it)
 //
 // y[0, d) += sum over k of W[:, 32 b + k] x[k], x the block's 8-bit activations (x.qs[k] = 0 for an inactive
 // neuron, whose row is then not read): per output the integer sum over the block's neurons, then d x.d sum + m x.dsum,
 // the dense dot's formula, so the two agree to float rounding. d must be a multiple of 64.
-using NeuronBlockAxpy = void (*)(const uint8_t* block, int d, bool has_min, const BlockQ8& x, float* y);
+using NeuronBlockAxpy = void (*)(const uint8_t* block, int d, const BlockQ8& x, float* y);
+
+// The neurons of a block with a nonzero activation, as row pointers and coefficients, padded with zero coefficients
+// (on the first row) to a multiple of `group`; returns how many, 0 if none. rows/coef hold kQK + group - 1 entries.
+inline int nonzero_neurons(const BlockQ8& x, const uint8_t* first_row, int row_bytes, int group, const uint8_t** rows,
+                           int8_t* coef) {
+  int n = 0;
+  for (int k = 0; k < kQK; ++k) {  // branch-free: half the neurons, at random, are active
+    rows[n] = first_row + k * row_bytes;
+    coef[n] = x.qs[k];
+    n += x.qs[k] != 0;
+  }
+  if (n == 0) return 0;
+  for (; n % group; ++n) {
+    rows[n] = rows[0];
+    coef[n] = 0;
+  }
+  return n;
+}
 
 // One implementation per instruction set; a null entry means "use the scalar one" (but see QuantDot4 below).
 struct Kernels {
@@ -104,14 +124,16 @@ struct Kernels {
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
   Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q4_k, axpy_q6_k, axpy_f16, axpy_f32;
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4;  // SIMD only; null: four single dots
-  NeuronBlockAxpy neuron_block_q4;
+  NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
 };
 
 const Kernels& scalar_kernels();
 const Kernels& avx2_kernels();
 const Kernels& avx512_kernels();
 // AVX-512 VBMI (Ice Lake, Zen 4): the byte permutes that interleave four neuron rows for vpdpbusd.
-void neuron_block_q4_vbmi(const uint8_t* block, int d, bool has_min, const BlockQ8& x, float* y);
+void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y);
+void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y);
+void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y);
 // The best kernels this CPU runs (chosen once, with __builtin_cpu_supports); every null entry filled from scalar.
 const Kernels& best_kernels();
 

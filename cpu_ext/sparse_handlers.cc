@@ -4,7 +4,7 @@
 //   gather_matmul  y[t, i] = x[t] · W[index[i]], 0 where index[i] is out of range
 //   masked_axpy    y[t]    = sum over j with mask[t, j] of h[t, j] W_t[j]    down: W_t [n_ff, d], one row per neuron
 //   gather_axpy    y[t]    = sum over i with index[i] in range of h[t, i] W_t[index[i]]
-//   neuron_major_axpy  as masked_axpy, from a Q4_0/Q4_1 W [d, n_ff] packed neuron-major (NeuronBlockAxpy in
+//   neuron_major_axpy  as masked_axpy, from a Q4_0/Q4_1/Q8_0 W [d, n_ff] packed neuron-major (NeuronBlockAxpy in
 //                      qmatmul.h): h quantized to 8 bits, dotted in integers, no second rounding of W
 //
 // The matmuls reuse the dense kernel's row dots (8-bit activations). The axpys keep h in f32 and dequantize each
@@ -329,9 +329,16 @@ void prefetch_block(const uint8_t* block, int64_t scale_bytes, int64_t row_bytes
 ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
                                ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype,
                                int64_t rows, int64_t cols) {
-  if (qtype != kQ4_0 && qtype != kQ4_1) {
-    return ffi::Error::InvalidArgument("neuron_major_axpy: unsupported GGML type " + std::to_string(qtype) +
-                                       " (Q4_0 or Q4_1)");
+  const Kernels& k = best_kernels();
+  NeuronBlockAxpy add_block;
+  int64_t type_size, scale_bytes_per_output;  // bytes of a GGUF block; of its scales, per output in the packing
+  switch (qtype) {
+    case kQ4_0: add_block = k.neuron_block_q4_0, type_size = sizeof(BlockQ4_0), scale_bytes_per_output = 2; break;
+    case kQ4_1: add_block = k.neuron_block_q4_1, type_size = sizeof(BlockQ4_1), scale_bytes_per_output = 4; break;
+    case kQ8_0: add_block = k.neuron_block_q8_0, type_size = sizeof(BlockQ8_0), scale_bytes_per_output = 2; break;
+    default:
+      return ffi::Error::InvalidArgument("neuron_major_axpy: unsupported GGML type " + std::to_string(qtype) +
+                                         " (Q4_0, Q4_1 or Q8_0)");
   }
   if (rows <= 0 || rows % kQK != 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % 64 != 0 ||
       cols > (int64_t{1} << 30)) {
@@ -339,8 +346,7 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
                                        " must be a positive multiple of 32 and cols=" + std::to_string(cols) +
                                        " a positive multiple of 64");
   }
-  const bool has_min = qtype == kQ4_1;
-  const int64_t n_blocks = rows / kQK, block_bytes = cols * (has_min ? sizeof(BlockQ4_1) : sizeof(BlockQ4_0));
+  const int64_t n_blocks = rows / kQK, block_bytes = cols * type_size;
   const auto w_dims = w.dimensions();
   if (w_dims.size() != 2 || w_dims[0] != n_blocks || w_dims[1] != block_bytes) {
     return ffi::Error::InvalidArgument("neuron_major_axpy: packed weight must be uint8 [" + std::to_string(n_blocks) +
@@ -362,7 +368,6 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
 
   // Each token's h, masked, in 8-bit blocks as the dense kernels quantize it: an inactive neuron is a 0.
   Scratch& s = thread_scratch();
-  const Kernels& k = best_kernels();
   s.xq.resize(static_cast<size_t>(m * n_blocks));
   s.masked.resize(static_cast<size_t>(rows));
   const float* hs = h.typed_data();
@@ -373,13 +378,12 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
   }
   const BlockQ8* xq = s.xq.data();
   const auto* ws = w.typed_data();
-  const NeuronBlockAxpy add_block = k.neuron_block_q4;
-  const int64_t scale_bytes = cols * (has_min ? 4 : 2), row_bytes = cols / 2;
+  const int64_t scale_bytes = cols * scale_bytes_per_output, row_bytes = (block_bytes - scale_bytes) / kQK;
   sum_over_groups(pool, n_blocks, m * cols, y->typed_data(), s, [=](int64_t b0, int64_t b1, float* ys) {
     for (int64_t t = 0; t < m; ++t) {
       for (int64_t b = b0; b < b1; ++b) {
         if (b + 1 < b1) prefetch_block(ws + (b + 1) * block_bytes, scale_bytes, row_bytes, xq[t * n_blocks + b + 1]);
-        add_block(ws + b * block_bytes, static_cast<int>(cols), has_min, xq[t * n_blocks + b], ys + t * cols);
+        add_block(ws + b * block_bytes, static_cast<int>(cols), xq[t * n_blocks + b], ys + t * cols);
       }
     }
   });

@@ -173,36 +173,45 @@ def dequantize(w: QuantArray) -> jax.Array:
 # The sparse down projection, as the row-skipping kernel reads it. GGUF's ffn_down [d, n_ff] has the neurons as
 # columns, inside the blocks, so skipping a neuron skips no bytes; PowerInfer stores it transposed (one row per neuron),
 # which for block types means decoding and quantizing again (`transpose`: a second rounding) and an f32 axpy per
-# weight. Instead, a Q4_0/Q4_1 ffn_down keeps its own blocks, regrouped per 32 neurons (cpu_ext/qmatmul.h,
-# NeuronBlockAxpy):
+# weight. Instead, a Q4_0/Q4_1/Q8_0 ffn_down keeps its own blocks' values, regrouped per 32 neurons
+# (cpu_ext/qmatmul.h, NeuronBlockAxpy):
 #
-#   data[b] = | scale: f16[d] | min: f16[d] (Q4_1) | 32 neuron rows of d / 2 bytes |    one run of bytes per block b
-#   neuron row k, tile t of 64 outputs: byte j = q[64t + j, 32b + k] | q[64t + 32 + j, 32b + k] << 4
+#   data[b] = | scale: f16[d] | min: f16[d] (Q4_1) | 32 neuron rows |            one run of bytes per block b
+#   Q4_0/Q4_1 neuron row k (d / 2 bytes), tile t of 64 outputs: byte j = q[64t + j, 32b + k] | q[64t + 32 + j, 32b + k] << 4
+#   Q8_0 neuron row k (d bytes): byte o = q[o, 32b + k] + 128
 #
-# (scale, min and q of W[o, 32b + k] are block b of row o's). Same bytes as W, no rounding; the shape stays that of
-# the transposed matrix, [n_ff, d], as ffn_down_t's.
-NEURON_MAJOR_TYPES = frozenset((GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1))
+# (scale, min and q of W[o, 32b + k] are block b of row o's). As many bytes as W, no rounding; the shape stays that
+# of the transposed matrix, [n_ff, d], as ffn_down_t's.
+NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
+_SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
 
 
 def can_pack_neuron_major(w: QuantArray) -> bool:
     return w.layout == ROW_BLOCKS and w.qtype in NEURON_MAJOR_TYPES and not w.exact and w.shape[0] % 64 == 0
 
 
+def neuron_row_bytes(w: QuantArray) -> int:
+    """Bytes of a NEURON_MAJOR weight that belong to single neurons (its rows of q, not the shared scales)."""
+    return w.nbytes * (GGML_QUANT_SIZES[w.qtype][1] - _SCALE_BYTES[w.qtype]) // GGML_QUANT_SIZES[w.qtype][1]
+
+
 def pack_neuron_major(w: QuantArray) -> QuantArray:
-    """A Q4_0/Q4_1 down projection W [d, n_ff] (d a multiple of 64) -> the same weight as a QuantArray [n_ff, d] of
-    layout NEURON_MAJOR (the transposed matrix, one row of nibbles per neuron), bytes as drawn above."""
+    """A Q4_0/Q4_1/Q8_0 down projection W [d, n_ff] (d a multiple of 64) -> the same weight as a QuantArray [n_ff, d]
+    of layout NEURON_MAJOR (the transposed matrix, one row of q per neuron), bytes as drawn above."""
     if not can_pack_neuron_major(w):
         raise ValueError(f"cannot pack a {w.qtype.name} {w.layout} weight of shape {w.shape} neuron-major "
                          f"({sorted(t.name for t in NEURON_MAJOR_TYPES)}, not exact, rows a multiple of 64)")
     d, n_ff = w.shape
-    _, type_size = GGML_QUANT_SIZES[w.qtype]
-    n_scales = type_size - 16  # f16 scale, and min for Q4_1
-    blocks = np.asarray(jax.device_get(w.data)).reshape(d, n_ff // 32, type_size).transpose(1, 0, 2)  # [nb, d, bytes]
-    scales = [blocks[:, :, 2 * i : 2 * i + 2].reshape(n_ff // 32, 2 * d) for i in range(n_scales // 2)]
-    qs = blocks[:, :, n_scales:]  # byte j: neuron j (low nibble), neuron 16 + j (high)
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).transpose(0, 2, 1)  # [nb, 32 neurons, d outputs]
-    tiles = q.reshape(n_ff // 32, 32, d // 64, 2, 32)
-    rows = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).reshape(n_ff // 32, 32 * d // 2)
+    n_blocks, type_size, scale_bytes = n_ff // 32, GGML_QUANT_SIZES[w.qtype][1], _SCALE_BYTES[w.qtype]
+    blocks = np.asarray(jax.device_get(w.data)).reshape(d, n_blocks, type_size).transpose(1, 0, 2)  # [nb, d, bytes]
+    scales = [blocks[:, :, i : i + 2].reshape(n_blocks, 2 * d) for i in range(0, scale_bytes, 2)]
+    qs = blocks[:, :, scale_bytes:]
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        rows = (qs.transpose(0, 2, 1) ^ 0x80).reshape(n_blocks, 32 * d)  # int8 q + 128 as uint8
+    else:  # byte j of qs: neuron j (low nibble), neuron 16 + j (high)
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).transpose(0, 2, 1)  # [nb, 32 neurons, d outputs]
+        tiles = q.reshape(n_blocks, 32, d // 64, 2, 32)
+        rows = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).reshape(n_blocks, 32 * d // 2)
     packed = np.ascontiguousarray(np.concatenate([*scales, rows], axis=1))
     return QuantArray(jnp.asarray(packed), w.qtype, (n_ff, d), layout=NEURON_MAJOR)
 
@@ -211,18 +220,17 @@ def _dequantize_neuron_major(w: QuantArray) -> jax.Array:
     """pack_neuron_major's bytes -> f32 [n_ff, d] (the transposed weight)."""
     n_ff, d = w.shape
     n_blocks = n_ff // 32
-    scale = _f16(w.data[:, : 2 * d].reshape(n_blocks, d, 2))  # [nb, d]
-    offset = 2 * d
-    if w.qtype == GGMLQuantizationType.Q4_1:
-        minimum = _f16(w.data[:, offset : offset + 2 * d].reshape(n_blocks, d, 2))
-        offset += 2 * d
+    scale = _f16(w.data[:, : 2 * d].reshape(n_blocks, d, 2))[:, None]  # [nb, 1, d]
+    offset = _SCALE_BYTES[w.qtype] * d
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        q = w.data[:, offset:].reshape(n_blocks, 32, d).astype(jnp.float32) - 128.0
+        return (scale * q).reshape(n_ff, d)
     rows = w.data[:, offset:].reshape(n_blocks, 32, d // 64, 1, 32)
     q = jnp.concatenate([rows & 0x0F, rows >> 4], axis=3).reshape(n_blocks, 32, d).astype(jnp.float32)
     if w.qtype == GGMLQuantizationType.Q4_1:
-        values = scale[:, None] * q + minimum[:, None]
-    else:
-        values = scale[:, None] * (q - 8.0)
-    return values.reshape(n_ff, d)
+        minimum = _f16(w.data[:, 2 * d : 4 * d].reshape(n_blocks, d, 2))[:, None]
+        return (scale * q + minimum).reshape(n_ff, d)
+    return (scale * (q - 8.0)).reshape(n_ff, d)
 
 
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
-from gguf import GGML_QUANT_SIZES
 
 from jaxinfer import engine, model, quant, runtime, sparsity
 from jaxinfer.errors import JaxinferError, exit_on_error
@@ -77,9 +76,7 @@ SKIPPED_WITH_NEURONS = {"dense": (), "hidden": ("ffn_down_t",), "gate": ("ffn_up
 def skippable_bytes(w: quant.QuantArray) -> float:
     """Bytes of a matrix stored one row per neuron that belong to single neurons: all of them, but for a
     neuron-major packing the scales, which every 32-neuron block with an active neuron reads (all, at 50%)."""
-    if w.layout == quant.NEURON_MAJOR:
-        return w.nbytes * 16 / GGML_QUANT_SIZES[w.qtype][1]  # 16 bytes of nibbles per 32 values
-    return w.nbytes
+    return quant.neuron_row_bytes(w) if w.layout == quant.NEURON_MAJOR else w.nbytes
 
 
 def decode_weight_bytes(m, tokens) -> tuple[float, float]:

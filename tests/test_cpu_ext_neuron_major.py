@@ -1,4 +1,4 @@
-"""cpu_ext.neuron_major_axpy (the sparse down projection of a Q4_0/Q4_1 weight packed by quant.pack_neuron_major)
+"""cpu_ext.neuron_major_axpy (the sparse down projection of a Q4_0/Q4_1/Q8_0 weight packed by quant.pack_neuron_major)
 against its plain-jnp reference and against the dense kernel on the masked h, on every instruction set this CPU
 runs, under jit and vmap; bad inputs raise."""
 
@@ -33,7 +33,7 @@ def run(h, packed: quant.QuantArray, mask):
     return cpu_ext.neuron_major_axpy(h, packed.data, mask, qtype=packed.qtype, rows=n_ff, cols=d)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 def test_matches_reference_and_dense_kernel(qtype, isa):
     rng = np.random.default_rng(int(qtype))
     for d, n_ff in SHAPES:
@@ -67,10 +67,11 @@ def test_edge_masks_and_token_independence(isa):
         np.testing.assert_array_equal(np.asarray(run(h[t], packed, mask[t])), batched[t])
 
 
-def test_isas_agree():
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_isas_agree(qtype):
     """The VBMI kernel and the portable one compute the same integer sums; their floats differ in rounding only."""
     rng = np.random.default_rng(4)
-    _, packed = packed_weight(Q.Q4_0, 576, 1536, rng)
+    _, packed = packed_weight(qtype, 576, 1536, rng)
     h = rng.normal(size=(2, 1536)).astype(np.float32)
     mask = rng.random((2, 1536)) < 0.5
     cpu_ext.select_isa("scalar")
@@ -111,7 +112,7 @@ def test_jit_vmap_and_leading_dims():
         ("cols", "a positive multiple of 64"),
         ("h_rows", r"h must be \[\.\.\., 64\]"),
         ("mask_rows", "mask must have the shape of h"),
-        ("type", "unsupported GGML type 8"),
+        ("type", "unsupported GGML type 12"),
     ],
 )
 def test_bad_input_raises(case, match):
@@ -126,7 +127,7 @@ def test_bad_input_raises(case, match):
     elif case == "mask_rows":
         mask = np.ones((2, 65), bool)
     if case == "type":  # past the Python check: the handler's own
-        attrs = dict(qtype=np.int64(int(Q.Q8_0)), rows=np.int64(rows), cols=np.int64(cols))
+        attrs = dict(qtype=np.int64(int(Q.Q4_K)), rows=np.int64(rows), cols=np.int64(cols))
         call = jax.ffi.ffi_call("jaxinfer_neuron_major_axpy", jax.ShapeDtypeStruct((2, cols), jnp.float32))
         with pytest.raises(Exception, match=match):
             jax.block_until_ready(call(h, data, mask, **attrs))
@@ -136,9 +137,9 @@ def test_bad_input_raises(case, match):
 
 
 def test_python_checks_raise():
-    with pytest.raises(ValueError, match="unsupported type Q8_0"):
+    with pytest.raises(ValueError, match="unsupported type Q4_K"):
         cpu_ext.neuron_major_axpy(np.ones((1, 32), np.float32), np.zeros((1, 64), np.uint8), np.ones((1, 32), bool),
-                                  qtype=Q.Q8_0, rows=32, cols=64)
+                                  qtype=Q.Q4_K, rows=32, cols=64)
     with pytest.raises(ValueError, match="mask must be bool"):
         cpu_ext.neuron_major_axpy(np.ones((1, 32), np.float32), np.zeros((1, 1280), np.uint8),
                                   np.ones((1, 32), np.int8), qtype=Q.Q4_1, rows=32, cols=64)

@@ -57,11 +57,11 @@ def test_matmul_and_take_rows_match_dequantized_numpy(qtype):
     np.testing.assert_array_equal(np.asarray(quant.take_rows(w, ids)), dense[ids])
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,cols", [(64, 32), (192, 96)])
 def test_neuron_major_packing_keeps_every_value(qtype, rows, cols):
     """pack_neuron_major regroups the blocks without rounding: decoded, it is gguf-py's dequantization, transposed;
-    the bytes are W's own, rearranged."""
+    the scale bytes are W's own, rearranged."""
     data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
     w = quant.QuantArray(data, qtype, (rows, cols))
     packed = quant.pack_neuron_major(w)
@@ -75,9 +75,9 @@ def test_neuron_major_packing_keeps_every_value(qtype, rows, cols):
                                np.where(x > 0, x, 0) @ expected, rtol=1e-5, atol=1e-5)
 
 
-def test_neuron_major_packing_takes_q4_weights_of_64_rows():
+def test_neuron_major_packing_takes_q4_q8_weights_of_64_rows():
     rng = np.random.default_rng(2)
-    assert not quant.can_pack_neuron_major(quant.QuantArray(random_blocks(Q.Q8_0, 64, 32, rng), Q.Q8_0, (64, 32)))
+    assert not quant.can_pack_neuron_major(quant.QuantArray(random_blocks(Q.Q5_0, 64, 32, rng), Q.Q5_0, (64, 32)))
     assert not quant.can_pack_neuron_major(quant.QuantArray(random_blocks(Q.Q4_1, 96, 32, rng), Q.Q4_1, (96, 32)))
     exact = quant.QuantArray(random_blocks(Q.Q4_1, 64, 32, rng), Q.Q4_1, (64, 32), exact=True)
     assert not quant.can_pack_neuron_major(exact)

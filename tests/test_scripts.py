@@ -26,7 +26,7 @@ def run(*args):
 def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skipped, weight_type):
     """A plain synthetic llama (make_sparse_model --sparsity 0), calibrated for MODE:0.5: --compare_dense reports
     both speeds and a share of weight bytes saved that is the skipped share of the matrices the mode skips by neuron
-    (down for hidden; up and down for gate), of a Q4 down projection packed neuron-major its nibbles only."""
+    (down for hidden; up and down for gate), of a down projection packed neuron-major its rows of q only."""
     model = str(tmp_path / "plain.gguf")
     made = run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "2", "--n_embd", "64",
                "--n_ff", "256", "--weight_type", weight_type)
@@ -46,9 +46,8 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
     layers = m.weights.layers
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     total = sum(getattr(layer, name).nbytes for layer in layers for name in names) + m.weights.output.nbytes
-    # A Q4_0 down projection is packed neuron-major: its scales (2 of a block's 18 bytes) are read for every block.
-    # Q8_0 is transposed in its own type, which keeps its bytes, all of them one row per neuron.
-    own_share = {"ffn_down": 16 / 18 if weight_type == "Q4_0" else 1.0, "ffn_up": 1.0}
+    # The down projection is packed neuron-major: its scales (2 of a block's 18 or 34 bytes) are read for every block.
+    own_share = {"ffn_down": 16 / 18 if weight_type == "Q4_0" else 32 / 34, "ffn_up": 1.0}
     by_neuron = sum(getattr(layer, name).nbytes * own_share[name] for layer in layers for name in skipped)
     assert 0 < report["active_share"] < 1
     np.testing.assert_allclose(report["bytes_saved_share"], (1 - report["active_share"]) * by_neuron / total,

@@ -89,9 +89,9 @@ def test_bamboo_is_relu_on_gate_and_up(make_model):
 @pytest.mark.parametrize("mode, weight_type", [("hidden", Q.Q8_0), ("hidden", Q.Q4_1), ("gate", Q.Q8_0),
                                                ("predictor", Q.Q8_0)])
 def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode, weight_type):
-    """On the CPU the sparse modes go through cpu_ext's masked kernels (8-bit activations for gate/up; for down an
-    f32 axpy over a transposed ffn_down_t, or 8-bit integer dots over a Q4 one packed neuron-major): the same masks,
-    and outputs within the 8-bit activation error of the exact masked FFN."""
+    """On the CPU the sparse modes go through cpu_ext's masked kernels (8-bit activations for gate/up; for down 8-bit
+    integer dots over ffn_down packed neuron-major, or an f32 axpy over a PowerInfer file's transposed ffn_down_t):
+    the same masks, and outputs within the 8-bit activation error of the exact masked FFN."""
     pytest.importorskip("cpu_ext")
     path = make_model(n_embd=64, n_ff=256, sparsity=0.85, weight_type=weight_type) if mode == "predictor" else \
         make_model(n_embd=64, weight_type=weight_type)
@@ -102,8 +102,8 @@ def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode, 
         exact_layer = dataclasses.replace(exact_layer, ffn_threshold=jnp.float32(0.05), ffn_down=None,
                                           ffn_down_t=dataclasses.replace(layer.ffn_down_t, exact=True))
     assert layer.ffn_down_t is not None
-    packed = mode == "hidden" and weight_type == Q.Q4_1
-    assert (layer.ffn_down_t.layout == quant.NEURON_MAJOR) == packed
+    # Packed neuron-major at load; a PowerInfer file (the predictor model) brings its own transposed ffn_down_t.
+    assert (layer.ffn_down_t.layout == quant.NEURON_MAJOR) == (mode != "predictor")
     cfg = dataclasses.replace(fast.config, ffn_sparsity=mode)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, fast.config.n_embd)).astype(np.float32))
     run = jax.jit(sparse_ffn.ffn, static_argnums=3)
