@@ -23,32 +23,54 @@ __m512i interleave_four(int first) {
   return _mm512_load_si512(index);
 }
 
-// Byte pairs (a[first + j], b[first + j]), j < 32, from two 64-byte rows a and b (index bit 6 picks b).
-__m512i interleave_bytes(int first) {
-  alignas(64) uint8_t index[64];
-  for (int j = 0; j < 32; ++j) {
-    index[2 * j] = static_cast<uint8_t>(first + j);
-    index[2 * j + 1] = static_cast<uint8_t>(64 + first + j);
+// Pairs (a[first + j], b[first + j]) of bytes (T = uint8_t, j < 32) or of 16-bit words (uint16_t, j < 16), from two
+// vectors a and b (the index bit just above the element number picks b).
+template <typename T>
+__m512i interleave_pairs(int first) {
+  constexpr int kCount = 64 / sizeof(T);
+  alignas(64) T index[kCount];
+  for (int j = 0; j < kCount / 2; ++j) {
+    index[2 * j] = static_cast<T>(first + j);
+    index[2 * j + 1] = static_cast<T>(kCount + first + j);
   }
   return _mm512_load_si512(index);
 }
 
-// 16-bit pairs (a[first + j], b[first + j]), j < 16, from two vectors of 32 words (index bit 5 picks b).
-__m512i interleave_words(int first) {
-  alignas(64) uint16_t index[32];
-  for (int j = 0; j < 16; ++j) {
-    index[2 * j] = static_cast<uint16_t>(first + j);
-    index[2 * j + 1] = static_cast<uint16_t>(32 + first + j);
+// The loop both formats share. Per tile of 64 outputs, for each group of four neurons (rows[g..g+3], coefficients
+// coef[g..g+3] as one int32), interleave(r, t, p) leaves in p[i] the four rows' weights for outputs 16 i .. 16 i + 15
+// of tile t, four bytes per output (n0 n1 n2 n3), and one vpdpbusd per 16 outputs adds their products with the
+// four activations (u8 weight x s8 activation) into int32 lanes; add_tile(t, sum) then scales the tile's sums into y.
+// Each row's next lines are prefetched as in axpy_chunks: a block's rows are visited tile by tile, kTileBytes each.
+template <int kTileBytes, typename Interleave, typename AddTile>
+void neuron_tiles(const uint8_t* const* rows, const int8_t* coef, int n, int d, const Interleave& interleave,
+                  const AddTile& add_tile) {
+  for (int t = 0; t < d / 64; ++t) {
+    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int g = 0; g < n; g += 4) {
+      const uint8_t* const* r = rows + g;
+      for (int i = 0; i < 4; ++i) {
+        __builtin_prefetch(r[i] + kTileBytes * t + 64);
+        __builtin_prefetch(r[i] + kTileBytes * t + 192, 0, 1);
+      }
+      __m512i p[4];
+      interleave(r, t, p);
+      int32_t c4;
+      std::memcpy(&c4, coef + g, 4);
+      const __m512i c = _mm512_set1_epi32(c4);
+      for (int i = 0; i < 4; ++i) sum[i] = _mm512_dpbusd_epi32(sum[i], p[i], c);
+    }
+    add_tile(t, sum);
   }
-  return _mm512_load_si512(index);
 }
 
-// y[o, o + 16) += d[o..] * x.d * sum (+ the block offset: m x.dsum for Q4_1, -8 d x.dsum for Q4_0, -128 d x.d S for
-// Q8_0's unsigned weights, S the activations' sum), as the dense dots do it.
+inline __m512 load_f16x16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// y[0, 16) += d[0, 16) * (d_factor sum + offset)
 inline void add_scaled(float* y, const uint16_t* d, __m512i sum, __m512 d_factor, __m512 offset) {
-  const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
-  _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), _mm512_mul_ps(scale, _mm512_fmadd_ps(
-      d_factor, _mm512_cvtepi32_ps(sum), offset))));
+  const __m512 v = _mm512_mul_ps(load_f16x16(d), _mm512_fmadd_ps(d_factor, _mm512_cvtepi32_ps(sum), offset));
+  _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), v));
 }
 
 template <bool kHasMin>
@@ -61,59 +83,48 @@ void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
   const uint16_t* min = scale + d;
   const __m512i first0 = interleave_four(0), first16 = interleave_four(16), nibble = _mm512_set1_epi8(0x0F);
   const __m512 xd = _mm512_set1_ps(x.d), xdsum = _mm512_set1_ps(x.dsum);
-  const __m512 q4_0_offset = _mm512_set1_ps(-8.0f * x.dsum);
-  for (int t = 0; t < d / 64; ++t) {
-    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int g = 0; g < n; g += 4) {
-      const uint8_t* const* r = rows + g;
-      for (int i = 0; i < 4; ++i) {
-        __builtin_prefetch(r[i] + 32 * t + 64);
-        __builtin_prefetch(r[i] + 32 * t + 192, 0, 1);
-      }
-      const auto load2 = [t](const uint8_t* a, const uint8_t* b) {
-        return _mm512_inserti64x4(
-            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * t))),
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * t)), 1);
-      };
-      const __m512i rows01 = load2(r[0], r[1]), rows23 = load2(r[2], r[3]);
-      const __m512i lo01 = _mm512_and_si512(rows01, nibble), lo23 = _mm512_and_si512(rows23, nibble);
-      const __m512i hi01 = _mm512_and_si512(_mm512_srli_epi16(rows01, 4), nibble);
-      const __m512i hi23 = _mm512_and_si512(_mm512_srli_epi16(rows23, 4), nibble);
-      int32_t c4;
-      std::memcpy(&c4, coef + g, 4);
-      const __m512i c = _mm512_set1_epi32(c4);
-      sum[0] = _mm512_dpbusd_epi32(sum[0], _mm512_permutex2var_epi8(lo01, first0, lo23), c);
-      sum[1] = _mm512_dpbusd_epi32(sum[1], _mm512_permutex2var_epi8(lo01, first16, lo23), c);
-      sum[2] = _mm512_dpbusd_epi32(sum[2], _mm512_permutex2var_epi8(hi01, first0, hi23), c);
-      sum[3] = _mm512_dpbusd_epi32(sum[3], _mm512_permutex2var_epi8(hi01, first16, hi23), c);
-    }
+  const __m512 q4_0_offset = _mm512_set1_ps(-8.0f * x.dsum);  // d (x.d sum - 8 x.dsum)
+  const auto interleave = [=](const uint8_t* const* r, int t, __m512i p[4]) {
+    const auto load2 = [t](const uint8_t* a, const uint8_t* b) {
+      return _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * t))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * t)), 1);
+    };
+    const __m512i rows01 = load2(r[0], r[1]), rows23 = load2(r[2], r[3]);
+    const __m512i lo01 = _mm512_and_si512(rows01, nibble), lo23 = _mm512_and_si512(rows23, nibble);
+    const __m512i hi01 = _mm512_and_si512(_mm512_srli_epi16(rows01, 4), nibble);
+    const __m512i hi23 = _mm512_and_si512(_mm512_srli_epi16(rows23, 4), nibble);
+    p[0] = _mm512_permutex2var_epi8(lo01, first0, lo23);
+    p[1] = _mm512_permutex2var_epi8(lo01, first16, lo23);
+    p[2] = _mm512_permutex2var_epi8(hi01, first0, hi23);
+    p[3] = _mm512_permutex2var_epi8(hi01, first16, hi23);
+  };
+  neuron_tiles<32>(rows, coef, n, d, interleave, [=](int t, const __m512i sum[4]) {
     for (int i = 0; i < 4; ++i) {
       const int o = 64 * t + 16 * i;
       if (kHasMin) {  // d x.d sum + m x.dsum
-        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(min + o)));
-        const __m512 scale_o = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + o)));
         _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), _mm512_fmadd_ps(
-            _mm512_mul_ps(scale_o, xd), _mm512_cvtepi32_ps(sum[i]), _mm512_mul_ps(m, xdsum))));
+            _mm512_mul_ps(load_f16x16(scale + o), xd), _mm512_cvtepi32_ps(sum[i]),
+            _mm512_mul_ps(load_f16x16(min + o), xdsum))));
       } else {
         add_scaled(y + o, scale + o, sum[i], xd, q4_0_offset);
       }
     }
-  }
+  });
 }
 
 }  // namespace
 
 // Neurons with a nonzero activation are taken four at a time (the last group padded with a zero coefficient).
 // Q4_0/Q4_1: for a tile of 64 outputs, each neuron row gives 32 bytes, low nibbles for outputs 0..31, high for
-// 32..63. Two rows per 512-bit register, masked to nibbles, byte-permuted into (n0, n1, n2, n3) per output, and one
-// vpdpbusd per 16 outputs adds the four products (u8 weight x s8 activation) into int32 lanes:
+// 32..63. Two rows per 512-bit register, masked to nibbles, and byte-permuted into (n0, n1, n2, n3) per output:
 //
 //   rows01 = [n0 bytes 0..31 | n1 bytes 0..31]   low nibbles -> lo01, high -> hi01 (same for rows 2, 3)
 //   permute(lo01, lo23, first 0)  -> outputs  0..15: | n0 n1 n2 n3 | n0 n1 n2 n3 | ...   (4 bytes per output)
 //   permute(lo01, lo23, first 16) -> outputs 16..31;  hi01/hi23 -> outputs 32..47, 48..63
 //
 // Per 256 weights: 2 loads + 2 inserts, 6 mask/shift, 4 permutes, 4 vpdpbusd, against 2 converts and 2 FMAs per 32
-// in the f32 axpy. Each row's next lines are prefetched as in axpy_chunks: a block's rows are visited tile by tile.
+// in the f32 axpy.
 void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
   neuron_block_q4<false>(block, d, x, y);
 }
@@ -136,33 +147,24 @@ void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float
   const int n = nonzero_neurons(x, block + 2 * d, d, 4, rows, coef);
   if (n == 0) return;
   const auto* scale = reinterpret_cast<const uint16_t*>(block);
-  const __m512i bytes_lo = interleave_bytes(0), bytes_hi = interleave_bytes(32);
-  const __m512i words_lo = interleave_words(0), words_hi = interleave_words(16);
+  const __m512i bytes_lo = interleave_pairs<uint8_t>(0), bytes_hi = interleave_pairs<uint8_t>(32);
+  const __m512i words_lo = interleave_pairs<uint16_t>(0), words_hi = interleave_pairs<uint16_t>(16);
   const __m512 xd = _mm512_set1_ps(x.d), offset = _mm512_set1_ps(-128.0f * x.d * (x.sum[0] + x.sum[1]));
-  for (int t = 0; t < d / 64; ++t) {
-    __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
-    for (int g = 0; g < n; g += 4) {
-      const uint8_t* const* r = rows + g;
-      __m512i row[4];
-      for (int i = 0; i < 4; ++i) {
-        __builtin_prefetch(r[i] + 64 * t + 64);
-        __builtin_prefetch(r[i] + 64 * t + 192, 0, 1);
-        row[i] = _mm512_loadu_si512(r[i] + 64 * t);
-      }
-      const __m512i ab_lo = _mm512_permutex2var_epi8(row[0], bytes_lo, row[1]);
-      const __m512i ab_hi = _mm512_permutex2var_epi8(row[0], bytes_hi, row[1]);
-      const __m512i cd_lo = _mm512_permutex2var_epi8(row[2], bytes_lo, row[3]);
-      const __m512i cd_hi = _mm512_permutex2var_epi8(row[2], bytes_hi, row[3]);
-      int32_t c4;
-      std::memcpy(&c4, coef + g, 4);
-      const __m512i c = _mm512_set1_epi32(c4);
-      sum[0] = _mm512_dpbusd_epi32(sum[0], _mm512_permutex2var_epi16(ab_lo, words_lo, cd_lo), c);
-      sum[1] = _mm512_dpbusd_epi32(sum[1], _mm512_permutex2var_epi16(ab_lo, words_hi, cd_lo), c);
-      sum[2] = _mm512_dpbusd_epi32(sum[2], _mm512_permutex2var_epi16(ab_hi, words_lo, cd_hi), c);
-      sum[3] = _mm512_dpbusd_epi32(sum[3], _mm512_permutex2var_epi16(ab_hi, words_hi, cd_hi), c);
-    }
+  const auto interleave = [=](const uint8_t* const* r, int t, __m512i p[4]) {
+    __m512i row[4];
+    for (int i = 0; i < 4; ++i) row[i] = _mm512_loadu_si512(r[i] + 64 * t);
+    const __m512i ab_lo = _mm512_permutex2var_epi8(row[0], bytes_lo, row[1]);
+    const __m512i ab_hi = _mm512_permutex2var_epi8(row[0], bytes_hi, row[1]);
+    const __m512i cd_lo = _mm512_permutex2var_epi8(row[2], bytes_lo, row[3]);
+    const __m512i cd_hi = _mm512_permutex2var_epi8(row[2], bytes_hi, row[3]);
+    p[0] = _mm512_permutex2var_epi16(ab_lo, words_lo, cd_lo);
+    p[1] = _mm512_permutex2var_epi16(ab_lo, words_hi, cd_lo);
+    p[2] = _mm512_permutex2var_epi16(ab_hi, words_lo, cd_hi);
+    p[3] = _mm512_permutex2var_epi16(ab_hi, words_hi, cd_hi);
+  };
+  neuron_tiles<64>(rows, coef, n, d, interleave, [=](int t, const __m512i sum[4]) {
     for (int i = 0; i < 4; ++i) add_scaled(y + 64 * t + 16 * i, scale + 64 * t + 16 * i, sum[i], xd, offset);
-  }
+  });
 }
 
 }  // namespace jaxinfer_cpu
