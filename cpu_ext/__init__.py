@@ -104,13 +104,15 @@ def _token_batched(call, token_args: tuple[bool, ...], out_batched):
 
 
 @functools.cache
-def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int):
-    """The FFI call of `op` for one weight shape and type, batched by _token_batched."""
+def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int, **extra_attrs: int):
+    """The FFI call of `op` for one weight shape and type (and the op's own int attributes), batched by
+    _token_batched."""
     _, token_args, out_last = _OPS[op]
 
     def call(*args):
         out = jax.ShapeDtypeStruct(args[0].shape[:-1] + (out_last(rows, cols, *args),), jnp.float32)
         attrs = dict(qtype=np.int64(int(qtype)), rows=np.int64(rows), cols=np.int64(cols))
+        attrs.update({name: np.int64(value) for name, value in extra_attrs.items()})
         return jax.ffi.ffi_call(f"jaxinfer_{op}", out)(*args, **attrs)
 
     return _token_batched(call, token_args, True)
@@ -240,23 +242,24 @@ def gather_axpy_reference(h, data_t, index, *, qtype, rows: int, cols: int) -> j
 
 
 def neuron_major_axpy(h: jax.Array, packed: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
-                      cols: int) -> jax.Array:
-    """masked_axpy for a Q4_0/Q4_1/Q8_0 W_t [rows = n_ff, cols = d] given as `quant.pack_neuron_major(W).data` (W = W_tᵀ in
-    GGUF's layout, repacked without rounding): the rows of neurons masked off, or whose h rounds to 0, are not read.
-    h is quantized to 8 bits per 32 neurons and dotted in integers, as `quantized_matmul(where(mask, h, 0), W)`
-    would (about 1e-2 relative difference from the reference on random data)."""
+                      cols: int, span: int | None = None) -> jax.Array:
+    """masked_axpy for a Q4_0/Q4_1/Q8_0 W_t [rows = n_ff, cols = d] given as `quant.pack_neuron_major(W, span).data`
+    (W = W_tᵀ in GGUF's layout, repacked without rounding; span defaults to quant.neuron_span's): the q of neurons
+    masked off, or whose h rounds to 0, are not read. h is quantized to 8 bits per 32 neurons and dotted in integers,
+    as `quantized_matmul(where(mask, h, 0), W)` would (about 1e-2 relative difference from the reference on random
+    data)."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in quant.NEURON_MAJOR_TYPES:
         raise ValueError(f"cpu_ext.neuron_major_axpy: unsupported type {qtype.name} (Q4_0, Q4_1 or Q8_0)")
-    call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols))
+    span = int(span or quant.neuron_span(int(cols), qtype))
+    call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols), span=span)
     return call(jnp.asarray(h, jnp.float32), packed, _mask("neuron_major_axpy", mask))
 
 
-def neuron_major_axpy_reference(h, packed, mask, *, qtype, rows: int, cols: int) -> jax.Array:
+def neuron_major_axpy_reference(h, packed, mask, *, qtype, rows: int, cols: int, span: int | None = None) -> jax.Array:
     """where(mask, h, 0) @ W_t in plain jnp, W_t decoded from the packing by jaxinfer.quant."""
-    w_t = quant.dequantize(quant.QuantArray(jnp.asarray(packed), GGMLQuantizationType(qtype), (rows, cols),
-                                            layout=quant.NEURON_MAJOR))
-    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ w_t
+    w_t = quant.QuantArray(jnp.asarray(packed), GGMLQuantizationType(qtype), (rows, cols), layout=quant.NEURON_MAJOR)
+    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ quant.dequantize_neuron_major(w_t, span)
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start) -> jax.Array:

@@ -1,5 +1,6 @@
-// The neuron-major Q4_0/Q4_1/Q8_0 down projection (NeuronBlockAxpy in qmatmul.h) on AVX-512 VBMI + VNNI. Its own file: the
-// target pragma lets the compiler use VBMI anywhere below, and dispatch.cc only calls this on CPUs that have it.
+// The neuron-major Q4_0/Q4_1/Q8_0 down projection (NeuronBlockAxpy in qmatmul.h) on AVX-512 VBMI + VNNI. Its own
+// file: the target pragma lets the compiler use VBMI anywhere below, and dispatch.cc only calls this on CPUs that
+// have it.
 #include <immintrin.h>
 
 #include <cstring>
@@ -36,30 +37,30 @@ __m512i interleave_pairs(int first) {
   return _mm512_load_si512(index);
 }
 
-// The loop both formats share. Per tile of 64 outputs, for each group of four neurons (rows[g..g+3], coefficients
-// coef[g..g+3] as one int32), interleave(r, t, p) leaves in p[i] the four rows' weights for outputs 16 i .. 16 i + 15
-// of tile t, four bytes per output (n0 n1 n2 n3), and one vpdpbusd per 16 outputs adds their products with the
-// four activations (u8 weight x s8 activation) into int32 lanes; add_tile(t, sum) then scales the tile's sums into y.
-// Each row's next lines are prefetched as in axpy_chunks: a block's rows are visited tile by tile, kTileBytes each.
-template <int kTileBytes, typename Interleave, typename AddTile>
-void neuron_tiles(const uint8_t* const* rows, const int8_t* coef, int n, int d, const Interleave& interleave,
-                  const AddTile& add_tile) {
-  for (int t = 0; t < d / 64; ++t) {
+// The loop both formats share. Per tile t of 64 outputs, for each group of four neurons (rows[g..g+3], coefficients
+// coef[g..g+3] as one int32), interleave(r, at, p) leaves in p[i] the four neurons' weights for outputs 16 i ..
+// 16 i + 15 of the tile (their q at r[k] + at), four bytes per output (n0 n1 n2 n3), and one vpdpbusd per 16
+// outputs adds their products with the four activations (u8 weight x s8 activation) into int32 lanes; add_tile(t,
+// scales, sum) then scales the tile's sums into y. The scales and active neurons' q of the tile two ahead are asked
+// for as each tile starts (the handler does the first two of the next block).
+template <typename Interleave, typename AddTile>
+inline void neuron_tiles(const NeuronLayout& layout, const uint8_t* block, const uint8_t* const* rows,
+                         const int8_t* coef, int n, int d, const Interleave& interleave, const AddTile& add_tile) {
+  const int n_tiles = d / 64;
+  for (int t = 0; t < n_tiles; ++t) {
+    if (t + 2 < n_tiles) layout.prefetch_tile(block, t + 2, rows, n);
+    const int64_t at = layout.tile_offset(t);
     __m512i sum[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
     for (int g = 0; g < n; g += 4) {
       const uint8_t* const* r = rows + g;
-      for (int i = 0; i < 4; ++i) {
-        __builtin_prefetch(r[i] + kTileBytes * t + 64);
-        __builtin_prefetch(r[i] + kTileBytes * t + 192, 0, 1);
-      }
       __m512i p[4];
-      interleave(r, t, p);
+      interleave(r, at, p);
       int32_t c4;
       std::memcpy(&c4, coef + g, 4);
       const __m512i c = _mm512_set1_epi32(c4);
       for (int i = 0; i < 4; ++i) sum[i] = _mm512_dpbusd_epi32(sum[i], p[i], c);
     }
-    add_tile(t, sum);
+    add_tile(t, layout.scales(block, t), sum);
   }
 }
 
@@ -74,21 +75,19 @@ inline void add_scaled(float* y, const uint16_t* d, __m512i sum, __m512 d_factor
 }
 
 template <bool kHasMin>
-void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+void neuron_block_q4(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y) {
   const uint8_t* rows[kQK + 3];
   alignas(4) int8_t coef[kQK + 3];
-  const int n = nonzero_neurons(x, block + (kHasMin ? 4 : 2) * d, d / 2, 4, rows, coef);
+  const int n = nonzero_neurons(x, block, layout, 4, rows, coef);
   if (n == 0) return;  // x.dsum is 0 too
-  const auto* scale = reinterpret_cast<const uint16_t*>(block);
-  const uint16_t* min = scale + d;
   const __m512i first0 = interleave_four(0), first16 = interleave_four(16), nibble = _mm512_set1_epi8(0x0F);
   const __m512 xd = _mm512_set1_ps(x.d), xdsum = _mm512_set1_ps(x.dsum);
   const __m512 q4_0_offset = _mm512_set1_ps(-8.0f * x.dsum);  // d (x.d sum - 8 x.dsum)
-  const auto interleave = [=](const uint8_t* const* r, int t, __m512i p[4]) {
-    const auto load2 = [t](const uint8_t* a, const uint8_t* b) {
+  const auto interleave = [=](const uint8_t* const* r, int64_t at, __m512i p[4]) {
+    const auto load2 = [at](const uint8_t* a, const uint8_t* b) {
       return _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * t))),
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32 * t)), 1);
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + at))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + at)), 1);
     };
     const __m512i rows01 = load2(r[0], r[1]), rows23 = load2(r[2], r[3]);
     const __m512i lo01 = _mm512_and_si512(rows01, nibble), lo23 = _mm512_and_si512(rows23, nibble);
@@ -99,15 +98,15 @@ void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
     p[2] = _mm512_permutex2var_epi8(hi01, first0, hi23);
     p[3] = _mm512_permutex2var_epi8(hi01, first16, hi23);
   };
-  neuron_tiles<32>(rows, coef, n, d, interleave, [=](int t, const __m512i sum[4]) {
+  neuron_tiles(layout, block, rows, coef, n, d, interleave, [=](int t, const uint16_t* scale, const __m512i sum[4]) {
     for (int i = 0; i < 4; ++i) {
-      const int o = 64 * t + 16 * i;
+      float* y_i = y + 64 * t + 16 * i;
       if (kHasMin) {  // d x.d sum + m x.dsum
-        _mm512_storeu_ps(y + o, _mm512_add_ps(_mm512_loadu_ps(y + o), _mm512_fmadd_ps(
-            _mm512_mul_ps(load_f16x16(scale + o), xd), _mm512_cvtepi32_ps(sum[i]),
-            _mm512_mul_ps(load_f16x16(min + o), xdsum))));
+        _mm512_storeu_ps(y_i, _mm512_add_ps(_mm512_loadu_ps(y_i), _mm512_fmadd_ps(
+            _mm512_mul_ps(load_f16x16(scale + 16 * i), xd), _mm512_cvtepi32_ps(sum[i]),
+            _mm512_mul_ps(load_f16x16(scale + 64 * layout.span_tiles + 16 * i), xdsum))));
       } else {
-        add_scaled(y + o, scale + o, sum[i], xd, q4_0_offset);
+        add_scaled(y_i, scale + 16 * i, sum[i], xd, q4_0_offset);
       }
     }
   });
@@ -125,12 +124,12 @@ void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
 //
 // Per 256 weights: 2 loads + 2 inserts, 6 mask/shift, 4 permutes, 4 vpdpbusd, against 2 converts and 2 FMAs per 32
 // in the f32 axpy.
-void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
-  neuron_block_q4<false>(block, d, x, y);
+void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y) {
+  neuron_block_q4<false>(block, d, layout, x, y);
 }
 
-void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
-  neuron_block_q4<true>(block, d, x, y);
+void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y) {
+  neuron_block_q4<true>(block, d, layout, x, y);
 }
 
 // Q8_0: a tile of 64 outputs is one 64-byte register per neuron row (weights + 128, unsigned). Bytes of rows 0 and 1
@@ -141,18 +140,17 @@ void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const BlockQ8& x, float
 //                                                                           -> outputs 32..63
 //
 // and the +128 comes back out per block as 128 x.d S per output, S the sum of the block's activations.
-void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y) {
   const uint8_t* rows[kQK + 3];
   alignas(4) int8_t coef[kQK + 3];
-  const int n = nonzero_neurons(x, block + 2 * d, d, 4, rows, coef);
+  const int n = nonzero_neurons(x, block, layout, 4, rows, coef);
   if (n == 0) return;
-  const auto* scale = reinterpret_cast<const uint16_t*>(block);
   const __m512i bytes_lo = interleave_pairs<uint8_t>(0), bytes_hi = interleave_pairs<uint8_t>(32);
   const __m512i words_lo = interleave_pairs<uint16_t>(0), words_hi = interleave_pairs<uint16_t>(16);
   const __m512 xd = _mm512_set1_ps(x.d), offset = _mm512_set1_ps(-128.0f * x.d * (x.sum[0] + x.sum[1]));
-  const auto interleave = [=](const uint8_t* const* r, int t, __m512i p[4]) {
+  const auto interleave = [=](const uint8_t* const* r, int64_t at, __m512i p[4]) {
     __m512i row[4];
-    for (int i = 0; i < 4; ++i) row[i] = _mm512_loadu_si512(r[i] + 64 * t);
+    for (int i = 0; i < 4; ++i) row[i] = _mm512_loadu_si512(r[i] + at);
     const __m512i ab_lo = _mm512_permutex2var_epi8(row[0], bytes_lo, row[1]);
     const __m512i ab_hi = _mm512_permutex2var_epi8(row[0], bytes_hi, row[1]);
     const __m512i cd_lo = _mm512_permutex2var_epi8(row[2], bytes_lo, row[3]);
@@ -162,8 +160,9 @@ void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float
     p[2] = _mm512_permutex2var_epi16(ab_hi, words_lo, cd_hi);
     p[3] = _mm512_permutex2var_epi16(ab_hi, words_hi, cd_hi);
   };
-  neuron_tiles<64>(rows, coef, n, d, interleave, [=](int t, const __m512i sum[4]) {
-    for (int i = 0; i < 4; ++i) add_scaled(y + 64 * t + 16 * i, scale + 64 * t + 16 * i, sum[i], xd, offset);
+  neuron_tiles(layout, block, rows, coef, n, d, interleave, [=](int t, const uint16_t* scale,
+                                                                      const __m512i sum[4]) {
+    for (int i = 0; i < 4; ++i) add_scaled(y + 64 * t + 16 * i, scale + 16 * i, sum[i], xd, offset);
   });
 }
 

@@ -197,41 +197,41 @@ void axpy(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, in
 }
 
 template <bool kHasMin>
-void neuron_block_q4(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+void neuron_block_q4(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y) {
   const uint8_t* rows[kQK];
   int8_t coef[kQK];
-  const uint8_t* q = block + (kHasMin ? 4 : 2) * d;
-  const int n = nonzero_neurons(x, q, d / 2, 1, rows, coef);
+  const int n = nonzero_neurons(x, block, layout, 1, rows, coef);
   if (n == 0) return;  // x.dsum is 0 too
-  const auto* scale = reinterpret_cast<const uint16_t*>(block);
-  const uint16_t* min = scale + d;
   for (int t = 0; t < d / 64; ++t) {
     int32_t sum[64] = {};
     for (int i = 0; i < n; ++i) {
-      const uint8_t* row = rows[i] + 32 * t;
+      const uint8_t* q = rows[i] + layout.tile_offset(t);
       for (int j = 0; j < 32; ++j) {
-        sum[j] += (row[j] & 0x0F) * coef[i];
-        sum[32 + j] += (row[j] >> 4) * coef[i];
+        sum[j] += (q[j] & 0x0F) * coef[i];
+        sum[32 + j] += (q[j] >> 4) * coef[i];
       }
     }
+    const uint16_t* scale = layout.scales(block, t);
+    const uint16_t* min = scale + 64 * layout.span_tiles;
     for (int j = 0; j < 64; ++j) {
-      const int o = 64 * t + j;
-      const float s = fp16_to_f32(scale[o]);
-      y[o] += kHasMin ? s * x.d * sum[j] + fp16_to_f32(min[o]) * x.dsum : s * (x.d * sum[j] - 8 * x.dsum);
+      const float s = fp16_to_f32(scale[j]);
+      y[64 * t + j] += kHasMin ? s * x.d * sum[j] + fp16_to_f32(min[j]) * x.dsum : s * (x.d * sum[j] - 8 * x.dsum);
     }
   }
 }
 
-void neuron_block_q8_0(const uint8_t* block, int d, const BlockQ8& x, float* y) {
+void neuron_block_q8_0(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y) {
   const uint8_t* rows[kQK];
   int8_t coef[kQK];
-  const int n = nonzero_neurons(x, block + 2 * d, d, 1, rows, coef);
+  const int n = nonzero_neurons(x, block, layout, 1, rows, coef);
   if (n == 0) return;
-  const auto* scale = reinterpret_cast<const uint16_t*>(block);
-  for (int o = 0; o < d; ++o) {
-    int32_t sum = 0;
-    for (int i = 0; i < n; ++i) sum += (rows[i][o] - 128) * coef[i];
-    y[o] += fp16_to_f32(scale[o]) * x.d * sum;
+  for (int t = 0; t < d / 64; ++t) {
+    const uint16_t* scale = layout.scales(block, t);
+    for (int j = 0; j < 64; ++j) {
+      int32_t sum = 0;
+      for (int i = 0; i < n; ++i) sum += (rows[i][layout.tile_offset(t) + j] - 128) * coef[i];
+      y[64 * t + j] += fp16_to_f32(scale[j]) * x.d * sum;
+    }
   }
 }
 

@@ -86,25 +86,61 @@ using Axpy = void (*)(const uint8_t* const* w_rows, const float* h, int n_rows, 
 // The sparse down projection of a Q4_0/Q4_1/Q8_0 weight W [d, n_ff] (blocks along n_ff, the neurons), repacked
 // neuron-major so that the neurons a token does not use are not read, while the products stay 8-bit integer dots.
 // Each 32-neuron block b becomes one run of bytes holding the values of W's blocks of that column, rearranged
-// (lossless; W[o, 32 b + k] below):
+// (lossless; W[o, 32 b + k] below). The outputs are cut into spans of S outputs (S a multiple of 64 dividing d), each
+// span into tiles of 64:
 //
-//   Q4_0/Q4_1  | d: f16[d] | m: f16[d] (Q4_1) | 32 neuron rows of d / 2 bytes |   d[o] q_k[o] + m[o], Q4_0 d[o] (q_k[o] - 8)
-//              neuron row k, per tile of 64 outputs (32 bytes): byte j = q_k[64 t + j] | q_k[64 t + 32 + j] << 4
-//   Q8_0       | d: f16[d] | 32 neuron rows of d bytes |                          d[o] q_k[o]
-//              neuron row k: byte o = q_k[o] + 128 (unsigned, as vpdpbusd takes it)
+//   block b = span 0 | span 1 | ... | span d/S - 1
+//   span    = | d: f16[S] | m: f16[S] (Q4_1) | piece of neuron 0 | ... | piece of neuron 31 |
+//   piece   = the neuron's q for the span's tiles, tile after tile:
+//     Q4_0/Q4_1: 32 bytes per tile t, byte j = q_k[64 t + j] | q_k[64 t + 32 + j] << 4
+//     Q8_0:      64 bytes per tile t, byte j = q_k[64 t + j] + 128 (unsigned, as vpdpbusd takes it)
+//   W[o, 32 b + k] = d[o] q_k[o] + m[o] (Q4_1), d[o] (q_k[o] - 8) (Q4_0), d[o] q_k[o] (Q8_0)
 //
+// With S = d a neuron's q is one run (long rows: the skipped ones are whole runs of memory); with S = 64 the block is
+// read front to back in tile order, which the hardware prefetchers follow when rows are short (jaxinfer.quant picks S).
 // y[0, d) += sum over k of W[:, 32 b + k] x[k], x the block's 8-bit activations (x.qs[k] = 0 for an inactive
-// neuron, whose row is then not read): per output the integer sum over the block's neurons, then d x.d sum + m x.dsum,
-// the dense dot's formula, so the two agree to float rounding. d must be a multiple of 64.
-using NeuronBlockAxpy = void (*)(const uint8_t* block, int d, const BlockQ8& x, float* y);
+// neuron, whose pieces are then not read): per output the integer sum over the block's neurons, then d x.d sum +
+// m x.dsum, the dense dot's formula, so the two agree to float rounding.
+struct NeuronLayout {
+  int scale_bytes, piece_bytes;  // per tile of 64 outputs: scales (and mins), one neuron's q
+  int span_tiles;                // tiles per span
 
-// The neurons of a block with a nonzero activation, as row pointers and coefficients, padded with zero coefficients
-// (on the first row) to a multiple of `group`; returns how many, 0 if none. rows/coef hold kQK + group - 1 entries.
-inline int nonzero_neurons(const BlockQ8& x, const uint8_t* first_row, int row_bytes, int group, const uint8_t** rows,
-                           int8_t* coef) {
+  int64_t span_bytes() const { return int64_t{span_tiles} * (scale_bytes + kQK * piece_bytes); }
+  // Neuron k's q for tile 0, and how far tile t's is from there.
+  const uint8_t* piece(const uint8_t* block, int k) const {
+    return block + int64_t{span_tiles} * (scale_bytes + k * piece_bytes);
+  }
+  int64_t tile_offset(int t) const { return t / span_tiles * span_bytes() + int64_t{t % span_tiles} * piece_bytes; }
+  // The 64 scales of tile t (Q4_1: its 64 mins follow the span's scales, at + 64 span_tiles).
+  const uint16_t* scales(const uint8_t* block, int t) const {
+    return reinterpret_cast<const uint16_t*>(block + t / span_tiles * span_bytes()) + 64 * (t % span_tiles);
+  }
+  // Asks for tile t's scales (and mins) and the q of the neurons in rows[0, n) (pointers from `piece`), into L2.
+  void prefetch_tile(const uint8_t* block, int t, const uint8_t* const* rows, int n) const {
+    const auto* scale = reinterpret_cast<const uint8_t*>(scales(block, t));
+    for (int half = 0; half < scale_bytes / 128; ++half) {  // 64 scales, then 64 mins: 128 bytes each
+      __builtin_prefetch(scale + half * 128 * span_tiles, 0, 1);
+      __builtin_prefetch(scale + half * 128 * span_tiles + 64, 0, 1);
+    }
+    const int64_t at = tile_offset(t);
+    for (int i = 0; i < n; ++i) {
+      for (int b = 0; b < piece_bytes; b += 64) __builtin_prefetch(rows[i] + at + b, 0, 1);
+    }
+  }
+};
+// Per type; the handler sets span_tiles from the call's span.
+constexpr NeuronLayout kQ4_0Layout{128, 32, 1}, kQ4_1Layout{256, 32, 1}, kQ8_0Layout{128, 64, 1};
+
+using NeuronBlockAxpy = void (*)(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
+
+// The neurons of a block with a nonzero activation, as pointers to their q for tile 0 and coefficients, padded
+// with zero coefficients (on the first neuron) to a multiple of `group`; returns how many, 0 if none. rows/coef hold
+// kQK + group - 1 entries.
+inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronLayout& layout, int group,
+                           const uint8_t** rows, int8_t* coef) {
   int n = 0;
   for (int k = 0; k < kQK; ++k) {  // branch-free: half the neurons, at random, are active
-    rows[n] = first_row + k * row_bytes;
+    rows[n] = layout.piece(block, k);
     coef[n] = x.qs[k];
     n += x.qs[k] != 0;
   }
@@ -131,9 +167,9 @@ const Kernels& scalar_kernels();
 const Kernels& avx2_kernels();
 const Kernels& avx512_kernels();
 // AVX-512 VBMI (Ice Lake, Zen 4): the byte permutes that interleave four neuron rows for vpdpbusd.
-void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y);
-void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y);
-void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const BlockQ8& x, float* y);
+void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
+void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
+void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
 // The best kernels this CPU runs (chosen once, with __builtin_cpu_supports); every null entry filled from scalar.
 const Kernels& best_kernels();
 

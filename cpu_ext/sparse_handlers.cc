@@ -312,30 +312,25 @@ ffi::Error GatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::An
 
 // ---- neuron_major_axpy
 
-// While one 32-neuron block is added, the next one's scales and the first four lines of its active rows are asked
-// for (into L2): the kernel prefetches within rows, but each row's start would otherwise wait on memory. With the
-// weights read from memory (bench_sparse_kernels.py --copies 30, d = 576, half the neurons active): 0.99-1.03x ->
-// 0.80-0.91x the dense kernel's time (Q4_1), 0.86-0.89x -> 0.72-0.89x (Q4_0); the whole of the rows, or two blocks
-// ahead, did no better.
-void prefetch_block(const uint8_t* block, int64_t scale_bytes, int64_t row_bytes, const BlockQ8& x) {
-  for (int64_t i = 0; i < scale_bytes; i += 64) __builtin_prefetch(block + i, 0, 1);
-  for (int k = 0; k < kQK; ++k) {
-    if (x.qs[k] == 0) continue;
-    const uint8_t* row = block + scale_bytes + k * row_bytes;
-    for (int64_t i = 0; i < std::min<int64_t>(row_bytes, 256); i += 64) __builtin_prefetch(row + i, 0, 1);
-  }
+// While one 32-neuron block is added, the next one's first two tiles (scales and the active neurons' q) are asked
+// for; the kernel asks for each tile's two tiles ahead as it goes.
+void prefetch_block(const uint8_t* block, const NeuronLayout& layout, int n_tiles, const BlockQ8& x) {
+  const uint8_t* rows[kQK];
+  int8_t coef[kQK];
+  const int n = nonzero_neurons(x, block, layout, 1, rows, coef);
+  for (int t = 0; n > 0 && t < std::min(2, n_tiles); ++t) layout.prefetch_tile(block, t, rows, n);
 }
 
 ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
                                ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype,
-                               int64_t rows, int64_t cols) {
+                               int64_t rows, int64_t cols, int64_t span) {
   const Kernels& k = best_kernels();
   NeuronBlockAxpy add_block;
-  int64_t type_size, scale_bytes_per_output;  // bytes of a GGUF block; of its scales, per output in the packing
+  NeuronLayout layout;
   switch (qtype) {
-    case kQ4_0: add_block = k.neuron_block_q4_0, type_size = sizeof(BlockQ4_0), scale_bytes_per_output = 2; break;
-    case kQ4_1: add_block = k.neuron_block_q4_1, type_size = sizeof(BlockQ4_1), scale_bytes_per_output = 4; break;
-    case kQ8_0: add_block = k.neuron_block_q8_0, type_size = sizeof(BlockQ8_0), scale_bytes_per_output = 2; break;
+    case kQ4_0: add_block = k.neuron_block_q4_0, layout = kQ4_0Layout; break;
+    case kQ4_1: add_block = k.neuron_block_q4_1, layout = kQ4_1Layout; break;
+    case kQ8_0: add_block = k.neuron_block_q8_0, layout = kQ8_0Layout; break;
     default:
       return ffi::Error::InvalidArgument("neuron_major_axpy: unsupported GGML type " + std::to_string(qtype) +
                                          " (Q4_0, Q4_1 or Q8_0)");
@@ -346,7 +341,13 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
                                        " must be a positive multiple of 32 and cols=" + std::to_string(cols) +
                                        " a positive multiple of 64");
   }
-  const int64_t n_blocks = rows / kQK, block_bytes = cols * type_size;
+  if (span <= 0 || span % 64 != 0 || cols % span != 0) {
+    return ffi::Error::InvalidArgument("neuron_major_axpy: span=" + std::to_string(span) +
+                                       " must be a positive multiple of 64 dividing cols=" + std::to_string(cols));
+  }
+  layout.span_tiles = static_cast<int>(span / 64);
+  const int64_t n_blocks = rows / kQK, block_bytes = cols / span * layout.span_bytes();
+  const int n_tiles = static_cast<int>(cols / 64);
   const auto w_dims = w.dimensions();
   if (w_dims.size() != 2 || w_dims[0] != n_blocks || w_dims[1] != block_bytes) {
     return ffi::Error::InvalidArgument("neuron_major_axpy: packed weight must be uint8 [" + std::to_string(n_blocks) +
@@ -378,12 +379,11 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
   }
   const BlockQ8* xq = s.xq.data();
   const auto* ws = w.typed_data();
-  const int64_t scale_bytes = cols * scale_bytes_per_output, row_bytes = (block_bytes - scale_bytes) / kQK;
   sum_over_groups(pool, n_blocks, m * cols, y->typed_data(), s, [=](int64_t b0, int64_t b1, float* ys) {
     for (int64_t t = 0; t < m; ++t) {
       for (int64_t b = b0; b < b1; ++b) {
-        if (b + 1 < b1) prefetch_block(ws + (b + 1) * block_bytes, scale_bytes, row_bytes, xq[t * n_blocks + b + 1]);
-        add_block(ws + b * block_bytes, static_cast<int>(cols), xq[t * n_blocks + b], ys + t * cols);
+        if (b + 1 < b1) prefetch_block(ws + (b + 1) * block_bytes, layout, n_tiles, xq[t * n_blocks + b + 1]);
+        add_block(ws + b * block_bytes, static_cast<int>(cols), layout, xq[t * n_blocks + b], ys + t * cols);
       }
     }
   });
@@ -448,4 +448,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(NeuronMajorAxpy, jaxinfer_cpu::NeuronMajorAxpyImpl
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [..., cols]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("cols"));
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("span"));

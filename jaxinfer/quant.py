@@ -161,7 +161,7 @@ def from_gguf_data(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[i
 def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
     if w.layout == NEURON_MAJOR:
-        return _dequantize_neuron_major(w)
+        return dequantize_neuron_major(w)
     if w.qtype in FLOAT_TYPES:
         return w.data.astype(jnp.float32)
     block_size, type_size = GGML_QUANT_SIZES[w.qtype]
@@ -173,17 +173,31 @@ def dequantize(w: QuantArray) -> jax.Array:
 # The sparse down projection, as the row-skipping kernel reads it. GGUF's ffn_down [d, n_ff] has the neurons as
 # columns, inside the blocks, so skipping a neuron skips no bytes; PowerInfer stores it transposed (one row per neuron),
 # which for block types means decoding and quantizing again (`transpose`: a second rounding) and an f32 axpy per
-# weight. Instead, a Q4_0/Q4_1/Q8_0 ffn_down keeps its own blocks' values, regrouped per 32 neurons
-# (cpu_ext/qmatmul.h, NeuronBlockAxpy):
+# weight. Instead, a Q4_0/Q4_1/Q8_0 ffn_down keeps its own blocks' values, regrouped per 32 neurons, the outputs cut
+# into spans of S (cpu_ext/qmatmul.h, NeuronLayout):
 #
-#   data[b] = | scale: f16[d] | min: f16[d] (Q4_1) | 32 neuron rows |            one run of bytes per block b
-#   Q4_0/Q4_1 neuron row k (d / 2 bytes), tile t of 64 outputs: byte j = q[64t + j, 32b + k] | q[64t + 32 + j, 32b + k] << 4
-#   Q8_0 neuron row k (d bytes): byte o = q[o, 32b + k] + 128
+#   data[b] = span 0 | span 1 | ...                                                 one run of bytes per block b
+#   span s  = | scale: f16[S] | min: f16[S] (Q4_1) | neuron 0's q | ... | neuron 31's q |
+#   a neuron's q, per tile t of 64 outputs o = 64t + j (t counted in the span):
+#     Q4_0/Q4_1: 32 bytes, byte j = q[o, 32b + k] | q[o + 32, 32b + k] << 4 (j < 32)
+#     Q8_0:      64 bytes, byte j = q[o, 32b + k] + 128
 #
 # (scale, min and q of W[o, 32b + k] are block b of row o's). As many bytes as W, no rounding; the shape stays that
-# of the transposed matrix, [n_ff, d], as ffn_down_t's.
+# of the transposed matrix, [n_ff, d], as ffn_down_t's. neuron_span picks S.
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
 _SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
+_Q_BYTES = {GGMLQuantizationType.Q4_0: 16, GGMLQuantizationType.Q4_1: 16, GGMLQuantizationType.Q8_0: 32}  # per block
+# A neuron's q stays one run when it is at least this long (S = d): skipping a neuron then skips whole stretches of
+# memory. Shorter, the kernel reads the block front to back one tile of 64 outputs at a time (S = 64), an order the
+# hardware prefetchers follow: the default model's 288-byte rows (d = 576, Q4_1) as one run each made its sparse FFN
+# 1.11x the dense one's time with weights from memory, in tiles 1.03x; 2 KiB rows (d = 4096) in tiles took 0.82x the
+# dense kernel's time against 0.62x as runs (Q4_0, half the neurons active).
+NEURON_RUN_MIN_BYTES = 1024
+
+
+def neuron_span(d: int, qtype: GGMLQuantizationType) -> int:
+    """Outputs per span of a NEURON_MAJOR packing of a [d, n_ff] weight (see above)."""
+    return d if d * _Q_BYTES[qtype] // 32 >= NEURON_RUN_MIN_BYTES else 64
 
 
 def can_pack_neuron_major(w: QuantArray) -> bool:
@@ -191,46 +205,55 @@ def can_pack_neuron_major(w: QuantArray) -> bool:
 
 
 def neuron_row_bytes(w: QuantArray) -> int:
-    """Bytes of a NEURON_MAJOR weight that belong to single neurons (its rows of q, not the shared scales)."""
-    return w.nbytes * (GGML_QUANT_SIZES[w.qtype][1] - _SCALE_BYTES[w.qtype]) // GGML_QUANT_SIZES[w.qtype][1]
+    """Bytes of a NEURON_MAJOR weight that belong to single neurons (their q, not the shared scales)."""
+    return w.nbytes * _Q_BYTES[w.qtype] // GGML_QUANT_SIZES[w.qtype][1]
 
 
-def pack_neuron_major(w: QuantArray) -> QuantArray:
+def pack_neuron_major(w: QuantArray, span: int | None = None) -> QuantArray:
     """A Q4_0/Q4_1/Q8_0 down projection W [d, n_ff] (d a multiple of 64) -> the same weight as a QuantArray [n_ff, d]
-    of layout NEURON_MAJOR (the transposed matrix, one row of q per neuron), bytes as drawn above."""
+    of layout NEURON_MAJOR (the transposed matrix: per neuron, its q in every span), bytes as drawn above, in spans of
+    `span` outputs (default: neuron_span's)."""
     if not can_pack_neuron_major(w):
         raise ValueError(f"cannot pack a {w.qtype.name} {w.layout} weight of shape {w.shape} neuron-major "
                          f"({sorted(t.name for t in NEURON_MAJOR_TYPES)}, not exact, rows a multiple of 64)")
     d, n_ff = w.shape
-    n_blocks, type_size, scale_bytes = n_ff // 32, GGML_QUANT_SIZES[w.qtype][1], _SCALE_BYTES[w.qtype]
+    span = span or neuron_span(d, w.qtype)
+    n_blocks, n_spans, type_size, scale_bytes = n_ff // 32, d // span, GGML_QUANT_SIZES[w.qtype][1], \
+        _SCALE_BYTES[w.qtype]
     blocks = np.asarray(jax.device_get(w.data)).reshape(d, n_blocks, type_size).transpose(1, 0, 2)  # [nb, d, bytes]
-    scales = [blocks[:, :, i : i + 2].reshape(n_blocks, 2 * d) for i in range(0, scale_bytes, 2)]
+    scales = [blocks[:, :, i : i + 2].reshape(n_blocks, n_spans, 2 * span) for i in range(0, scale_bytes, 2)]
     qs = blocks[:, :, scale_bytes:]
     if w.qtype == GGMLQuantizationType.Q8_0:
-        rows = (qs.transpose(0, 2, 1) ^ 0x80).reshape(n_blocks, 32 * d)  # int8 q + 128 as uint8
+        q = (qs ^ 0x80).transpose(0, 2, 1)  # [nb, 32 neurons, d outputs]: int8 q + 128 as uint8
     else:  # byte j of qs: neuron j (low nibble), neuron 16 + j (high)
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).transpose(0, 2, 1)  # [nb, 32 neurons, d outputs]
-        tiles = q.reshape(n_blocks, 32, d // 64, 2, 32)
-        rows = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).reshape(n_blocks, 32 * d // 2)
-    packed = np.ascontiguousarray(np.concatenate([*scales, rows], axis=1))
-    return QuantArray(jnp.asarray(packed), w.qtype, (n_ff, d), layout=NEURON_MAJOR)
+        nibbles = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).transpose(0, 2, 1)  # [nb, 32 neurons, d outputs]
+        halves = nibbles.reshape(n_blocks, 32, d // 64, 2, 32)
+        q = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [nb, 32, tiles, 32]
+    pieces = q.reshape(n_blocks, 32, n_spans, -1).transpose(0, 2, 1, 3).reshape(n_blocks, n_spans, -1)
+    packed = np.concatenate([*scales, pieces], axis=2).reshape(n_blocks, -1)
+    return QuantArray(jnp.asarray(np.ascontiguousarray(packed)), w.qtype, (n_ff, d), layout=NEURON_MAJOR)
 
 
-def _dequantize_neuron_major(w: QuantArray) -> jax.Array:
-    """pack_neuron_major's bytes -> f32 [n_ff, d] (the transposed weight)."""
+def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array:
+    """pack_neuron_major's bytes (in spans of `span` outputs, default neuron_span's) -> f32 [n_ff, d], the transposed
+    weight; dequantize(w) for a NEURON_MAJOR w."""
     n_ff, d = w.shape
-    n_blocks = n_ff // 32
-    scale = _f16(w.data[:, : 2 * d].reshape(n_blocks, d, 2))[:, None]  # [nb, 1, d]
-    offset = _SCALE_BYTES[w.qtype] * d
+    span = span or neuron_span(d, w.qtype)
+    n_blocks, n_spans, scale_bytes = n_ff // 32, d // span, _SCALE_BYTES[w.qtype]
+    spans = w.data.reshape(n_blocks, n_spans, -1)
+    scale = _f16(spans[:, :, : 2 * span].reshape(n_blocks, n_spans, span, 2))[:, :, None]  # [nb, spans, 1, S]
+    pieces = spans[:, :, scale_bytes * span :].reshape(n_blocks, n_spans, 32, span // 64, -1)
     if w.qtype == GGMLQuantizationType.Q8_0:
-        q = w.data[:, offset:].reshape(n_blocks, 32, d).astype(jnp.float32) - 128.0
-        return (scale * q).reshape(n_ff, d)
-    rows = w.data[:, offset:].reshape(n_blocks, 32, d // 64, 1, 32)
-    q = jnp.concatenate([rows & 0x0F, rows >> 4], axis=3).reshape(n_blocks, 32, d).astype(jnp.float32)
-    if w.qtype == GGMLQuantizationType.Q4_1:
-        minimum = _f16(w.data[:, 2 * d : 4 * d].reshape(n_blocks, d, 2))[:, None]
-        return (scale * q + minimum).reshape(n_ff, d)
-    return (scale * (q - 8.0)).reshape(n_ff, d)
+        values = scale * (pieces.reshape(n_blocks, n_spans, 32, span).astype(jnp.float32) - 128.0)
+    else:
+        q = jnp.concatenate([pieces & 0x0F, pieces >> 4], axis=-1).reshape(n_blocks, n_spans, 32, span)
+        q = q.astype(jnp.float32)
+        if w.qtype == GGMLQuantizationType.Q4_1:
+            minimum = _f16(spans[:, :, 2 * span : 4 * span].reshape(n_blocks, n_spans, span, 2))[:, :, None]
+            values = scale * q + minimum
+        else:
+            values = scale * (q - 8.0)
+    return values.transpose(0, 2, 1, 3).reshape(n_ff, d)  # [nb, 32 neurons, spans, S] -> [n_ff, d]
 
 
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
@@ -324,7 +347,8 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     weight with h in 8 bits and integer dots, of a transposed one with h in f32; the XLA path zeroes inactive inputs
     and multiplies with the dequantized weight."""
     if (kernels := _kernels(h, w_t, NEURON_MAJOR)) is not None:
-        return kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
+        return kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1],
+                                         span=neuron_span(w_t.shape[1], w_t.qtype))
     if (kernels := _kernels(h, w_t)) is not None:
         return kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
     return jnp.einsum("...f,fd->...d", jnp.where(mask, h, 0.0), dequantize(w_t))

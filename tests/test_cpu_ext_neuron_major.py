@@ -21,31 +21,33 @@ SHAPES = [(64, 32), (192, 96), (576, 1536)]
 DENSE_AGREEMENT = 1e-5
 
 
-def packed_weight(qtype, d, n_ff, rng) -> tuple[quant.QuantArray, quant.QuantArray]:
-    """(W [d, n_ff] in GGUF's layout, its neuron-major packing)."""
+def packed_weight(qtype, d, n_ff, rng, span=None) -> tuple[quant.QuantArray, quant.QuantArray]:
+    """(W [d, n_ff] in GGUF's layout, its neuron-major packing in spans of `span` outputs)."""
     w = quant.QuantArray(jnp.asarray(encode_tensor(rng.normal(size=(d, n_ff)).astype(np.float32), qtype, rng)),
                          qtype, (d, n_ff))
-    return w, quant.pack_neuron_major(w)
+    return w, quant.pack_neuron_major(w, span)
 
 
-def run(h, packed: quant.QuantArray, mask):
+def run(h, packed: quant.QuantArray, mask, span=None):
     n_ff, d = packed.shape
-    return cpu_ext.neuron_major_axpy(h, packed.data, mask, qtype=packed.qtype, rows=n_ff, cols=d)
+    return cpu_ext.neuron_major_axpy(h, packed.data, mask, qtype=packed.qtype, rows=n_ff, cols=d, span=span)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 def test_matches_reference_and_dense_kernel(qtype, isa):
+    """Spans of one tile, of several, and of all the outputs (each neuron's q one run)."""
     rng = np.random.default_rng(int(qtype))
-    for d, n_ff in SHAPES:
-        w, packed = packed_weight(qtype, d, n_ff, rng)
+    for (d, n_ff), span in [(shape, span) for shape in SHAPES for span in (64, shape[0])] + [((576, 1536), 192)]:
+        w, packed = packed_weight(qtype, d, n_ff, rng, span)
         for batch in (1, 3):
             h = rng.normal(size=(batch, n_ff)).astype(np.float32)
             mask = rng.random((batch, n_ff)) < 0.5
-            y = run(h, packed, mask)
-            y_ref = cpu_ext.neuron_major_axpy_reference(h, packed.data, mask, qtype=qtype, rows=n_ff, cols=d)
+            y = run(h, packed, mask, span)
+            y_ref = cpu_ext.neuron_major_axpy_reference(h, packed.data, mask, qtype=qtype, rows=n_ff, cols=d,
+                                                        span=span)
             assert y.shape == (batch, d) and y.dtype == jnp.float32
             masked = np.where(mask, h, 0).astype(np.float32)
-            assert rel_error(y, y_ref, masked, quant.dequantize(w)) < REL_ERROR[qtype], (d, n_ff, batch)
+            assert rel_error(y, y_ref, masked, quant.dequantize(w)) < REL_ERROR[qtype], (d, n_ff, span, batch)
             dense = cpu_ext.quantized_matmul(masked, w.data, qtype=qtype, rows=d, cols=n_ff)
             np.testing.assert_allclose(y, dense, rtol=0, atol=DENSE_AGREEMENT * float(jnp.abs(dense).max()))
 
@@ -113,11 +115,13 @@ def test_jit_vmap_and_leading_dims():
         ("h_rows", r"h must be \[\.\.\., 64\]"),
         ("mask_rows", "mask must have the shape of h"),
         ("type", "unsupported GGML type 12"),
+        ("span", "span=96 must be a positive multiple of 64 dividing cols=128"),
     ],
 )
 def test_bad_input_raises(case, match):
     _, packed = packed_weight(Q.Q4_1, 64, 64, np.random.default_rng(6))
     data, h, mask, rows, cols, qtype = packed.data, np.ones((2, 64), np.float32), np.ones((2, 64), bool), 64, 64, Q.Q4_1
+    span = None
     if case == "packed_shape":
         data = data[:, :-1]
     elif case == "cols":
@@ -126,14 +130,16 @@ def test_bad_input_raises(case, match):
         h = np.ones((2, 63), np.float32)
     elif case == "mask_rows":
         mask = np.ones((2, 65), bool)
+    elif case == "span":
+        data, cols, span = packed_weight(Q.Q4_1, 128, 64, np.random.default_rng(6))[1].data, 128, 96
     if case == "type":  # past the Python check: the handler's own
-        attrs = dict(qtype=np.int64(int(Q.Q4_K)), rows=np.int64(rows), cols=np.int64(cols))
+        attrs = dict(qtype=np.int64(int(Q.Q4_K)), rows=np.int64(rows), cols=np.int64(cols), span=np.int64(64))
         call = jax.ffi.ffi_call("jaxinfer_neuron_major_axpy", jax.ShapeDtypeStruct((2, cols), jnp.float32))
         with pytest.raises(Exception, match=match):
             jax.block_until_ready(call(h, data, mask, **attrs))
         return
     with pytest.raises(Exception, match=match):
-        jax.block_until_ready(cpu_ext.neuron_major_axpy(h, data, mask, qtype=qtype, rows=rows, cols=cols))
+        jax.block_until_ready(cpu_ext.neuron_major_axpy(h, data, mask, qtype=qtype, rows=rows, cols=cols, span=span))
 
 
 def test_python_checks_raise():

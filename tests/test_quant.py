@@ -58,21 +58,29 @@ def test_matmul_and_take_rows_match_dequantized_numpy(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
-@pytest.mark.parametrize("rows,cols", [(64, 32), (192, 96)])
-def test_neuron_major_packing_keeps_every_value(qtype, rows, cols):
+@pytest.mark.parametrize("rows,cols,span", [(64, 32, None), (192, 96, 64), (192, 96, 192), (2048, 32, None)])
+def test_neuron_major_packing_keeps_every_value(qtype, rows, cols, span):
     """pack_neuron_major regroups the blocks without rounding: decoded, it is gguf-py's dequantization, transposed;
     the scale bytes are W's own, rearranged."""
     data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
     w = quant.QuantArray(data, qtype, (rows, cols))
-    packed = quant.pack_neuron_major(w)
+    packed = quant.pack_neuron_major(w, span)
     assert packed.layout == quant.NEURON_MAJOR and packed.shape == (cols, rows) and packed.nbytes == w.nbytes
     expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols).T
-    np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), expected)
-    np.testing.assert_array_equal(np.sort(np.asarray(packed.data)[:, :2 * rows].ravel()),
+    np.testing.assert_array_equal(np.asarray(quant.dequantize_neuron_major(packed, span)), expected)
+    span = span or quant.neuron_span(rows, qtype)
+    spans = np.asarray(packed.data).reshape(cols // 32, rows // span, -1)  # scales first in each span
+    np.testing.assert_array_equal(np.sort(spans[:, :, :2 * span].ravel()),
                                   np.sort(data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])[:, :, :2].ravel()))
-    x = np.random.default_rng(1).normal(size=(2, cols)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(quant.masked_axpy(x, dataclasses.replace(packed, exact=True), x > 0)),
-                               np.where(x > 0, x, 0) @ expected, rtol=1e-5, atol=1e-5)
+    if span == quant.neuron_span(rows, qtype):  # the span the model's dispatch assumes
+        x = np.random.default_rng(1).normal(size=(2, cols)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(quant.masked_axpy(x, dataclasses.replace(packed, exact=True), x > 0)),
+                                   np.where(x > 0, x, 0) @ expected, rtol=1e-5, atol=1e-5)
+
+
+def test_neuron_span_keeps_long_rows_whole():
+    assert quant.neuron_span(576, Q.Q4_1) == 64 and quant.neuron_span(4096, Q.Q4_0) == 4096
+    assert quant.neuron_span(1024, Q.Q4_0) == 64 and quant.neuron_span(1024, Q.Q8_0) == 1024
 
 
 def test_neuron_major_packing_takes_q4_q8_weights_of_64_rows():

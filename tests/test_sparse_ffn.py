@@ -134,3 +134,17 @@ def test_down_projection_is_transposed_in_the_requested_type(make_model):
     with pytest.raises(JaxinferError, match="--down_t_type"):
         sparsity.parse_down_t_type("q6_k")
     assert sparsity.parse_down_t_type("Q8_0") == Q.Q8_0 and sparsity.parse_down_t_type("same") is None
+
+
+def test_moderate_sparsity_packs_the_down_projection_and_high_sparsity_transposes_it(make_model):
+    """Neuron-major up to NEURON_MAJOR_MAX_SPARSITY (and the same values), transposed above it and for predictors."""
+    layer = engine.load_model(make_model(n_embd=64, weight_type=Q.Q4_1)).weights.layers[0]
+    assert sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.5"))
+    assert sparsity.packs_neuron_major(sparsity.parse_spec("gate:0.7"))
+    assert not sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.9"))
+    assert not sparsity.packs_neuron_major(sparsity.parse_spec("predictor"))
+    packed = sparsity.with_transposed_down(layer).ffn_down_t
+    transposed = sparsity.with_transposed_down(layer, pack=False).ffn_down_t
+    assert packed.layout == quant.NEURON_MAJOR and transposed.layout == quant.ROW_BLOCKS
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)),
+                                  np.asarray(quant.dequantize(layer.ffn_down)).T)
