@@ -97,6 +97,13 @@ extern "C" {
 // Name of the kernels in use: "avx512" (AVX-512 + VNNI), "avx2" or "scalar".
 const char* jaxinfer_cpu_isa() { return jaxinfer_cpu::best_kernels().isa; }
 
+// Whether the neuron-major sparse down projection runs its SIMD kernel (AVX-512 VBMI) rather than the portable one,
+// which is correct but several times slower than the dense kernel: 1, else 0.
+int jaxinfer_cpu_fast_neuron_major() {
+  const jaxinfer_cpu::Kernels& k = jaxinfer_cpu::best_kernels();
+  return k.neuron_block_q4_1 != jaxinfer_cpu::scalar_kernels().neuron_block_q4_1;
+}
+
 // Use the named kernels from now on ("best" re-detects); returns 0 if this CPU cannot run them.
 int jaxinfer_cpu_select_isa(const char* isa) {
   const jaxinfer_cpu::Kernels* k =

@@ -204,6 +204,13 @@ def can_pack_neuron_major(w: QuantArray) -> bool:
     return w.layout == ROW_BLOCKS and w.qtype in NEURON_MAJOR_TYPES and not w.exact and w.shape[0] % 64 == 0
 
 
+def neuron_major_pays() -> bool:
+    """Whether a neuron-major down projection would run fast here: on the CPU backend, with cpu_ext's SIMD kernel for
+    it (elsewhere a transposed one serves as well or better)."""
+    kernels = cpu_kernels()
+    return kernels is not None and jax.default_backend() == "cpu" and kernels.fast_neuron_major()
+
+
 def neuron_row_bytes(w: QuantArray) -> int:
     """Bytes of a NEURON_MAJOR weight that belong to single neurons (their q, not the shared scales)."""
     return w.nbytes * _Q_BYTES[w.qtype] // GGML_QUANT_SIZES[w.qtype][1]

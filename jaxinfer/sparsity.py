@@ -123,9 +123,10 @@ def apply(m, spec: SparsitySpec, down_t_type=None):
 
 
 def packs_neuron_major(spec: SparsitySpec) -> bool:
-    """Whether `apply` packs down projections neuron-major for `spec` (calibrated sparsity up to
-    NEURON_MAJOR_MAX_SPARSITY; predictor models are the sparse ReLU kind, and transposed)."""
-    return spec.mode in THRESHOLD_METHODS and spec.level <= NEURON_MAJOR_MAX_SPARSITY
+    """Whether `apply` packs down projections neuron-major for `spec`: calibrated sparsity up to
+    NEURON_MAJOR_MAX_SPARSITY (predictor models are the sparse ReLU kind, and transposed), where its kernel runs
+    fast (quant.neuron_major_pays)."""
+    return spec.mode in THRESHOLD_METHODS and spec.level <= NEURON_MAJOR_MAX_SPARSITY and quant.neuron_major_pays()
 
 
 def with_transposed_down(layer, qtype=None, pack: bool = True):

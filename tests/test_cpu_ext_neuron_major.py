@@ -149,3 +149,9 @@ def test_python_checks_raise():
     with pytest.raises(ValueError, match="mask must be bool"):
         cpu_ext.neuron_major_axpy(np.ones((1, 32), np.float32), np.zeros((1, 1280), np.uint8),
                                   np.ones((1, 32), np.int8), qtype=Q.Q4_1, rows=32, cols=64)
+
+
+def test_fast_kernel_is_reported(isa):
+    """The VBMI kernel runs only with the AVX-512 kernels on a CPU that has VBMI; anything else is the portable one."""
+    cpuinfo = open("/proc/cpuinfo").read() if isa == "avx512" else ""
+    assert cpu_ext.fast_neuron_major() == (isa == "avx512" and " avx512vbmi" in cpuinfo)
