@@ -73,8 +73,8 @@ def isa() -> str:
 
 
 def fast_neuron_major() -> bool:
-    """Whether neuron_major_axpy runs its SIMD kernel (AVX-512 VBMI: Ice Lake, Zen 4 and later) with the kernels in
-    use; the portable one is correct but takes several times the dense kernel's time (6-14x measured with avx2)."""
+    """Whether neuron_major_axpy runs a SIMD kernel (AVX-512 VBMI byte permutes, or AVX2 unpacks) with the kernels in
+    use; the portable one is correct but takes several times the dense kernel's time (6-14x measured)."""
     return bool(_lib.jaxinfer_cpu_fast_neuron_major())
 
 

@@ -46,12 +46,13 @@ bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
+// The neuron-major kernels of the AVX-512 set: VBMI's byte permutes where the CPU has them, else AVX2's unpacks.
 Kernels with_vbmi(Kernels k) {
-  if (__builtin_cpu_supports("avx512vbmi")) {
-    k.neuron_block_q4_0 = neuron_block_q4_0_vbmi;
-    k.neuron_block_q4_1 = neuron_block_q4_1_vbmi;
-    k.neuron_block_q8_0 = neuron_block_q8_0_vbmi;
-  }
+  const bool vbmi = __builtin_cpu_supports("avx512vbmi");
+  const Kernels& avx2 = avx2_kernels();
+  k.neuron_block_q4_0 = vbmi ? neuron_block_q4_0_vbmi : avx2.neuron_block_q4_0;
+  k.neuron_block_q4_1 = vbmi ? neuron_block_q4_1_vbmi : avx2.neuron_block_q4_1;
+  k.neuron_block_q8_0 = vbmi ? neuron_block_q8_0_vbmi : avx2.neuron_block_q8_0;
   return k;
 }
 #else  // other architectures run the portable kernels
@@ -97,8 +98,8 @@ extern "C" {
 // Name of the kernels in use: "avx512" (AVX-512 + VNNI), "avx2" or "scalar".
 const char* jaxinfer_cpu_isa() { return jaxinfer_cpu::best_kernels().isa; }
 
-// Whether the neuron-major sparse down projection runs its SIMD kernel (AVX-512 VBMI) rather than the portable one,
-// which is correct but several times slower than the dense kernel: 1, else 0.
+// Whether the neuron-major sparse down projection runs a SIMD kernel (AVX-512 VBMI or AVX2) rather than the portable
+// one, which is correct but several times slower than the dense kernel: 1, else 0.
 int jaxinfer_cpu_fast_neuron_major() {
   const jaxinfer_cpu::Kernels& k = jaxinfer_cpu::best_kernels();
   return k.neuron_block_q4_1 != jaxinfer_cpu::scalar_kernels().neuron_block_q4_1;

@@ -166,7 +166,8 @@ struct Kernels {
 const Kernels& scalar_kernels();
 const Kernels& avx2_kernels();
 const Kernels& avx512_kernels();
-// AVX-512 VBMI (Ice Lake, Zen 4): the byte permutes that interleave four neuron rows for vpdpbusd.
+// AVX-512 VBMI (Ice Lake, Zen 4): the byte permutes that interleave four neurons' q for vpdpbusd (AVX2 and AVX-512
+// without VBMI use AVX2's unpacks, in kernels_avx2.cc).
 void neuron_block_q4_0_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
 void neuron_block_q4_1_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
 void neuron_block_q8_0_vbmi(const uint8_t* block, int d, const NeuronLayout& layout, const BlockQ8& x, float* y);
