@@ -193,14 +193,16 @@ void add_panel(Axpy axpy, const uint8_t* ws, int64_t row_bytes, int64_t e0, int6
 // ys [size] = the sum of add_items(i0, i1, y) over ranges of the items [0, n_items), each adding its items into a
 // zeroed y.
 //
-// The items are cut into groups of consecutive items; a task adds one group's, in order, into an accumulator of its
-// own (group 0's is ys), and the accumulators are summed in group order at the end. So the result does not depend
-// on which thread ran which group, only on the pool's size, through the number of groups: 4 per thread, so that the
-// threads stay balanced if one starts late or is preempted.
+// The items are cut into one group of consecutive items per thread; a task adds one group's, in order, into an
+// accumulator of its own (group 0's is ys), and the accumulators are summed in group order at the end. So the result
+// does not depend on which thread ran which group, only on the pool's size, through the number of groups. Four groups
+// per thread balanced the threads better if one started late, but their accumulators and final sum cost more: one
+// token at d = 576, half the rows active, masked_axpy 0.92-0.96 -> 0.80-0.84 of the dense kernel's time and
+// neuron_major_axpy 0.62-0.65 -> 0.45-0.47 (8 tokens, d = 4096: 1.33-1.37 -> 1.22-1.29).
 template <typename AddItems>
 void sum_over_groups(ffi::ThreadPool& pool, int64_t n_items, int64_t size, float* ys, Scratch& s,
                      const AddItems& add_items) {
-  const int64_t n_groups = std::min(n_items, 4 * std::max<int64_t>(1, pool.num_threads()));
+  const int64_t n_groups = std::min(n_items, std::max<int64_t>(1, pool.num_threads()));
   if (n_groups == 0) {
     std::memset(ys, 0, sizeof(float) * size);
     return;
@@ -382,6 +384,7 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
   sum_over_groups(pool, n_blocks, m * cols, y->typed_data(), s, [=](int64_t b0, int64_t b1, float* ys) {
     for (int64_t t = 0; t < m; ++t) {
       for (int64_t b = b0; b < b1; ++b) {
+        if (xq[t * n_blocks + b].d == 0.0f) continue;  // no neuron of the block is active
         if (b + 1 < b1) prefetch_block(ws + (b + 1) * block_bytes, layout, n_tiles, xq[t * n_blocks + b + 1]);
         add_block(ws + b * block_bytes, static_cast<int>(cols), layout, xq[t * n_blocks + b], ys + t * cols);
       }

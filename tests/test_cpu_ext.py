@@ -368,7 +368,7 @@ def test_sparse_edge_sets(isa):
 def test_axpy_results_do_not_depend_on_thread_timing():
     """The axpys sum per-task partial results in a fixed order: repeated calls agree to the bit."""
     rng = np.random.default_rng(8)
-    rows, cols = 600, 64  # 38 panels of 16 rows: more tasks than threads
+    rows, cols = 600, 64  # 38 panels of 16 rows, split over the threads
     kw = dict(qtype=Q.Q8_0, rows=rows, cols=cols)
     data = random_weight(Q.Q8_0, rows, cols, rng)
     h = rng.normal(size=(2, rows)).astype(np.float32)
