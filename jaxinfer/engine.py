@@ -48,9 +48,12 @@ class LoadedModel:
         arrays = {id(leaf): leaf for leaf in jax.tree.leaves(self.weights)}  # a tied output shares the embedding
         n_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in arrays.values())
         types = sorted({t.tensor_type.name for t in self.gguf.reader.tensors})
+        down_t = self.weights.layers[0].ffn_down_t if self.weights.layers else None
+        down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
                 f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
-                f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}")
+                f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}"
+                f"{down}")
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,

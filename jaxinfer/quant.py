@@ -200,6 +200,13 @@ def neuron_span(d: int, qtype: GGMLQuantizationType) -> int:
     return d if d * _Q_BYTES[qtype] // 32 >= NEURON_RUN_MIN_BYTES else 64
 
 
+def layout_name(w: QuantArray) -> str:
+    """How w is stored, for what the CLIs print: "Q4_1", or "Q4_1 neuron-major in spans of 64 outputs"."""
+    if w.layout == NEURON_MAJOR:
+        return f"{w.qtype.name} neuron-major in spans of {neuron_span(w.shape[1], w.qtype)} outputs"
+    return w.qtype.name
+
+
 def can_pack_neuron_major(w: QuantArray) -> bool:
     return w.layout == ROW_BLOCKS and w.qtype in NEURON_MAJOR_TYPES and not w.exact and w.shape[0] % 64 == 0
 

@@ -139,7 +139,13 @@ def test_down_projection_is_transposed_in_the_requested_type(make_model):
 def test_moderate_sparsity_packs_the_down_projection_and_high_sparsity_transposes_it(make_model):
     """Neuron-major up to NEURON_MAJOR_MAX_SPARSITY where its kernel is fast (and the same values), transposed above it
     and for predictors."""
-    layer = engine.load_model(make_model(n_embd=64, weight_type=Q.Q4_1)).weights.layers[0]
+    m = engine.load_model(make_model(n_embd=64, weight_type=Q.Q4_1))
+    layer = m.weights.layers[0]
+    assert "down projection" not in m.describe()
+    layers = [sparsity.with_transposed_down(each) for each in m.weights.layers]
+    packed_model = dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=layers))
+    assert packed_model.describe().endswith(", down projection one row per neuron (Q4_1 neuron-major in spans of 64 "
+                                            "outputs)")
     fast = quant.neuron_major_pays()
     assert sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.5")) == fast
     assert sparsity.packs_neuron_major(sparsity.parse_spec("gate:0.7")) == fast
@@ -148,5 +154,7 @@ def test_moderate_sparsity_packs_the_down_projection_and_high_sparsity_transpose
     packed = sparsity.with_transposed_down(layer).ffn_down_t
     transposed = sparsity.with_transposed_down(layer, pack=False).ffn_down_t
     assert packed.layout == quant.NEURON_MAJOR and transposed.layout == quant.ROW_BLOCKS
+    assert quant.layout_name(packed) == "Q4_1 neuron-major in spans of 64 outputs"
+    assert quant.layout_name(transposed) == "Q4_1"
     np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)),
                                   np.asarray(quant.dequantize(layer.ffn_down)).T)
