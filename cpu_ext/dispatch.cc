@@ -47,7 +47,7 @@ bool cpu_has_avx2() {
 }
 
 // The neuron-major kernels of the AVX-512 set: VBMI's byte permutes where the CPU has them, else AVX2's unpacks.
-Kernels with_vbmi(Kernels k) {
+Kernels with_neuron_major_kernels(Kernels k) {
   const bool vbmi = __builtin_cpu_supports("avx512vbmi");
   const Kernels& avx2 = avx2_kernels();
   k.neuron_block_q4_0 = vbmi ? neuron_block_q4_0_vbmi : avx2.neuron_block_q4_0;
@@ -57,14 +57,15 @@ Kernels with_vbmi(Kernels k) {
 }
 #else  // other architectures run the portable kernels
 bool cpu_has_avx512() { return false; }
-Kernels with_vbmi(Kernels k) { return k; }
+Kernels with_neuron_major_kernels(Kernels k) { return k; }
 bool cpu_has_avx2() { return false; }
 #endif
 
 const Kernels* by_name(const char* isa) {
   static const Kernels scalar = scalar_kernels();
   static const Kernels avx2 = complete(avx2_kernels());
-  static const Kernels avx512 = complete(cpu_has_avx512() ? with_vbmi(avx512_kernels()) : avx512_kernels());
+  static const Kernels avx512 =
+      complete(cpu_has_avx512() ? with_neuron_major_kernels(avx512_kernels()) : avx512_kernels());
   if (std::strcmp(isa, "avx512") == 0) return cpu_has_avx512() ? &avx512 : nullptr;
   if (std::strcmp(isa, "avx2") == 0) return cpu_has_avx2() ? &avx2 : nullptr;
   if (std::strcmp(isa, "scalar") == 0) return &scalar;

@@ -239,6 +239,25 @@ void axpy_entries(ffi::ThreadPool& pool, const TypeInfo& info, const uint8_t* ws
   });
 }
 
+// The token args of a masked axpy: h [..., rows], mask of h's shape, y [..., cols]; *m = the tokens.
+ffi::Error check_masked_axpy(const std::string& op, const ffi::Buffer<ffi::F32>& h,
+                             const ffi::Buffer<ffi::PRED>& mask, const ffi::Buffer<ffi::F32>& y, int64_t rows,
+                             int64_t cols, int64_t* m) {
+  if (!tokens_of(h.dimensions(), rows, m)) {
+    return ffi::Error::InvalidArgument(op + ": h must be [..., " + std::to_string(rows) + "], got " +
+                                       dims_string(h.dimensions()));
+  }
+  if (mask.dimensions().size() != h.dimensions().size() || !same_leading_dims(mask.dimensions(), h.dimensions()) ||
+      mask.dimensions()[mask.dimensions().size() - 1] != rows) {
+    return ffi::Error::InvalidArgument(op + ": mask must have the shape of h " + dims_string(h.dimensions()) +
+                                       ", got " + dims_string(mask.dimensions()));
+  }
+  if (y.element_count() != static_cast<size_t>(*m * cols)) {
+    return ffi::Error::InvalidArgument(op + ": output must be [..., " + std::to_string(cols) + "]");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error MaskedAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::AnyBuffer w,
                           ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
                           int64_t cols) {
@@ -247,18 +266,7 @@ ffi::Error MaskedAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::An
   if (ffi::Error error = check_weight("masked_axpy", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
     return error;
   }
-  if (!tokens_of(h.dimensions(), rows, &m)) {
-    return ffi::Error::InvalidArgument("masked_axpy: h must be [..., " + std::to_string(rows) + "], got " +
-                                       dims_string(h.dimensions()));
-  }
-  if (mask.dimensions().size() != h.dimensions().size() || !same_leading_dims(mask.dimensions(), h.dimensions()) ||
-      mask.dimensions()[mask.dimensions().size() - 1] != rows) {
-    return ffi::Error::InvalidArgument("masked_axpy: mask must have the shape of h " + dims_string(h.dimensions()) +
-                                       ", got " + dims_string(mask.dimensions()));
-  }
-  if (y->element_count() != static_cast<size_t>(m * cols)) {
-    return ffi::Error::InvalidArgument("masked_axpy: output must be [..., " + std::to_string(cols) + "]");
-  }
+  if (ffi::Error error = check_masked_axpy("masked_axpy", h, mask, *y, rows, cols, &m); error.failure()) return error;
 
   Scratch& s = thread_scratch();
   const bool* ms = mask.typed_data();
@@ -356,17 +364,8 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
                                        ", " + std::to_string(block_bytes) + "], got " + dims_string(w_dims));
   }
   int64_t m;
-  if (!tokens_of(h.dimensions(), rows, &m)) {
-    return ffi::Error::InvalidArgument("neuron_major_axpy: h must be [..., " + std::to_string(rows) + "], got " +
-                                       dims_string(h.dimensions()));
-  }
-  if (mask.dimensions().size() != h.dimensions().size() || !same_leading_dims(mask.dimensions(), h.dimensions()) ||
-      mask.dimensions()[mask.dimensions().size() - 1] != rows) {
-    return ffi::Error::InvalidArgument("neuron_major_axpy: mask must have the shape of h " +
-                                       dims_string(h.dimensions()) + ", got " + dims_string(mask.dimensions()));
-  }
-  if (y->element_count() != static_cast<size_t>(m * cols)) {
-    return ffi::Error::InvalidArgument("neuron_major_axpy: output must be [..., " + std::to_string(cols) + "]");
+  if (ffi::Error error = check_masked_axpy("neuron_major_axpy", h, mask, *y, rows, cols, &m); error.failure()) {
+    return error;
   }
 
   // Each token's h, masked, in 8-bit blocks as the dense kernels quantize it: an inactive neuron is a 0.

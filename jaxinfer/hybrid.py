@@ -62,10 +62,12 @@ def transposed_down(layer: model.Layer) -> QuantArray:
     blocks (running along a row) cannot be sliced by, so a dense model's is decoded once and stored f32 [n_ff, d]
     (exact); a sparse model prepared by sparsity.apply already has it in its own format, unless packed neuron-major
     for cpu_ext (whose rows of nibbles share their blocks' scales), which is decoded too."""
-    if layer.ffn_down_t is not None and layer.ffn_down_t.layout == ROW_BLOCKS:
+    if layer.ffn_down_t is None:
+        source, values = layer.ffn_down, dequantize(layer.ffn_down).T
+    elif layer.ffn_down_t.layout == ROW_BLOCKS:
         return layer.ffn_down_t
-    source = layer.ffn_down if layer.ffn_down_t is None else layer.ffn_down_t
-    values = dequantize(source).T if layer.ffn_down_t is None else dequantize(source)
+    else:
+        source, values = layer.ffn_down_t, dequantize(layer.ffn_down_t)  # already one row per neuron
     return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape), source.exact)
 
 

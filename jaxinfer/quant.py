@@ -185,8 +185,13 @@ def dequantize(w: QuantArray) -> jax.Array:
 # (scale, min and q of W[o, 32b + k] are block b of row o's). As many bytes as W, no rounding; the shape stays that
 # of the transposed matrix, [n_ff, d], as ffn_down_t's. neuron_span picks S.
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
-_SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}
-_Q_BYTES = {GGMLQuantizationType.Q4_0: 16, GGMLQuantizationType.Q4_1: 16, GGMLQuantizationType.Q8_0: 32}  # per block
+_SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}  # per block
+
+
+def _q_bytes(qtype: GGMLQuantizationType) -> int:
+    """Bytes of a block's quants (not its scales)."""
+    return GGML_QUANT_SIZES[qtype][1] - _SCALE_BYTES[qtype]
+
 # A neuron's q stays one run when it is at least this long (S = d): skipping a neuron then skips whole stretches of
 # memory. Shorter, the kernel reads the block front to back one tile of 64 outputs at a time (S = 64), an order the
 # hardware prefetchers follow: the default model's 288-byte rows (d = 576, Q4_1) as one run each made its sparse FFN
@@ -197,7 +202,7 @@ NEURON_RUN_MIN_BYTES = 1024
 
 def neuron_span(d: int, qtype: GGMLQuantizationType) -> int:
     """Outputs per span of a NEURON_MAJOR packing of a [d, n_ff] weight (see above)."""
-    return d if d * _Q_BYTES[qtype] // 32 >= NEURON_RUN_MIN_BYTES else 64
+    return d if d * _q_bytes(qtype) // 32 >= NEURON_RUN_MIN_BYTES else 64
 
 
 def layout_name(w: QuantArray) -> str:
@@ -220,7 +225,7 @@ def neuron_major_pays() -> bool:
 
 def neuron_row_bytes(w: QuantArray) -> int:
     """Bytes of a NEURON_MAJOR weight that belong to single neurons (their q, not the shared scales)."""
-    return w.nbytes * _Q_BYTES[w.qtype] // GGML_QUANT_SIZES[w.qtype][1]
+    return w.nbytes * _q_bytes(w.qtype) // GGML_QUANT_SIZES[w.qtype][1]
 
 
 def pack_neuron_major(w: QuantArray, span: int | None = None) -> QuantArray:
