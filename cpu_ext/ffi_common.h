@@ -22,7 +22,9 @@ namespace ffi = xla::ffi;
 namespace jaxinfer_cpu {
 
 // gguf.GGMLQuantizationType values of the supported weight types.
-enum GgmlType : int64_t { kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14
+};
 
 struct TypeInfo {
   int block_size, type_size;     // values and bytes per block (1 and 2 or 4 for float types)
@@ -43,14 +45,20 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ4_1:
       *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4};
       return true;
+    case kQ5_0:
+      *info = {32, 22, ffi::DataType::U8, &Kernels::q5_0, nullptr, &Kernels::axpy_q5_0, &Kernels::q5_0_x4};
+      return true;
+    case kQ5_1:
+      *info = {32, 24, ffi::DataType::U8, &Kernels::q5_1, nullptr, &Kernels::axpy_q5_1, &Kernels::q5_1_x4};
+      return true;
     case kQ8_0:
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4};
       return true;
     case kQ4_K:
-      *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k, nullptr};
+      *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k, &Kernels::q4_k_x4};
       return true;
     case kQ6_K:
-      *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k, nullptr};
+      *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k, &Kernels::q6_k_x4};
       return true;
     default: return false;
   }

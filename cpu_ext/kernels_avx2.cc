@@ -17,6 +17,19 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
 
+// Byte i takes byte i / 8 of qh (a shuffle within each 128-bit half, both holding qh), keeps bit i % 8 of it, and
+// becomes 0x10 where that bit is set.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+}
+
 // The axpy kernels' 16 lanes (see kernels_x86.inc): two 256-bit vectors, lanes 0..7 and 8..15.
 struct I32x16 {
   __m256i lo, hi;
@@ -191,6 +204,8 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q8_0,
                             avx2::dot_q4_0,
                             avx2::dot_q4_1,
+                            avx2::dot_q5_0,
+                            avx2::dot_q5_1,
                             avx2::dot_q4_k,
                             avx2::dot_q6_k,
                             avx2::dot_f16,
@@ -199,6 +214,8 @@ const Kernels& avx2_kernels() {
                             avx2::axpy_q8_0,
                             avx2::axpy_q4_0,
                             avx2::axpy_q4_1,
+                            avx2::axpy_q5_0,
+                            avx2::axpy_q5_1,
                             avx2::axpy_q4_k,
                             avx2::axpy_q6_k,
                             avx2::axpy_floats<uint16_t>,
@@ -206,6 +223,10 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q8_0_x4,
                             avx2::dot_q4_0_x4,
                             avx2::dot_q4_1_x4,
+                            avx2::dot_q5_0_x4,
+                            avx2::dot_q5_1_x4,
+                            avx2::dot_q4_k_x4,
+                            avx2::dot_q6_k_x4,
                             avx2::neuron_block_q4<false>,
                             avx2::neuron_block_q4<true>,
                             avx2::neuron_block_q8_0};

@@ -16,6 +16,13 @@ namespace avx512 {
 // One instruction, no saturation: lane i = sum over j < 4 of a[4i+j] * b[4i+j].
 inline __m256i dot_u8s8(__m256i a, __m256i b) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b); }
 
+// Byte i = 0x10 where bit i of qh is set: qh as a byte mask.
+inline __m256i fifth_bits(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  return _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10));
+}
+
 // The axpy kernels' 16 lanes (see kernels_x86.inc): one 512-bit vector. Zen 4 runs 512-bit operations on its
 // 256-bit units, but decodes and retires half as many instructions: measured 4% (Q4_1) and 8% (Q8_0) faster than
 // 256-bit pairs.
@@ -63,6 +70,8 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q8_0,
                             avx512::dot_q4_0,
                             avx512::dot_q4_1,
+                            avx512::dot_q5_0,
+                            avx512::dot_q5_1,
                             avx512::dot_q4_k,
                             avx512::dot_q6_k,
                             avx512::dot_f16,
@@ -71,13 +80,19 @@ const Kernels& avx512_kernels() {
                             avx512::axpy_q8_0,
                             avx512::axpy_q4_0,
                             avx512::axpy_q4_1,
+                            avx512::axpy_q5_0,
+                            avx512::axpy_q5_1,
                             avx512::axpy_q4_k,
                             avx512::axpy_q6_k,
                             avx512::axpy_floats<uint16_t>,
                             avx512::axpy_floats<float>,
                             avx512::dot_q8_0_x4,
                             avx512::dot_q4_0_x4,
-                            avx512::dot_q4_1_x4};
+                            avx512::dot_q4_1_x4,
+                            avx512::dot_q5_0_x4,
+                            avx512::dot_q5_1_x4,
+                            avx512::dot_q4_k_x4,
+                            avx512::dot_q6_k_x4};
   return k;
 }
 

@@ -64,6 +64,35 @@ float dot_q4_1(const uint8_t* w_row, const BlockQ8* x, int n) {
   return total;
 }
 
+// Q5_0 and Q5_1: the nibble of element i plus bit i of qh as its fifth bit.
+int fifth_bit_dot(const uint8_t qh[4], const int8_t* x) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  int dot = 0;
+  for (int i = 0; i < kQK; ++i) dot += (int)((bits >> i) & 1) * 16 * x[i];
+  return dot;
+}
+
+float dot_q5_0(const uint8_t* w_row, const BlockQ8* x, int n) {
+  const auto* w = reinterpret_cast<const BlockQ5_0*>(w_row);
+  float total = 0.0f;
+  for (int b = 0; b < n / kQK; ++b) {
+    const int dot = nibble_dot(w[b].qs, x[b].qs) + fifth_bit_dot(w[b].qh, x[b].qs);
+    total += fp16_to_f32(w[b].d) * x[b].d * (float)(dot - 16 * block_sum(x[b]));
+  }
+  return total;
+}
+
+float dot_q5_1(const uint8_t* w_row, const BlockQ8* x, int n) {
+  const auto* w = reinterpret_cast<const BlockQ5_1*>(w_row);
+  float total = 0.0f;
+  for (int b = 0; b < n / kQK; ++b) {
+    const int dot = nibble_dot(w[b].qs, x[b].qs) + fifth_bit_dot(w[b].qh, x[b].qs);
+    total += x[b].d * (fp16_to_f32(w[b].d) * (float)dot + fp16_to_f32(w[b].m) * (float)block_sum(x[b]));
+  }
+  return total;
+}
+
 float dot_q4_k(const uint8_t* w_row, const BlockQ8* x, int n) {
   const auto* w = reinterpret_cast<const BlockQ4_K*>(w_row);
   float total = 0.0f;
@@ -147,6 +176,26 @@ void dequantize_q4_1(const uint8_t* block, float* out) {
     out[i] = d * (float)(w->qs[i] & 0x0F) + m;
     out[i + 16] = d * (float)(w->qs[i] >> 4) + m;
   }
+}
+
+// The 5-bit q of a Q5_0/Q5_1 block's element i.
+int q5(const uint8_t qh[4], const uint8_t qs[16], int i) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const int nibble = i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4;
+  return nibble | (int)((bits >> i) & 1) << 4;
+}
+
+void dequantize_q5_0(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ5_0*>(block);
+  const float d = fp16_to_f32(w->d);
+  for (int i = 0; i < kQK; ++i) out[i] = d * (float)(q5(w->qh, w->qs, i) - 16);
+}
+
+void dequantize_q5_1(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ5_1*>(block);
+  const float d = fp16_to_f32(w->d), m = fp16_to_f32(w->m);
+  for (int i = 0; i < kQK; ++i) out[i] = d * (float)q5(w->qh, w->qs, i) + m;
 }
 
 void dequantize_q4_k(const uint8_t* block, float* out) {
@@ -242,6 +291,8 @@ const Kernels& scalar_kernels() {
                             dot_q8_0,
                             dot_q4_0,
                             dot_q4_1,
+                            dot_q5_0,
+                            dot_q5_1,
                             dot_q4_k,
                             dot_q6_k,
                             dot_f16,
@@ -250,10 +301,16 @@ const Kernels& scalar_kernels() {
                             axpy<kQK, sizeof(BlockQ8_0), dequantize_q8_0>,
                             axpy<kQK, sizeof(BlockQ4_0), dequantize_q4_0>,
                             axpy<kQK, sizeof(BlockQ4_1), dequantize_q4_1>,
+                            axpy<kQK, sizeof(BlockQ5_0), dequantize_q5_0>,
+                            axpy<kQK, sizeof(BlockQ5_1), dequantize_q5_1>,
                             axpy<kQK_K, sizeof(BlockQ4_K), dequantize_q4_k>,
                             axpy<kQK_K, sizeof(BlockQ6_K), dequantize_q6_k>,
                             axpy<1, sizeof(uint16_t), dequantize_f16>,
                             axpy<1, sizeof(float), dequantize_f32>,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
                             nullptr,
                             nullptr,
                             nullptr,

@@ -61,13 +61,23 @@ def dequantize_Q4_1(blocks):
 
 
 # Q5_0, 22 bytes per 32 values:  | d:f16 | qh:u32 | qs[16] |       x = d * (q - 16)
-#   q = low nibble (as Q4_0) | bit j of the little-endian u32 qh << 4, for element j.
+def _q5(qh_bytes, qs):
+    """Q5_0/Q5_1 q: low nibble (as Q4_0) | bit j of the little-endian u32 qh << 4, for element j."""
+    qh = jax.lax.bitcast_convert_type(qh_bytes, jnp.uint32)[..., None]
+    high = ((qh >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
+    return (_nibbles(qs) | (high << 4)).astype(jnp.float32)
+
+
 def dequantize_Q5_0(blocks):
     d = _f16(blocks[..., 0:2])[..., None]
-    qh = jax.lax.bitcast_convert_type(blocks[..., 2:6], jnp.uint32)[..., None]
-    high = ((qh >> jnp.arange(32, dtype=jnp.uint32)) & 1).astype(jnp.uint8)
-    q = (_nibbles(blocks[..., 6:]) | (high << 4)).astype(jnp.float32) - 16.0
-    return d * q
+    return d * (_q5(blocks[..., 2:6], blocks[..., 6:]) - 16.0)
+
+
+# Q5_1, 24 bytes per 32 values:  | d:f16 | m:f16 | qh:u32 | qs[16] |   x = d * q + m, q as Q5_0's
+def dequantize_Q5_1(blocks):
+    d = _f16(blocks[..., 0:2])[..., None]
+    m = _f16(blocks[..., 2:4])[..., None]
+    return d * _q5(blocks[..., 4:8], blocks[..., 8:]) + m
 
 
 def _q4_k_scale_min(scales):
@@ -119,6 +129,7 @@ BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q4_0: dequantize_Q4_0,
     GGMLQuantizationType.Q4_1: dequantize_Q4_1,
     GGMLQuantizationType.Q5_0: dequantize_Q5_0,
+    GGMLQuantizationType.Q5_1: dequantize_Q5_1,
     GGMLQuantizationType.Q4_K: dequantize_Q4_K,
     GGMLQuantizationType.Q6_K: dequantize_Q6_K,
 }
@@ -281,7 +292,8 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend. F32 stays with XLA, whose own f32 GEMM is as good.
-CPU_KERNEL_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F16", "Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"))
+CPU_KERNEL_TYPES = frozenset(GGMLQuantizationType[name]
+                             for name in ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"))
 # The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
@@ -374,12 +386,12 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
 
 
 # Types gguf-py can quantize to, so a transposed copy keeps its source's bytes per value; others become Q8_0.
-REQUANTIZABLE_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"))
+REQUANTIZABLE_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 
 
 def transpose(w: QuantArray, qtype: GGMLQuantizationType | None = None) -> QuantArray:
-    """wᵀ, in w's own format or in `qtype` (Q4_0/Q4_1/Q5_0/Q8_0). Quantized blocks run along rows, so a block type
-    is decoded, transposed and quantized again with gguf-py: a second rounding, about the error of the format
+    """wᵀ, in w's own format or in `qtype` (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0). Quantized blocks run along rows, so a block
+    type is decoded, transposed and quantized again with gguf-py: a second rounding, about the error of the format
     itself (Q8_0 adds almost none; see README's sparsity table). A K-quant becomes Q8_0 (gguf-py cannot quantize
     K-quants); float types and exact weights transpose exactly."""
     values = np.asarray(jax.device_get(dequantize(w))).T

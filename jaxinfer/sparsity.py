@@ -56,7 +56,7 @@ def parse_spec(text: str) -> SparsitySpec:
     return SparsitySpec(mode, level)
 
 
-DOWN_T_TYPES = ("same", "q4_0", "q4_1", "q5_0", "q8_0")
+DOWN_T_TYPES = ("same", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 
 def parse_down_t_type(text: str):

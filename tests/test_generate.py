@@ -81,7 +81,7 @@ def test_unsupported_architecture(make_model):
 
 
 def test_unsupported_quant_type_is_named(make_model):
-    assert_one_line_error(run_cli("-m", make_model(weight_type=Q.Q5_1)), "Q5_1")
+    assert_one_line_error(run_cli("-m", make_model(weight_type=Q.MXFP4)), "MXFP4")
 
 
 def test_prompt_longer_than_context(make_model):
