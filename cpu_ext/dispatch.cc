@@ -18,8 +18,10 @@ namespace {
 
 Kernels complete(Kernels k) {
   const Kernels& s = scalar_kernels();
-  for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q5_0, &Kernels::q5_1, &Kernels::q4_k,
-                     &Kernels::q6_k}) {
+  for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q5_0, &Kernels::q5_1}) {
+    if (k.*field == nullptr) k.*field = s.*field;
+  }
+  for (auto field : {&Kernels::q4_k, &Kernels::q6_k}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   for (auto field : {&Kernels::axpy_q8_0, &Kernels::axpy_q4_0, &Kernels::axpy_q4_1, &Kernels::axpy_q5_0,
@@ -30,6 +32,7 @@ Kernels complete(Kernels k) {
   if (k.f16 == nullptr) k.f16 = s.f16;
   if (k.f32 == nullptr) k.f32 = s.f32;
   if (k.quantize_row == nullptr) k.quantize_row = s.quantize_row;
+  if (k.quantize_row_k == nullptr) k.quantize_row_k = s.quantize_row_k;
   for (auto field : {&Kernels::neuron_block_q4_0, &Kernels::neuron_block_q4_1, &Kernels::neuron_block_q8_0}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }

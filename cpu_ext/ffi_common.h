@@ -33,6 +33,8 @@ struct TypeInfo {
   FloatDot Kernels::*float_dot;
   Axpy Kernels::*axpy;
   QuantDot4 Kernels::*quant_dot4;  // null where no four-token dot exists
+  QuantDotK Kernels::*quant_dot_k;  // K-quants: these two instead of quant_dot and quant_dot4
+  QuantDotK4 Kernels::*quant_dot4_k;
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -55,10 +57,12 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4};
       return true;
     case kQ4_K:
-      *info = {256, 144, ffi::DataType::U8, &Kernels::q4_k, nullptr, &Kernels::axpy_q4_k, &Kernels::q4_k_x4};
+      *info = {256, 144, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q4_k, nullptr, &Kernels::q4_k,
+               &Kernels::q4_k_x4};
       return true;
     case kQ6_K:
-      *info = {256, 210, ffi::DataType::U8, &Kernels::q6_k, nullptr, &Kernels::axpy_q6_k, &Kernels::q6_k_x4};
+      *info = {256, 210, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q6_k, nullptr, &Kernels::q6_k,
+               &Kernels::q6_k_x4};
       return true;
     default: return false;
   }
@@ -149,6 +153,7 @@ constexpr int64_t kActRowsPerTask = 8;  // activation rows quantized per task
 // keep the size of the largest call seen (activations, an index list over the rows, the axpy accumulators).
 struct Scratch {
   std::vector<BlockQ8> xq;
+  std::vector<BlockQ8K> xk;
   std::vector<uint8_t> active;
   std::vector<int32_t> rows;
   std::vector<float> acc;
@@ -160,49 +165,67 @@ inline Scratch& thread_scratch() {
   return scratch;
 }
 
-// The activations x [m, cols] as the row dot kernels take them: as given for float weights, else quantized to 8-bit
-// blocks (in parallel, into `xq`). dot(w_row, t) is W row · x[t].
+// Quantizes the m rows of x [m, cols] with quantize(row, out, cols), kActRowsPerTask rows per task, into `out`
+// (blocks_per_row blocks a row), resized to fit.
+template <typename Block, typename Quantize>
+Block* quantize_rows(ffi::ThreadPool& pool, Quantize quantize, const float* x, int64_t m, int64_t cols,
+                     int64_t blocks_per_row, std::vector<Block>& out) {
+  out.resize(static_cast<size_t>(m * blocks_per_row));
+  Block* data = out.data();
+  parallel_for(pool, (m + kActRowsPerTask - 1) / kActRowsPerTask, [=](int64_t task) {
+    for (int64_t t = task * kActRowsPerTask; t < std::min(m, (task + 1) * kActRowsPerTask); ++t) {
+      quantize(x + t * cols, data + t * blocks_per_row, static_cast<int>(cols));
+    }
+  });
+  return data;
+}
+
+// The activations x [m, cols] as the row dot kernels take them: as given for float weights, else quantized to 8 bits
+// (in parallel): per 32 values (into s.xq), or for K-quant weights per 256 (into s.xk). dot(w_row, t) is W row · x[t].
 class RowDot {
  public:
   RowDot(ffi::ThreadPool& pool, const Kernels& k, const TypeInfo& info, const float* x, int64_t m, int64_t cols,
-         std::vector<BlockQ8>& xq)
-      : x_(x), cols_(cols), blocks_(cols / kQK), n_(static_cast<int>(cols)) {
+         Scratch& s)
+      : x_(x), cols_(cols), n_(static_cast<int>(cols)) {
     if (info.float_dot != nullptr) {
       float_dot_ = k.*info.float_dot;
-      return;
+    } else if (info.quant_dot_k != nullptr) {
+      quant_dot_k_ = k.*info.quant_dot_k;
+      quant_dot4_k_ = k.*info.quant_dot4_k;
+      blocks_ = cols / kQK_K;
+      xk_ = quantize_rows(pool, k.quantize_row_k, x, m, cols, blocks_, s.xk);
+    } else {
+      quant_dot_ = k.*info.quant_dot;
+      if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
+      blocks_ = cols / kQK;
+      xq_ = quantize_rows(pool, k.quantize_row, x, m, cols, blocks_, s.xq);
     }
-    quant_dot_ = k.*info.quant_dot;
-    if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
-    xq.resize(static_cast<size_t>(m * blocks_));
-    BlockQ8* out = xq.data();
-    const auto quantize_row = k.quantize_row;
-    const int64_t blocks = blocks_;
-    parallel_for(pool, (m + kActRowsPerTask - 1) / kActRowsPerTask, [=](int64_t task) {
-      for (int64_t t = task * kActRowsPerTask; t < std::min(m, (task + 1) * kActRowsPerTask); ++t) {
-        quantize_row(x + t * cols, out + t * blocks, static_cast<int>(cols));
-      }
-    });
-    xq_ = out;
   }
 
   float operator()(const uint8_t* w_row, int64_t t) const {
-    return float_dot_ != nullptr ? float_dot_(w_row, x_ + t * cols_, n_) : quant_dot_(w_row, xq_ + t * blocks_, n_);
+    if (float_dot_ != nullptr) return float_dot_(w_row, x_ + t * cols_, n_);
+    if (quant_dot_k_ != nullptr) return quant_dot_k_(w_row, xk_ + t * blocks_, n_);
+    return quant_dot_(w_row, xq_ + t * blocks_, n_);
   }
 
   // out[i] = W row · x[t + i] for i < 4.
   void four(const uint8_t* w_row, int64_t t, float* out) const {
     if (quant_dot4_ != nullptr) return quant_dot4_(w_row, xq_ + t * blocks_, blocks_, n_, out);
+    if (quant_dot4_k_ != nullptr) return quant_dot4_k_(w_row, xk_ + t * blocks_, blocks_, n_, out);
     for (int i = 0; i < 4; ++i) out[i] = (*this)(w_row, t + i);
   }
 
  private:
   const float* x_;
   const BlockQ8* xq_ = nullptr;
-  int64_t cols_, blocks_;
+  const BlockQ8K* xk_ = nullptr;
+  int64_t cols_, blocks_ = 0;
   int n_;
   FloatDot float_dot_ = nullptr;
   QuantDot quant_dot_ = nullptr;
   QuantDot4 quant_dot4_ = nullptr;
+  QuantDotK quant_dot_k_ = nullptr;
+  QuantDotK4 quant_dot4_k_ = nullptr;
 };
 
 }  // namespace jaxinfer_cpu

@@ -71,7 +71,7 @@ ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   }
   if (ffi::Error error = check_x("quantized_matmul", x, cols, &m); error.failure()) return error;
   if (ffi::Error error = check_output("quantized_matmul", *y, m, rows); error.failure()) return error;
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch().xq);
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch());
   const Product product{static_cast<const uint8_t*>(w.untyped_data()), row_bytes, rows,
                         static_cast<float*>(y->untyped_data())};
   multiply(pool, dot, &product, 1, m);
@@ -105,7 +105,7 @@ ffi::Error QuantizedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     products[i] = {static_cast<const uint8_t*>(w->untyped_data()), row_bytes, rows[i],
                    static_cast<float*>((*y)->untyped_data())};
   }
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch().xq);
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch());
   multiply(pool, dot, products, n, m);
   return ffi::Error::Success();
 }

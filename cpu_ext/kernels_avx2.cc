@@ -211,6 +211,7 @@ const Kernels& avx2_kernels() {
                             avx2::dot_f16,
                             avx2::dot_f32,
                             avx2::quantize_row,
+                            avx2::quantize_row_k,
                             avx2::axpy_q8_0,
                             avx2::axpy_q4_0,
                             avx2::axpy_q4_1,

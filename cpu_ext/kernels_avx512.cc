@@ -77,6 +77,7 @@ const Kernels& avx512_kernels() {
                             avx512::dot_f16,
                             avx512::dot_f32,
                             avx512::quantize_row,
+                            avx512::quantize_row_k,
                             avx512::axpy_q8_0,
                             avx512::axpy_q4_0,
                             avx512::axpy_q4_1,

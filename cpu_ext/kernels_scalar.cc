@@ -25,6 +25,23 @@ void quantize_row(const float* x, BlockQ8* out, int n) {
   }
 }
 
+void quantize_row_k(const float* x, BlockQ8K* out, int n) {
+  for (int b = 0; b < n / kQK_K; ++b, x += kQK_K) {
+    float amax = 0.0f;
+    for (int i = 0; i < kQK_K; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+    out[b].d = d;
+    for (int g = 0; g < kQK_K / 16; ++g) {
+      int sum = 0;
+      for (int i = 16 * g; i < 16 * g + 16; ++i) {
+        out[b].qs[i] = (int8_t)std::lrintf(x[i] * inv);
+        sum += out[b].qs[i];
+      }
+      out[b].bsums[g] = (int16_t)sum;
+    }
+  }
+}
+
 int block_sum(const BlockQ8& x) { return x.sum[0] + x.sum[1]; }
 
 float dot_q8_0(const uint8_t* w_row, const BlockQ8* x, int n) {
@@ -93,45 +110,51 @@ float dot_q5_1(const uint8_t* w_row, const BlockQ8* x, int n) {
   return total;
 }
 
-float dot_q4_k(const uint8_t* w_row, const BlockQ8* x, int n) {
+// K-quants against super-block activations: per super-block, the sub-blocks' integer dots times their integer scales
+// summed in integers, then one float multiply.
+float dot_q4_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
   const auto* w = reinterpret_cast<const BlockQ4_K*>(w_row);
   float total = 0.0f;
-  for (int b = 0; b < n / kQK_K; ++b, x += 8) {
-    const float d = fp16_to_f32(w[b].d), dmin = fp16_to_f32(w[b].dmin);
+  for (int b = 0; b < n / kQK_K; ++b) {
     uint8_t sc[8], mn[8];
     unpack_q4_k_scales(w[b].scales, sc, mn);
+    int sum = 0, offset = 0;
     for (int j = 0; j < 8; ++j) {  // sub-block j: low (j even) or high (j odd) nibbles of qs[32 * (j / 2) ...]
       const uint8_t* q = w[b].qs + 32 * (j / 2);
       const int shift = 4 * (j % 2);
       int dot = 0;
-      for (int i = 0; i < kQK; ++i) dot += ((q[i] >> shift) & 0x0F) * x[j].qs[i];
-      total += x[j].d * (d * sc[j] * (float)dot - dmin * mn[j] * (float)block_sum(x[j]));
+      for (int i = 0; i < kQK; ++i) dot += ((q[i] >> shift) & 0x0F) * x[b].qs[kQK * j + i];
+      sum += sc[j] * dot;
+      offset += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
     }
+    total += x[b].d * (fp16_to_f32(w[b].d) * (float)sum - fp16_to_f32(w[b].dmin) * (float)offset);
   }
   return total;
 }
 
 // Q6_K: element 128h + 32s + l (half h, sub-block s, l < 32) has its low nibble in ql[64h + 32(s % 2) + l]
-// (low nibble for s < 2, high for s >= 2), its top two bits in qh[32h + l] >> 2s, and scale scales[(128h+32s+l)/16].
-float dot_q6_k(const uint8_t* w_row, const BlockQ8* x, int n) {
+// (low nibble for s < 2, high for s >= 2), its top two bits in qh[32h + l] >> 2s, and scale scales[(128h+32s+l)/16],
+// the scale of activation group (128h + 32s + l) / 16.
+float dot_q6_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
   const auto* w = reinterpret_cast<const BlockQ6_K*>(w_row);
   float total = 0.0f;
   for (int b = 0; b < n / kQK_K; ++b) {
-    const float d = fp16_to_f32(w[b].d);
+    int sum = 0;
     for (int h = 0; h < 2; ++h) {
       for (int s = 0; s < 4; ++s) {
-        const BlockQ8& xb = x[8 * b + 4 * h + s];
         const uint8_t* ql = w[b].ql + 64 * h + 32 * (s % 2);
         const uint8_t* qh = w[b].qh + 32 * h;
+        const int8_t* xq = x[b].qs + 128 * h + 32 * s;
         int dot[2] = {0, 0};
         for (int l = 0; l < kQK; ++l) {
           const int q = ((ql[l] >> (4 * (s / 2))) & 0x0F) | (((qh[l] >> (2 * s)) & 3) << 4);
-          dot[l / 16] += q * xb.qs[l];
+          dot[l / 16] += q * xq[l];
         }
-        const int8_t* sc = w[b].scales + 8 * h + 2 * s;
-        total += d * xb.d * (sc[0] * (float)(dot[0] - 32 * xb.sum[0]) + sc[1] * (float)(dot[1] - 32 * xb.sum[1]));
+        const int g = 8 * h + 2 * s;
+        sum += w[b].scales[g] * (dot[0] - 32 * x[b].bsums[g]) + w[b].scales[g + 1] * (dot[1] - 32 * x[b].bsums[g + 1]);
       }
     }
+    total += fp16_to_f32(w[b].d) * x[b].d * (float)sum;
   }
   return total;
 }
@@ -298,6 +321,7 @@ const Kernels& scalar_kernels() {
                             dot_f16,
                             dot_f32,
                             quantize_row,
+                            quantize_row_k,
                             axpy<kQK, sizeof(BlockQ8_0), dequantize_q8_0>,
                             axpy<kQK, sizeof(BlockQ4_0), dequantize_q4_0>,
                             axpy<kQK, sizeof(BlockQ4_1), dequantize_q4_1>,

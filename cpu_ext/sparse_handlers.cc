@@ -130,7 +130,7 @@ ffi::Error MaskedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   std::memset(ys, 0, sizeof(float) * m * rows);
   const int64_t n_active = active_rows(ms, m, rows, s);
   if (n_active == 0) return ffi::Error::Success();  // nothing to read, not even x
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s.xq);
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* active = s.rows.data();
   row_dots(
       pool, dot, static_cast<const uint8_t*>(w.untyped_data()), row_bytes, m, n_active,
@@ -165,7 +165,7 @@ ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   std::memset(ys, 0, sizeof(float) * m * k);
   const int64_t n_valid = valid_positions(idx, k, rows, s);
   if (n_valid == 0) return ffi::Error::Success();
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s.xq);
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* pos = s.rows.data();
   row_dots(
       pool, dot, static_cast<const uint8_t*>(w.untyped_data()), row_bytes, m, n_valid,
