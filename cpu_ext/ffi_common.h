@@ -23,7 +23,7 @@ namespace jaxinfer_cpu {
 
 // gguf.GGMLQuantizationType values of the supported weight types.
 enum GgmlType : int64_t {
-  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 
 struct TypeInfo {
@@ -59,6 +59,10 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ4_K:
       *info = {256, 144, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q4_k, nullptr, &Kernels::q4_k,
                &Kernels::q4_k_x4};
+      return true;
+    case kQ5_K:
+      *info = {256, 176, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q5_k, nullptr, &Kernels::q5_k,
+               &Kernels::q5_k_x4};
       return true;
     case kQ6_K:
       *info = {256, 210, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q6_k, nullptr, &Kernels::q6_k,

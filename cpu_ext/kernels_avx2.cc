@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "qmatmul.h"
 
@@ -207,6 +208,7 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q5_0,
                             avx2::dot_q5_1,
                             avx2::dot_q4_k,
+                            avx2::dot_q5_k,
                             avx2::dot_q6_k,
                             avx2::dot_f16,
                             avx2::dot_f32,
@@ -217,7 +219,8 @@ const Kernels& avx2_kernels() {
                             avx2::axpy_q4_1,
                             avx2::axpy_q5_0,
                             avx2::axpy_q5_1,
-                            avx2::axpy_q4_k,
+                            avx2::axpy_k_scale_min<BlockQ4_K>,
+                            avx2::axpy_k_scale_min<BlockQ5_K>,
                             avx2::axpy_q6_k,
                             avx2::axpy_floats<uint16_t>,
                             avx2::axpy_floats<float>,
@@ -227,6 +230,7 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q5_0_x4,
                             avx2::dot_q5_1_x4,
                             avx2::dot_q4_k_x4,
+                            avx2::dot_q5_k_x4,
                             avx2::dot_q6_k_x4,
                             avx2::neuron_block_q4<false>,
                             avx2::neuron_block_q4<true>,

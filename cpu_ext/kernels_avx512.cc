@@ -3,6 +3,8 @@
 // kernels_avx2.cc.
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "qmatmul.h"
 
 #pragma GCC push_options
@@ -73,6 +75,7 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q5_0,
                             avx512::dot_q5_1,
                             avx512::dot_q4_k,
+                            avx512::dot_q5_k,
                             avx512::dot_q6_k,
                             avx512::dot_f16,
                             avx512::dot_f32,
@@ -83,7 +86,8 @@ const Kernels& avx512_kernels() {
                             avx512::axpy_q4_1,
                             avx512::axpy_q5_0,
                             avx512::axpy_q5_1,
-                            avx512::axpy_q4_k,
+                            avx512::axpy_k_scale_min<BlockQ4_K>,
+                            avx512::axpy_k_scale_min<BlockQ5_K>,
                             avx512::axpy_q6_k,
                             avx512::axpy_floats<uint16_t>,
                             avx512::axpy_floats<float>,
@@ -93,6 +97,7 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q5_0_x4,
                             avx512::dot_q5_1_x4,
                             avx512::dot_q4_k_x4,
+                            avx512::dot_q5_k_x4,
                             avx512::dot_q6_k_x4};
   return k;
 }

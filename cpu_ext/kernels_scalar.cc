@@ -110,20 +110,26 @@ float dot_q5_1(const uint8_t* w_row, const BlockQ8* x, int n) {
   return total;
 }
 
+// Q4_K and Q5_K: q of element i of sub-block j, which is in the low (j even) or high (j odd) nibbles of
+// qs[32 * (j / 2) ...], and for Q5_K bit j of qh[i] as its fifth bit.
+int k_quant_q(const BlockQ4_K& w, int j, int i) { return (w.qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F; }
+int k_quant_q(const BlockQ5_K& w, int j, int i) {
+  return ((w.qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F) | ((w.qh[i] >> j) & 1) << 4;
+}
+
 // K-quants against super-block activations: per super-block, the sub-blocks' integer dots times their integer scales
 // summed in integers, then one float multiply.
-float dot_q4_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
-  const auto* w = reinterpret_cast<const BlockQ4_K*>(w_row);
+template <typename Block>
+float dot_k_scale_min(const uint8_t* w_row, const BlockQ8K* x, int n) {
+  const auto* w = reinterpret_cast<const Block*>(w_row);
   float total = 0.0f;
   for (int b = 0; b < n / kQK_K; ++b) {
     uint8_t sc[8], mn[8];
     unpack_q4_k_scales(w[b].scales, sc, mn);
     int sum = 0, offset = 0;
-    for (int j = 0; j < 8; ++j) {  // sub-block j: low (j even) or high (j odd) nibbles of qs[32 * (j / 2) ...]
-      const uint8_t* q = w[b].qs + 32 * (j / 2);
-      const int shift = 4 * (j % 2);
+    for (int j = 0; j < 8; ++j) {
       int dot = 0;
-      for (int i = 0; i < kQK; ++i) dot += ((q[i] >> shift) & 0x0F) * x[b].qs[kQK * j + i];
+      for (int i = 0; i < kQK; ++i) dot += k_quant_q(w[b], j, i) * x[b].qs[kQK * j + i];
       sum += sc[j] * dot;
       offset += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
     }
@@ -221,15 +227,15 @@ void dequantize_q5_1(const uint8_t* block, float* out) {
   for (int i = 0; i < kQK; ++i) out[i] = d * (float)q5(w->qh, w->qs, i) + m;
 }
 
-void dequantize_q4_k(const uint8_t* block, float* out) {
-  const auto* w = reinterpret_cast<const BlockQ4_K*>(block);
+template <typename Block>
+void dequantize_k_scale_min(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const Block*>(block);
   const float d = fp16_to_f32(w->d), dmin = fp16_to_f32(w->dmin);
   uint8_t sc[8], mn[8];
   unpack_q4_k_scales(w->scales, sc, mn);
-  for (int j = 0; j < 8; ++j) {  // sub-block j: low (j even) or high (j odd) nibbles of qs[32 * (j / 2) ...]
+  for (int j = 0; j < 8; ++j) {
     const float scale = d * sc[j], min = dmin * mn[j];
-    const uint8_t* q = w->qs + 32 * (j / 2);
-    for (int i = 0; i < kQK; ++i) out[32 * j + i] = scale * (float)((q[i] >> (4 * (j % 2))) & 0x0F) - min;
+    for (int i = 0; i < kQK; ++i) out[32 * j + i] = scale * (float)k_quant_q(*w, j, i) - min;
   }
 }
 
@@ -316,7 +322,8 @@ const Kernels& scalar_kernels() {
                             dot_q4_1,
                             dot_q5_0,
                             dot_q5_1,
-                            dot_q4_k,
+                            dot_k_scale_min<BlockQ4_K>,
+                            dot_k_scale_min<BlockQ5_K>,
                             dot_q6_k,
                             dot_f16,
                             dot_f32,
@@ -327,10 +334,12 @@ const Kernels& scalar_kernels() {
                             axpy<kQK, sizeof(BlockQ4_1), dequantize_q4_1>,
                             axpy<kQK, sizeof(BlockQ5_0), dequantize_q5_0>,
                             axpy<kQK, sizeof(BlockQ5_1), dequantize_q5_1>,
-                            axpy<kQK_K, sizeof(BlockQ4_K), dequantize_q4_k>,
+                            axpy<kQK_K, sizeof(BlockQ4_K), dequantize_k_scale_min<BlockQ4_K>>,
+                            axpy<kQK_K, sizeof(BlockQ5_K), dequantize_k_scale_min<BlockQ5_K>>,
                             axpy<kQK_K, sizeof(BlockQ6_K), dequantize_q6_k>,
                             axpy<1, sizeof(uint16_t), dequantize_f16>,
                             axpy<1, sizeof(float), dequantize_f32>,
+                            nullptr,
                             nullptr,
                             nullptr,
                             nullptr,

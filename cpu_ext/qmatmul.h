@@ -44,10 +44,12 @@ struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };                     // x = 
 struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };         // x = d * (q - 16)
 struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };      // x = d * q + m
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };  // see unpack_q4_k_scales
+// Q5_K: Q4_K's scales and nibbles plus a fifth bit, bit j of qh[l] for element l of sub-block j.
+struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "GGUF layout");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "GGUF layout");
-static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ6_K) == 210, "GGUF layout");
+static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "GGUF layout");
 
 // Portable IEEE half -> float (the SIMD kernels use F16C instead).
 inline float fp16_to_f32(uint16_t h) {
@@ -175,13 +177,13 @@ inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronL
 struct Kernels {
   const char* isa;
   QuantDot q8_0, q4_0, q4_1, q5_0, q5_1;
-  QuantDotK q4_k, q6_k;
+  QuantDotK q4_k, q5_k, q6_k;
   FloatDot f16, f32;
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
   void (*quantize_row_k)(const float* x, BlockQ8K* out, int n);  // n a multiple of 256
-  Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q4_k, axpy_q6_k, axpy_f16, axpy_f32;
+  Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q4_k, axpy_q5_k, axpy_q6_k, axpy_f16, axpy_f32;
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4;  // SIMD only; null: four single dots
-  QuantDotK4 q4_k_x4, q6_k_x4;                            // the same
+  QuantDotK4 q4_k_x4, q5_k_x4, q6_k_x4;                   // the same
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
 };
 

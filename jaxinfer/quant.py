@@ -108,6 +108,22 @@ def dequantize_Q4_K(blocks):
     return x.reshape(*lead, QK_K)
 
 
+# Q5_K, 176 bytes per 256 values: | d:f16 | dmin:f16 | scales[12] | qh[32] | qs[128] |
+#   Q4_K's scales and nibbles, plus bit j of qh[l] as the fifth bit of element l of sub-block j.
+def dequantize_Q5_K(blocks):
+    lead = blocks.shape[:-1]
+    d = _f16(blocks[..., 0:2])[..., None]
+    dmin = _f16(blocks[..., 2:4])[..., None]
+    sc, mn = _q4_k_scale_min(blocks[..., 4:16])
+    qh = blocks[..., 16:48].reshape(*lead, 1, 32)
+    qs = blocks[..., 48:].reshape(*lead, 4, 32)
+    low = jnp.stack([qs & 0x0F, qs >> 4], axis=-2).reshape(*lead, 8, 32)
+    high = (qh >> jnp.arange(8, dtype=jnp.uint8).reshape(8, 1)) & 1
+    q = (low | (high << 4)).astype(jnp.float32)
+    x = (d * sc)[..., None] * q - (dmin * mn)[..., None]
+    return x.reshape(*lead, QK_K)
+
+
 # Q6_K, 210 bytes per 256 values: | ql[128] | qh[64] | scales:int8[16] | d:f16 |
 #   two halves of 128 values; in half h, for l in 0..63: ql[64h+l] low nibble -> element 128h+l, high nibble ->
 #   128h+64+l; for l in 0..31: qh[32h+l] bits 2s..2s+1 are the top two bits of element 128h+32s+l.
@@ -131,6 +147,7 @@ BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q5_0: dequantize_Q5_0,
     GGMLQuantizationType.Q5_1: dequantize_Q5_1,
     GGMLQuantizationType.Q4_K: dequantize_Q4_K,
+    GGMLQuantizationType.Q5_K: dequantize_Q5_K,
     GGMLQuantizationType.Q6_K: dequantize_Q6_K,
 }
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(BLOCK_DEQUANTIZERS)
@@ -293,7 +310,7 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend. F32 stays with XLA, whose own f32 GEMM is as good.
 CPU_KERNEL_TYPES = frozenset(GGMLQuantizationType[name]
-                             for name in ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"))
+                             for name in ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
 # The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).

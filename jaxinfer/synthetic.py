@@ -90,12 +90,12 @@ def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.rando
         return values.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
         return values.astype(np.float16)
-    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K):
+    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = values.size // block_size
         blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
         scale = (np.abs(rng.normal(size=(n_blocks, 2))) * 0.002).astype(np.float16).view(np.uint8)
-        if qtype == GGMLQuantizationType.Q4_K:
+        if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
             blocks[:, 0:4] = scale  # d and dmin
         else:
             blocks[:, 208:210] = scale[:, 0:2]  # d; the int8 sub-block scales stay random
