@@ -25,8 +25,8 @@ Kernels complete(Kernels k) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   for (auto field : {&Kernels::axpy_q8_0, &Kernels::axpy_q4_0, &Kernels::axpy_q4_1, &Kernels::axpy_q5_0,
-                     &Kernels::axpy_q5_1, &Kernels::axpy_q4_k, &Kernels::axpy_q5_k, &Kernels::axpy_q6_k, &Kernels::axpy_f16,
-                     &Kernels::axpy_f32}) {
+                     &Kernels::axpy_q5_1, &Kernels::axpy_q4_k, &Kernels::axpy_q5_k, &Kernels::axpy_q6_k,
+                     &Kernels::axpy_f16, &Kernels::axpy_f32}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   if (k.f16 == nullptr) k.f16 = s.f16;
