@@ -65,6 +65,19 @@ def check(x, data, qtype, rows, cols, y):
     return error
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quant_kernels_give_the_portable_kernels_bits(qtype, isa):
+    """K-quant dots sum each super-block in integers and then apply the same float formula in every kernel set."""
+    rng = np.random.default_rng(11)
+    rows, cols = SHAPES[256][-1]
+    data = random_weight(qtype, rows, cols, rng)
+    x = rng.normal(size=(6, cols)).astype(np.float32)
+    y = np.asarray(cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=rows, cols=cols))
+    cpu_ext.select_isa("scalar")
+    portable = np.asarray(cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=rows, cols=cols))
+    np.testing.assert_array_equal(y, portable)
+
+
 @pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
 def test_a_token_gets_the_same_bits_in_any_batch(qtype, isa):
     """Tokens in a batch are dotted four at a time (QuantDot4) and the rest one at a time: a token's output must not
