@@ -7,39 +7,31 @@
 namespace jaxinfer_cpu {
 namespace {
 
+// n values x to qs = round(x / d) with d = max |x| / 127, and the sums of each 16 of them into sums; returns d.
+float quantize_values(const float* x, int n, int8_t* qs, int16_t* sums) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int g = 0; g < n / 16; ++g) {
+    int sum = 0;
+    for (int i = 16 * g; i < 16 * g + 16; ++i) {
+      qs[i] = (int8_t)std::lrintf(x[i] * inv);
+      sum += qs[i];
+    }
+    sums[g] = (int16_t)sum;
+  }
+  return d;
+}
+
 void quantize_row(const float* x, BlockQ8* out, int n) {
   for (int b = 0; b < n / kQK; ++b, x += kQK) {
-    float amax = 0.0f;
-    for (int i = 0; i < kQK; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
-    out[b].d = d;
-    for (int h = 0; h < 2; ++h) {
-      int sum = 0;
-      for (int i = 16 * h; i < 16 * h + 16; ++i) {
-        out[b].qs[i] = (int8_t)std::lrintf(x[i] * inv);
-        sum += out[b].qs[i];
-      }
-      out[b].sum[h] = (int16_t)sum;
-    }
-    out[b].dsum = d * (float)(out[b].sum[0] + out[b].sum[1]);
+    out[b].d = quantize_values(x, kQK, out[b].qs, out[b].sum);
+    out[b].dsum = out[b].d * (float)(out[b].sum[0] + out[b].sum[1]);
   }
 }
 
 void quantize_row_k(const float* x, BlockQ8K* out, int n) {
-  for (int b = 0; b < n / kQK_K; ++b, x += kQK_K) {
-    float amax = 0.0f;
-    for (int i = 0; i < kQK_K; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-    const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
-    out[b].d = d;
-    for (int g = 0; g < kQK_K / 16; ++g) {
-      int sum = 0;
-      for (int i = 16 * g; i < 16 * g + 16; ++i) {
-        out[b].qs[i] = (int8_t)std::lrintf(x[i] * inv);
-        sum += out[b].qs[i];
-      }
-      out[b].bsums[g] = (int16_t)sum;
-    }
-  }
+  for (int b = 0; b < n / kQK_K; ++b, x += kQK_K) out[b].d = quantize_values(x, kQK_K, out[b].qs, out[b].bsums);
 }
 
 int block_sum(const BlockQ8& x) { return x.sum[0] + x.sum[1]; }
@@ -62,25 +54,6 @@ int nibble_dot(const uint8_t qs[16], const int8_t* x) {
   return dot;
 }
 
-float dot_q4_0(const uint8_t* w_row, const BlockQ8* x, int n) {
-  const auto* w = reinterpret_cast<const BlockQ4_0*>(w_row);
-  float total = 0.0f;
-  for (int b = 0; b < n / kQK; ++b) {
-    total += fp16_to_f32(w[b].d) * x[b].d * (float)(nibble_dot(w[b].qs, x[b].qs) - 8 * block_sum(x[b]));
-  }
-  return total;
-}
-
-float dot_q4_1(const uint8_t* w_row, const BlockQ8* x, int n) {
-  const auto* w = reinterpret_cast<const BlockQ4_1*>(w_row);
-  float total = 0.0f;
-  for (int b = 0; b < n / kQK; ++b) {
-    total += x[b].d * (fp16_to_f32(w[b].d) * (float)nibble_dot(w[b].qs, x[b].qs) +
-                       fp16_to_f32(w[b].m) * (float)block_sum(x[b]));
-  }
-  return total;
-}
-
 // Q5_0 and Q5_1: the nibble of element i plus bit i of qh as its fifth bit.
 int fifth_bit_dot(const uint8_t qh[4], const int8_t* x) {
   uint32_t bits;
@@ -90,22 +63,31 @@ int fifth_bit_dot(const uint8_t qh[4], const int8_t* x) {
   return dot;
 }
 
-float dot_q5_0(const uint8_t* w_row, const BlockQ8* x, int n) {
-  const auto* w = reinterpret_cast<const BlockQ5_0*>(w_row);
+// The integer dot of a Q4_0/Q4_1/Q5_0/Q5_1 block's q with 32 activations.
+int q_dot(const BlockQ4_0& w, const int8_t* x) { return nibble_dot(w.qs, x); }
+int q_dot(const BlockQ4_1& w, const int8_t* x) { return nibble_dot(w.qs, x); }
+int q_dot(const BlockQ5_0& w, const int8_t* x) { return nibble_dot(w.qs, x) + fifth_bit_dot(w.qh, x); }
+int q_dot(const BlockQ5_1& w, const int8_t* x) { return nibble_dot(w.qs, x) + fifth_bit_dot(w.qh, x); }
+
+// Q4_0 (kOffset 8), Q5_0 (16): x = d (q - kOffset).
+template <typename Block, int kOffset>
+float dot_offset(const uint8_t* w_row, const BlockQ8* x, int n) {
+  const auto* w = reinterpret_cast<const Block*>(w_row);
   float total = 0.0f;
   for (int b = 0; b < n / kQK; ++b) {
-    const int dot = nibble_dot(w[b].qs, x[b].qs) + fifth_bit_dot(w[b].qh, x[b].qs);
-    total += fp16_to_f32(w[b].d) * x[b].d * (float)(dot - 16 * block_sum(x[b]));
+    total += fp16_to_f32(w[b].d) * x[b].d * (float)(q_dot(w[b], x[b].qs) - kOffset * block_sum(x[b]));
   }
   return total;
 }
 
-float dot_q5_1(const uint8_t* w_row, const BlockQ8* x, int n) {
-  const auto* w = reinterpret_cast<const BlockQ5_1*>(w_row);
+// Q4_1, Q5_1: x = d q + m.
+template <typename Block>
+float dot_min(const uint8_t* w_row, const BlockQ8* x, int n) {
+  const auto* w = reinterpret_cast<const Block*>(w_row);
   float total = 0.0f;
   for (int b = 0; b < n / kQK; ++b) {
-    const int dot = nibble_dot(w[b].qs, x[b].qs) + fifth_bit_dot(w[b].qh, x[b].qs);
-    total += x[b].d * (fp16_to_f32(w[b].d) * (float)dot + fp16_to_f32(w[b].m) * (float)block_sum(x[b]));
+    const float dot = (float)q_dot(w[b], x[b].qs);
+    total += x[b].d * (fp16_to_f32(w[b].d) * dot + fp16_to_f32(w[b].m) * (float)block_sum(x[b]));
   }
   return total;
 }
@@ -318,10 +300,10 @@ void neuron_block_q8_0(const uint8_t* block, int d, const NeuronLayout& layout, 
 const Kernels& scalar_kernels() {
   static const Kernels k = {"scalar",
                             dot_q8_0,
-                            dot_q4_0,
-                            dot_q4_1,
-                            dot_q5_0,
-                            dot_q5_1,
+                            dot_offset<BlockQ4_0, 8>,
+                            dot_min<BlockQ4_1>,
+                            dot_offset<BlockQ5_0, 16>,
+                            dot_min<BlockQ5_1>,
                             dot_k_scale_min<BlockQ4_K>,
                             dot_k_scale_min<BlockQ5_K>,
                             dot_q6_k,
