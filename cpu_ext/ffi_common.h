@@ -35,6 +35,7 @@ struct TypeInfo {
   QuantDot4 Kernels::*quant_dot4;  // null where no four-token dot exists
   QuantDotK Kernels::*quant_dot_k;  // K-quants: these two instead of quant_dot and quant_dot4
   QuantDotK4 Kernels::*quant_dot4_k;
+  QuantDot2x4 Kernels::*quant_dot_2x4;  // null where no two-row four-token dot exists
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -42,19 +43,24 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kF32: *info = {1, 4, ffi::DataType::F32, nullptr, &Kernels::f32, &Kernels::axpy_f32, nullptr}; return true;
     case kF16: *info = {1, 2, ffi::DataType::F16, nullptr, &Kernels::f16, &Kernels::axpy_f16, nullptr}; return true;
     case kQ4_0:
-      *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0, &Kernels::q4_0_x4};
+      *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0, &Kernels::q4_0_x4,
+               nullptr, nullptr, &Kernels::q4_0_2x4};
       return true;
     case kQ4_1:
-      *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4};
+      *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4,
+               nullptr, nullptr, &Kernels::q4_1_2x4};
       return true;
     case kQ5_0:
-      *info = {32, 22, ffi::DataType::U8, &Kernels::q5_0, nullptr, &Kernels::axpy_q5_0, &Kernels::q5_0_x4};
+      *info = {32, 22, ffi::DataType::U8, &Kernels::q5_0, nullptr, &Kernels::axpy_q5_0, &Kernels::q5_0_x4,
+               nullptr, nullptr, &Kernels::q5_0_2x4};
       return true;
     case kQ5_1:
-      *info = {32, 24, ffi::DataType::U8, &Kernels::q5_1, nullptr, &Kernels::axpy_q5_1, &Kernels::q5_1_x4};
+      *info = {32, 24, ffi::DataType::U8, &Kernels::q5_1, nullptr, &Kernels::axpy_q5_1, &Kernels::q5_1_x4,
+               nullptr, nullptr, &Kernels::q5_1_2x4};
       return true;
     case kQ8_0:
-      *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4};
+      *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4,
+               nullptr, nullptr, &Kernels::q8_0_2x4};
       return true;
     case kQ4_K:
       *info = {256, 144, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q4_k, nullptr, &Kernels::q4_k,
@@ -201,6 +207,7 @@ class RowDot {
     } else {
       quant_dot_ = k.*info.quant_dot;
       if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
+    if (info.quant_dot_2x4 != nullptr) quant_dot_2x4_ = k.*info.quant_dot_2x4;
       blocks_ = cols / kQK;
       xq_ = quantize_rows(pool, k.quantize_row, x, m, cols, blocks_, s.xq);
     }
@@ -219,6 +226,13 @@ class RowDot {
     for (int i = 0; i < 4; ++i) out[i] = (*this)(w_row, t + i);
   }
 
+  // out[4 r + i] = W row r · x[t + i] for r < 2, i < 4; rows w_row and w_row + w_stride.
+  void two_by_four(const uint8_t* w_row, int64_t w_stride, int64_t t, float* out) const {
+    if (quant_dot_2x4_ != nullptr) return quant_dot_2x4_(w_row, w_stride, xq_ + t * blocks_, blocks_, n_, out);
+    four(w_row, t, out);
+    four(w_row + w_stride, t, out + 4);
+  }
+
  private:
   const float* x_;
   const BlockQ8* xq_ = nullptr;
@@ -230,6 +244,7 @@ class RowDot {
   QuantDot4 quant_dot4_ = nullptr;
   QuantDotK quant_dot_k_ = nullptr;
   QuantDotK4 quant_dot4_k_ = nullptr;
+  QuantDot2x4 quant_dot_2x4_ = nullptr;
 };
 
 }  // namespace jaxinfer_cpu

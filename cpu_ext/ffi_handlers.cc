@@ -34,7 +34,13 @@ void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products,
       const Product& p = own[i];
       int64_t t = 0;
       for (; t + 4 <= m; t += 4) {
-        for (int64_t r = r0; r < r1; ++r) {
+        int64_t r = r0;
+        for (; r + 2 <= r1; r += 2) {
+          float out[8];
+          dot.two_by_four(p.w + r * p.row_bytes, p.row_bytes, t, out);
+          for (int k = 0; k < 4; ++k) p.y[(t + k) * p.rows + r] = out[k], p.y[(t + k) * p.rows + r + 1] = out[4 + k];
+        }
+        for (; r < r1; ++r) {
           float out[4];
           dot.four(p.w + r * p.row_bytes, t, out);
           for (int k = 0; k < 4; ++k) p.y[(t + k) * p.rows + r] = out[k];

@@ -232,6 +232,11 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q4_k_x4,
                             avx2::dot_q5_k_x4,
                             avx2::dot_q6_k_x4,
+                            avx2::dot_q8_0_2x4,
+                            avx2::dot_q4_0_2x4,
+                            avx2::dot_q4_1_2x4,
+                            avx2::dot_q5_0_2x4,
+                            avx2::dot_q5_1_2x4,
                             avx2::neuron_block_q4<false>,
                             avx2::neuron_block_q4<true>,
                             avx2::neuron_block_q8_0};

@@ -98,7 +98,12 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q5_1_x4,
                             avx512::dot_q4_k_x4,
                             avx512::dot_q5_k_x4,
-                            avx512::dot_q6_k_x4};
+                            avx512::dot_q6_k_x4,
+                            avx512::dot_q8_0_2x4,
+                            avx512::dot_q4_0_2x4,
+                            avx512::dot_q4_1_2x4,
+                            avx512::dot_q5_0_2x4,
+                            avx512::dot_q5_1_2x4};
   return k;
 }
 

@@ -329,6 +329,11 @@ const Kernels& scalar_kernels() {
                             nullptr,
                             nullptr,
                             nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
                             neuron_block_q4<false>,
                             neuron_block_q4<true>,
                             neuron_block_q8_0};

@@ -96,6 +96,9 @@ using FloatDot = float (*)(const void* w_row, const float* x_row, int n);
 // One row against four tokens' activations (rows x_row, x_row + x_stride, ... in blocks): out[i] = W row · x[i].
 // Each weight block is unpacked once for the four, which is most of a block's work.
 using QuantDot4 = void (*)(const uint8_t* w_row, const BlockQ8* x_row, int64_t x_stride, int n, float* out);
+// Two rows (w_row, w_row + w_stride) against four tokens: out[4 r + i] = W row r · x[i].
+using QuantDot2x4 = void (*)(const uint8_t* w_row, int64_t w_stride, const BlockQ8* x_row, int64_t x_stride, int n,
+                             float* out);
 // The same for K-quant rows, against activations in super-blocks (x_stride counted in them).
 using QuantDotK = float (*)(const uint8_t* w_row, const BlockQ8K* x_row, int n);
 using QuantDotK4 = void (*)(const uint8_t* w_row, const BlockQ8K* x_row, int64_t x_stride, int n, float* out);
@@ -184,6 +187,7 @@ struct Kernels {
   Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q4_k, axpy_q5_k, axpy_q6_k, axpy_f16, axpy_f32;
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4;  // SIMD only; null: four single dots
   QuantDotK4 q4_k_x4, q5_k_x4, q6_k_x4;                   // the same
+  QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4;  // the same
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
 };
 
