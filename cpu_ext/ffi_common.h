@@ -207,7 +207,7 @@ class RowDot {
     } else {
       quant_dot_ = k.*info.quant_dot;
       if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
-    if (info.quant_dot_2x4 != nullptr) quant_dot_2x4_ = k.*info.quant_dot_2x4;
+      if (info.quant_dot_2x4 != nullptr) quant_dot_2x4_ = k.*info.quant_dot_2x4;
       blocks_ = cols / kQK;
       xq_ = quantize_rows(pool, k.quantize_row, x, m, cols, blocks_, s.xq);
     }
