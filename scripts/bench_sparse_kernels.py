@@ -24,10 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import cpu_ext
 from jaxinfer import quant
+from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import encode_tensor
 
 flags.DEFINE_list("types", ["Q4_1", "Q8_0"], "GGML weight types")
@@ -72,8 +73,42 @@ def median_us(runs: dict, repeats: int, n_calls: int) -> dict:
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def parse_cases() -> list[tuple[GGMLQuantizationType, int, int]]:
+    """(type, d, n_ff) for every --types and --shapes pair; JaxinferError on a name, shape or size the kernels do not
+    take (both dimensions are a row length: up is [n_ff, d], down [d, n_ff]) and on bad --tokens/--sparsity."""
+    cases = []
+    for type_name in FLAGS.types:
+        qtype = GGMLQuantizationType.__members__.get(type_name.upper())
+        if qtype not in cpu_ext.SUPPORTED_TYPES:
+            raise JaxinferError(f"--types: {type_name!r} is not one of "
+                                f"{', '.join(sorted(t.name for t in cpu_ext.SUPPORTED_TYPES))}")
+        for shape in FLAGS.shapes:
+            try:
+                d, n_ff = map(int, shape.split("x"))
+            except ValueError:
+                raise JaxinferError(f"--shapes: {shape!r} is not DxN_FF (e.g. 576x1536)") from None
+            block = GGML_QUANT_SIZES[qtype][0]
+            if d <= 0 or n_ff <= 0 or d % block or n_ff % block:
+                raise JaxinferError(f"--shapes {shape}: {qtype.name} needs both sizes to be positive multiples of "
+                                    f"{block}")
+            cases.append((qtype, d, n_ff))
+    try:
+        tokens, shares = [int(t) for t in FLAGS.tokens], [float(v) for v in FLAGS.sparsity]
+    except ValueError:
+        raise JaxinferError("--tokens takes integers and --sparsity shares, e.g. --tokens 1,8 --sparsity 0,0.5") \
+            from None
+    if min(tokens) < 1 or not all(0.0 <= v < 1.0 for v in shares) or FLAGS.calls < 1 or FLAGS.copies < 1:
+        raise JaxinferError("--tokens, --calls and --copies must be positive and --sparsity shares in [0, 1)")
+    return cases
+
+
+@exit_on_error
 def main(_):
-    cpu_ext.select_isa(FLAGS.isa)
+    cases = parse_cases()
+    try:
+        cpu_ext.select_isa(FLAGS.isa)
+    except ValueError as e:
+        raise JaxinferError(f"--isa: {e}") from None
     n_calls = max(1, FLAGS.calls // FLAGS.copies) * FLAGS.copies
     rng = np.random.default_rng(FLAGS.seed)
     print(f"cpu_ext kernels: {cpu_ext.isa()}; µs per call, median of {FLAGS.repeats} timings of {n_calls} calls"
@@ -82,41 +117,38 @@ def main(_):
               f"{'masked_mm':>9} {'ratio':>5} | {'dense down':>10} {'masked_axpy':>11} {'ratio':>5} {'nm_axpy':>8} "
               f"{'ratio':>5}")
     print(header + "\n" + "-" * len(header))
-    for type_name in FLAGS.types:
-        qtype = GGMLQuantizationType[type_name]
-        for shape in FLAGS.shapes:
-            d, n_ff = map(int, shape.split("x"))
-            w_up, w_down, w_down_t = ([jnp.asarray(encode_tensor(rng.normal(size=s).astype(np.float32), qtype, rng))
-                                       for _ in range(FLAGS.copies)] for s in ((n_ff, d), (d, n_ff), (n_ff, d)))
-            packed = [quant.pack_neuron_major(quant.QuantArray(w, qtype, (d, n_ff))).data for w in w_down
-                      if quant.can_pack_neuron_major(quant.QuantArray(w, qtype, (d, n_ff)))]
-            up = dict(qtype=qtype, rows=n_ff, cols=d)
-            down = dict(qtype=qtype, rows=d, cols=n_ff)
-            dense_up = looped(lambda x, w: cpu_ext.quantized_matmul(x, w, **up), n_calls)
-            dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), n_calls)
-            masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), n_calls)
-            masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), n_calls)
-            nm_axpy = looped(lambda h, w, mask: cpu_ext.neuron_major_axpy(h, w, mask, **up), n_calls)
-            for m in map(int, FLAGS.tokens):
-                x = jnp.asarray(rng.normal(size=(m, d)).astype(np.float32))
-                h = jnp.asarray(rng.normal(size=(m, n_ff)).astype(np.float32))
-                for sparsity in map(float, FLAGS.sparsity):
-                    mask = rng.random((m, n_ff)) >= sparsity
-                    runs = {
-                        "dense_up": (dense_up, (x, w_up)),
-                        "masked_mm": (masked_mm, (x, w_up, jnp.asarray(mask))),
-                        "dense_down": (dense_down, (h, w_down)),
-                        "masked_axpy": (masked_axpy, (h, w_down_t, jnp.asarray(mask))),
-                    }
-                    if packed:
-                        runs["nm_axpy"] = (nm_axpy, (h, packed, jnp.asarray(mask)))
-                    t = median_us(runs, FLAGS.repeats, n_calls)
-                    nm = (f"{t['nm_axpy']:>8.1f} {t['nm_axpy'] / t['dense_down']:>5.2f}" if packed
-                          else f"{'-':>8} {'-':>5}")
-                    print(f"{type_name:5} {d:>5}x{n_ff:<5} {m:>3} {sparsity:>6.0%} {mask.any(0).mean():>9.0%} | "
-                          f"{t['dense_up']:>9.1f} {t['masked_mm']:>9.1f} {t['masked_mm'] / t['dense_up']:>5.2f} | "
-                          f"{t['dense_down']:>10.1f} {t['masked_axpy']:>11.1f} "
-                          f"{t['masked_axpy'] / t['dense_down']:>5.2f} {nm}", flush=True)
+    for qtype, d, n_ff in cases:
+        w_up, w_down, w_down_t = ([jnp.asarray(encode_tensor(rng.normal(size=s).astype(np.float32), qtype, rng))
+                                   for _ in range(FLAGS.copies)] for s in ((n_ff, d), (d, n_ff), (n_ff, d)))
+        packed = [quant.pack_neuron_major(quant.QuantArray(w, qtype, (d, n_ff))).data for w in w_down
+                  if quant.can_pack_neuron_major(quant.QuantArray(w, qtype, (d, n_ff)))]
+        up = dict(qtype=qtype, rows=n_ff, cols=d)
+        down = dict(qtype=qtype, rows=d, cols=n_ff)
+        dense_up = looped(lambda x, w: cpu_ext.quantized_matmul(x, w, **up), n_calls)
+        dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), n_calls)
+        masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), n_calls)
+        masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), n_calls)
+        nm_axpy = looped(lambda h, w, mask: cpu_ext.neuron_major_axpy(h, w, mask, **up), n_calls)
+        for m in map(int, FLAGS.tokens):
+            x = jnp.asarray(rng.normal(size=(m, d)).astype(np.float32))
+            h = jnp.asarray(rng.normal(size=(m, n_ff)).astype(np.float32))
+            for sparsity in map(float, FLAGS.sparsity):
+                mask = rng.random((m, n_ff)) >= sparsity
+                runs = {
+                    "dense_up": (dense_up, (x, w_up)),
+                    "masked_mm": (masked_mm, (x, w_up, jnp.asarray(mask))),
+                    "dense_down": (dense_down, (h, w_down)),
+                    "masked_axpy": (masked_axpy, (h, w_down_t, jnp.asarray(mask))),
+                }
+                if packed:
+                    runs["nm_axpy"] = (nm_axpy, (h, packed, jnp.asarray(mask)))
+                t = median_us(runs, FLAGS.repeats, n_calls)
+                nm = (f"{t['nm_axpy']:>8.1f} {t['nm_axpy'] / t['dense_down']:>5.2f}" if packed
+                      else f"{'-':>8} {'-':>5}")
+                print(f"{qtype.name:5} {d:>5}x{n_ff:<5} {m:>3} {sparsity:>6.0%} {mask.any(0).mean():>9.0%} | "
+                      f"{t['dense_up']:>9.1f} {t['masked_mm']:>9.1f} {t['masked_mm'] / t['dense_up']:>5.2f} | "
+                      f"{t['dense_down']:>10.1f} {t['masked_axpy']:>11.1f} "
+                      f"{t['masked_axpy'] / t['dense_down']:>5.2f} {nm}", flush=True)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,21 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
                                rtol=1e-3)
 
 
+def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
+    result = run("scripts/bench_sparse_kernels.py", "--types", "Q5_K,Q4_1", "--shapes", "256x512", "--tokens", "1",
+                 "--sparsity", "0.5", "--calls", "2", "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if line.startswith(("Q5_K", "Q4_1"))]
+    assert [row[0] for row in rows] == ["Q5_K", "Q4_1"]
+    assert rows[0][-2:] == ["-", "-"] and rows[1][-1] != "-"  # neuron-major only for Q4_0/Q4_1/Q8_0
+    for args, fragment in [(("--types", "Q4_K", "--shapes", "576x1536"), "multiples of 256"),
+                           (("--types", "Q3_K"), "--types"), (("--shapes", "576by1536"), "--shapes"),
+                           (("--tokens", "0"), "positive"), (("--isa", "sse9"), "--isa")]:
+        bad = run("scripts/bench_sparse_kernels.py", *args)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
+
+
 def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
     result = run("scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"), "--sparsity", "1.5")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
