@@ -2,7 +2,7 @@
 tg = N greedy decode steps after a one-token prompt, through `generate`'s own decode loop, into a KV cache of
 --ctx_size positions as `generate` allocates. Compile time is excluded.
 
-    python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--repetitions 3] [--json]
+    python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--depth 0] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
         [--llama_bench path/to/llama-bench [--threads 2]]
 
@@ -11,7 +11,9 @@ repetition of the largest pp and of tg). With --llama_bench (a llama.cpp build y
 built here) llama-bench runs the same tests on the same model right after, and the ratios are printed: absolute
 numbers on shared machines are noisy, ratios measured in one run much less so. With --compare_dense, tg of the
 dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of weight
-bytes a decode step skips (counted from the neurons active on the generated tokens).
+bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp and tg
+run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed deep
+into a long context, where attention reads the cache.
 """
 
 import json
@@ -34,6 +36,7 @@ flags.DEFINE_integer("tg", 64, "tokens to generate")
 flags.DEFINE_integer("repetitions", 3, "timed repetitions of each test (after one untimed warm-up)")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
 flags.DEFINE_integer("ctx_size", 4096, "KV cache positions for tg (generate's default)", short_name="c")
+flags.DEFINE_integer("depth", 0, "tokens already in the KV cache when pp and tg are timed (llama-bench's -d)")
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity, as generate's --sparsity")
 flags.DEFINE_string("down_t_type", "same", "as generate's --down_t_type")
 flags.DEFINE_string("llama_bench", None, "path to llama.cpp's llama-bench: run it on the same model and report ratios")
@@ -43,11 +46,20 @@ flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense
 FLAGS = flags.FLAGS
 
 
+def context_tokens(m) -> np.ndarray:
+    """The --depth tokens in the cache before a timed test (random, as llama-bench's)."""
+    return np.random.default_rng(1).integers(0, m.config.n_vocab, size=FLAGS.depth).astype(np.int32)
+
+
 def time_prefill(m, n_tokens, repetitions):
     tokens = np.random.default_rng(0).integers(0, m.config.n_vocab, size=(1, n_tokens)).astype(np.int32)
+    context = context_tokens(m)
     times = []
     for _ in range(repetitions + 1):
-        cache = model.init_cache(m.config, 1, n_tokens)
+        cache = model.init_cache(m.config, 1, FLAGS.depth + n_tokens)
+        if FLAGS.depth:
+            _, cache = model.prefill(context[None], jnp.int32(FLAGS.depth), m.weights, cache, m.config)
+            jax.block_until_ready(cache.k)
         start = time.perf_counter()
         logits, cache = model.prefill(tokens, jnp.int32(n_tokens), m.weights, cache, m.config)
         jax.block_until_ready(logits)
@@ -56,13 +68,15 @@ def time_prefill(m, n_tokens, repetitions):
 
 
 def decode_rates(m, n_tokens, repetitions) -> tuple[list[float], list[int]]:
-    """generate's own decode loop (greedy, stop tokens ignored) after a one-token prompt: n_tokens decode steps,
-    `repetitions` timed runs after an untimed one -> (tokens/s of each timed run, the tokens generated)."""
-    prompt = [m.tokenizer.bos_id or 0]
+    """generate's own decode loop (greedy, stop tokens ignored) after a prompt of one token and the --depth ones:
+    n_tokens decode steps, `repetitions` timed runs after an untimed one -> (tokens/s of each timed run, the tokens
+    generated)."""
+    prompt = [m.tokenizer.bos_id or 0] + context_tokens(m).tolist()
+    ctx = max(FLAGS.ctx_size, len(prompt) + n_tokens + 1)
     rates = []
     for _ in range(repetitions + 1):
         stats = engine.GenerationStats()
-        tokens = list(engine.generate_tokens(m, prompt, n_tokens + 1, max(FLAGS.ctx_size, n_tokens + 1),
+        tokens = list(engine.generate_tokens(m, prompt, n_tokens + 1, ctx,
                                              SamplingParams(temperature=0), 0, stats, stop_ids=frozenset()))
         rates.append((stats.generated_tokens - 1) / stats.decode_seconds)
     return rates[1:], prompt + tokens
@@ -121,7 +135,7 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
 def run_llama_bench(path, pp, tg) -> dict[str, float]:
     """llama-bench's best repetition of each test, in tokens/s, keyed like ours (pp128, tg64)."""
     command = [FLAGS.llama_bench, "-m", path, "-t", str(FLAGS.threads), "-p", ",".join(pp), "-n", str(tg), "-r",
-               str(FLAGS.repetitions), "-o", "json"]
+               str(FLAGS.repetitions), "-d", str(FLAGS.depth), "-o", "json"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError) as e:
@@ -140,6 +154,10 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     runtime.enable_compilation_cache()
     spec = sparsity.parse_spec(FLAGS.sparsity)
+    if FLAGS.depth < 0:
+        raise JaxinferError(f"--depth must be >= 0, got {FLAGS.depth}")
+    if FLAGS.depth and FLAGS.compare_dense:
+        raise JaxinferError("--compare_dense counts the neurons of the generated tokens: use it without --depth")
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
     dense = engine.load_model(FLAGS.model)

@@ -56,6 +56,24 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
                                rtol=1e-3)
 
 
+def test_bench_generate_times_deep_in_the_context(tmp_path):
+    """--depth D: pp and tg run with D tokens already in the cache (llama-bench's -d); bad values are one line."""
+    model = str(tmp_path / "plain.gguf")
+    made = run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "2", "--n_embd", "64",
+               "--n_ff", "128", "--weight_type", "Q8_0")
+    assert made.returncode == 0, made.stderr
+    result = run("scripts/bench_generate.py", "-m", model, "--pp", "8", "--tg", "4", "--depth", "40", "-c", "32",
+                 "--repetitions", "1", "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["prompt_tokens_per_s"] > 0 and summary["generation_tokens_per_s"] > 0
+    for args, fragment in [(("--depth", "-1"), "--depth"), (("--depth", "8", "--sparsity", "hidden:0.5",
+                                                              "--compare_dense"), "without --depth")]:
+        bad = run("scripts/bench_generate.py", "-m", model, *args)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
+
+
 def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
     result = run("scripts/bench_sparse_kernels.py", "--types", "Q5_K,Q4_1", "--shapes", "256x512", "--tokens", "1",
                  "--sparsity", "0.5", "--calls", "2", "--repeats", "1")
