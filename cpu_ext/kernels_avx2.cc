@@ -224,6 +224,9 @@ const Kernels& avx2_kernels() {
                             avx2::axpy_q6_k,
                             avx2::axpy_floats<uint16_t>,
                             avx2::axpy_floats<float>,
+                            avx2::neuron_block_q4<false>,
+                            avx2::neuron_block_q4<true>,
+                            avx2::neuron_block_q8_0,
                             avx2::dot_q8_0_x4,
                             avx2::dot_q4_0_x4,
                             avx2::dot_q4_1_x4,
@@ -236,10 +239,7 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q4_0_2x4,
                             avx2::dot_q4_1_2x4,
                             avx2::dot_q5_0_2x4,
-                            avx2::dot_q5_1_2x4,
-                            avx2::neuron_block_q4<false>,
-                            avx2::neuron_block_q4<true>,
-                            avx2::neuron_block_q8_0};
+                            avx2::dot_q5_1_2x4};
   return k;
 }
 

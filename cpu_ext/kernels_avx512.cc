@@ -91,6 +91,9 @@ const Kernels& avx512_kernels() {
                             avx512::axpy_q6_k,
                             avx512::axpy_floats<uint16_t>,
                             avx512::axpy_floats<float>,
+                            nullptr,  // neuron-major: dispatch.cc picks VBMI's or AVX2's
+                            nullptr,
+                            nullptr,
                             avx512::dot_q8_0_x4,
                             avx512::dot_q4_0_x4,
                             avx512::dot_q4_1_x4,

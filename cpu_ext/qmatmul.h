@@ -176,7 +176,8 @@ inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronL
   return n;
 }
 
-// One implementation per instruction set; a null entry means "use the scalar one" (but see QuantDot4 below).
+// One implementation per instruction set; a null entry means "use the scalar one" (but see the SIMD-only
+// entries at the end).
 struct Kernels {
   const char* isa;
   QuantDot q8_0, q4_0, q4_1, q5_0, q5_1;
@@ -185,10 +186,11 @@ struct Kernels {
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
   void (*quantize_row_k)(const float* x, BlockQ8K* out, int n);  // n a multiple of 256
   Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q4_k, axpy_q5_k, axpy_q6_k, axpy_f16, axpy_f32;
-  QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4;  // SIMD only; null: four single dots
-  QuantDotK4 q4_k_x4, q5_k_x4, q6_k_x4;                   // the same
-  QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4;  // the same
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
+  // SIMD only, last so that the portable table can leave them out; null: single dots.
+  QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4;
+  QuantDotK4 q4_k_x4, q5_k_x4, q6_k_x4;
+  QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4;
 };
 
 const Kernels& scalar_kernels();
