@@ -18,6 +18,9 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 }
 
+// acc + int16 pair products summed into int32 lanes.
+inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+
 // Byte i takes byte i / 8 of qh (a shuffle within each 128-bit half, both holding qh), keeps bit i % 8 of it, and
 // becomes 0x10 where that bit is set.
 inline __m256i fifth_bits(const uint8_t* qh) {

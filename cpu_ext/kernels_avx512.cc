@@ -18,6 +18,9 @@ namespace avx512 {
 // One instruction, no saturation: lane i = sum over j < 4 of a[4i+j] * b[4i+j].
 inline __m256i dot_u8s8(__m256i a, __m256i b) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b); }
 
+// acc + int16 pair products summed into int32 lanes, one instruction (vpdpwssd).
+inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
+
 // Byte i = 0x10 where bit i of qh is set: qh as a byte mask.
 inline __m256i fifth_bits(const uint8_t* qh) {
   uint32_t bits;

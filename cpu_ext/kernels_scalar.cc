@@ -99,52 +99,65 @@ int k_quant_q(const BlockQ5_K& w, int j, int i) {
   return ((w.qs[32 * (j / 2) + i] >> (4 * (j % 2))) & 0x0F) | ((w.qh[i] >> j) & 1) << 4;
 }
 
-// K-quants against super-block activations: per super-block, the sub-blocks' integer dots times their integer scales
-// summed in integers, then one float multiply.
+// The K-quant dots sum in the 8 lanes of the SIMD kernels (dots_k_scale_min in kernels_x86.inc) so that every kernel
+// set gives the same bits: per super-block, lane l holds an int32 sum over elements 4l..4l+3 of each 32-value
+// sub-block, scaled into a float lane by one FMA; a row's result adds the lanes in hsum's order.
+struct KLanes {
+  float v[8] = {};
+  void add(float scale, const int32_t lanes[8]) {
+    for (int l = 0; l < 8; ++l) v[l] = std::fma(scale, (float)lanes[l], v[l]);
+  }
+  float sum() const {  // hsum: the 128-bit halves added, then lanes (0, 2) and (1, 3), then the two
+    return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+  }
+};
+
+// K-quants against super-block activations: the sub-blocks' integer dots times their integer scales, summed in
+// integers per lane, then float lanes; Q4_K/Q5_K subtract the mins' lane m_l (bsums_{2l} + bsums_{2l+1}).
 template <typename Block>
 float dot_k_scale_min(const uint8_t* w_row, const BlockQ8K* x, int n) {
   const auto* w = reinterpret_cast<const Block*>(w_row);
-  float total = 0.0f;
+  KLanes total;
   for (int b = 0; b < n / kQK_K; ++b) {
     uint8_t sc[8], mn[8];
     unpack_q4_k_scales(w[b].scales, sc, mn);
-    int sum = 0, offset = 0;
+    int32_t sum[8] = {}, offset[8];
     for (int j = 0; j < 8; ++j) {
-      int dot = 0;
-      for (int i = 0; i < kQK; ++i) dot += k_quant_q(w[b], j, i) * x[b].qs[kQK * j + i];
-      sum += sc[j] * dot;
-      offset += mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
+      for (int i = 0; i < kQK; ++i) sum[i / 4] += sc[j] * k_quant_q(w[b], j, i) * x[b].qs[kQK * j + i];
+      offset[j] = mn[j] * (x[b].bsums[2 * j] + x[b].bsums[2 * j + 1]);
     }
-    total += x[b].d * (fp16_to_f32(w[b].d) * (float)sum - fp16_to_f32(w[b].dmin) * (float)offset);
+    total.add(x[b].d * fp16_to_f32(w[b].d), sum);
+    total.add(-(x[b].d * fp16_to_f32(w[b].dmin)), offset);
   }
-  return total;
+  return total.sum();
 }
 
 // Q6_K: element 128h + 32s + l (half h, sub-block s, l < 32) has its low nibble in ql[64h + 32(s % 2) + l]
 // (low nibble for s < 2, high for s >= 2), its top two bits in qh[32h + l] >> 2s, and scale scales[(128h+32s+l)/16],
-// the scale of activation group (128h + 32s + l) / 16.
+// the scale of activation group (128h + 32s + l) / 16. Lane l's -32 offset is that of groups 2l and 2l + 1.
 float dot_q6_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
   const auto* w = reinterpret_cast<const BlockQ6_K*>(w_row);
-  float total = 0.0f;
+  KLanes total;
   for (int b = 0; b < n / kQK_K; ++b) {
-    int sum = 0;
+    int32_t sum[8] = {};
     for (int h = 0; h < 2; ++h) {
       for (int s = 0; s < 4; ++s) {
         const uint8_t* ql = w[b].ql + 64 * h + 32 * (s % 2);
         const uint8_t* qh = w[b].qh + 32 * h;
         const int8_t* xq = x[b].qs + 128 * h + 32 * s;
-        int dot[2] = {0, 0};
         for (int l = 0; l < kQK; ++l) {
           const int q = ((ql[l] >> (4 * (s / 2))) & 0x0F) | (((qh[l] >> (2 * s)) & 3) << 4);
-          dot[l / 16] += q * xq[l];
+          sum[l / 4] += w[b].scales[8 * h + 2 * s + l / 16] * q * xq[l];
         }
-        const int g = 8 * h + 2 * s;
-        sum += w[b].scales[g] * (dot[0] - 32 * x[b].bsums[g]) + w[b].scales[g + 1] * (dot[1] - 32 * x[b].bsums[g + 1]);
       }
     }
-    total += fp16_to_f32(w[b].d) * x[b].d * (float)sum;
+    for (int l = 0; l < 8; ++l) {
+      const int g = 2 * l;
+      sum[l] -= 32 * (w[b].scales[g] * x[b].bsums[g] + w[b].scales[g + 1] * x[b].bsums[g + 1]);
+    }
+    total.add(fp16_to_f32(w[b].d) * x[b].d, sum);
   }
-  return total;
+  return total.sum();
 }
 
 float dot_f16(const void* w_row, const float* x, int n) {
