@@ -21,12 +21,12 @@ Kernels complete(Kernels k) {
   for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q5_0, &Kernels::q5_1}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
-  for (auto field : {&Kernels::q4_k, &Kernels::q5_k, &Kernels::q6_k}) {
+  for (auto field : {&Kernels::q2_k, &Kernels::q3_k, &Kernels::q4_k, &Kernels::q5_k, &Kernels::q6_k}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   for (auto field : {&Kernels::axpy_q8_0, &Kernels::axpy_q4_0, &Kernels::axpy_q4_1, &Kernels::axpy_q5_0,
-                     &Kernels::axpy_q5_1, &Kernels::axpy_q4_k, &Kernels::axpy_q5_k, &Kernels::axpy_q6_k,
-                     &Kernels::axpy_f16, &Kernels::axpy_f32}) {
+                     &Kernels::axpy_q5_1, &Kernels::axpy_q2_k, &Kernels::axpy_q3_k, &Kernels::axpy_q4_k,
+                     &Kernels::axpy_q5_k, &Kernels::axpy_q6_k, &Kernels::axpy_f16, &Kernels::axpy_f32}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   if (k.f16 == nullptr) k.f16 = s.f16;

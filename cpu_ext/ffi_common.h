@@ -23,7 +23,8 @@ namespace jaxinfer_cpu {
 
 // gguf.GGMLQuantizationType values of the supported weight types.
 enum GgmlType : int64_t {
-  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 
 struct TypeInfo {
@@ -61,6 +62,14 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ8_0:
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4,
                nullptr, nullptr, &Kernels::q8_0_2x4};
+      return true;
+    case kQ2_K:
+      *info = {256, 84, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q2_k, nullptr, &Kernels::q2_k,
+               &Kernels::q2_k_x4};
+      return true;
+    case kQ3_K:
+      *info = {256, 110, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q3_k, nullptr, &Kernels::q3_k,
+               &Kernels::q3_k_x4};
       return true;
     case kQ4_K:
       *info = {256, 144, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q4_k, nullptr, &Kernels::q4_k,

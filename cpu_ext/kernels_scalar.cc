@@ -132,6 +132,46 @@ float dot_k_scale_min(const uint8_t* w_row, const BlockQ8K* x, int n) {
   return total.sum();
 }
 
+// Q2_K and Q3_K: q of element e (see BlockQ2_K), unsigned as the SIMD kernels take it: Q3_K's is q + 4, in 0..7.
+int low_two_bits(const uint8_t* qs, int e) { return (qs[32 * (e / 128) + e % 32] >> (2 * (e / 32 % 4))) & 3; }
+int q3_k_q_plus_4(const BlockQ3_K& w, int e) {
+  return low_two_bits(w.qs, e) | ((w.hmask[e % 32] >> (e / 32)) & 1) << 2;
+}
+
+// Q2_K: sum_g sc_g (q_g . x_g), less the mins' lane m_2l bsums_2l + m_2l+1 bsums_2l+1.
+float dot_q2_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
+  const auto* w = reinterpret_cast<const BlockQ2_K*>(w_row);
+  KLanes total;
+  for (int b = 0; b < n / kQK_K; ++b) {
+    int32_t sum[8] = {}, offset[8];
+    for (int e = 0; e < kQK_K; ++e) {
+      sum[e % 32 / 4] += (w[b].scales[e / 16] & 0x0F) * low_two_bits(w[b].qs, e) * x[b].qs[e];
+    }
+    for (int l = 0; l < 8; ++l) {
+      const int g = 2 * l;
+      offset[l] = (w[b].scales[g] >> 4) * x[b].bsums[g] + (w[b].scales[g + 1] >> 4) * x[b].bsums[g + 1];
+    }
+    total.add(x[b].d * fp16_to_f32(w[b].d), sum);
+    total.add(-(x[b].d * fp16_to_f32(w[b].dmin)), offset);
+  }
+  return total.sum();
+}
+
+// Q3_K: sum_g sc_g ((q + 4)_g . x_g - 4 bsums_g), the -4 taken per lane as Q6_K's -32.
+float dot_q3_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
+  const auto* w = reinterpret_cast<const BlockQ3_K*>(w_row);
+  KLanes total;
+  for (int b = 0; b < n / kQK_K; ++b) {
+    int8_t sc[16];
+    unpack_q3_k_scales(w[b].scales, sc);
+    int32_t sum[8] = {};
+    for (int e = 0; e < kQK_K; ++e) sum[e % 32 / 4] += sc[e / 16] * q3_k_q_plus_4(w[b], e) * x[b].qs[e];
+    for (int l = 0; l < 8; ++l) sum[l] -= 4 * (sc[2 * l] * x[b].bsums[2 * l] + sc[2 * l + 1] * x[b].bsums[2 * l + 1]);
+    total.add(fp16_to_f32(w[b].d) * x[b].d, sum);
+  }
+  return total.sum();
+}
+
 // Q6_K: element 128h + 32s + l (half h, sub-block s, l < 32) has its low nibble in ql[64h + 32(s % 2) + l]
 // (low nibble for s < 2, high for s >= 2), its top two bits in qh[32h + l] >> 2s, and scale scales[(128h+32s+l)/16],
 // the scale of activation group (128h + 32s + l) / 16. Lane l's -32 offset is that of groups 2l and 2l + 1.
@@ -234,6 +274,23 @@ void dequantize_k_scale_min(const uint8_t* block, float* out) {
   }
 }
 
+void dequantize_q2_k(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ2_K*>(block);
+  const float d = fp16_to_f32(w->d), dmin = fp16_to_f32(w->dmin);
+  for (int e = 0; e < kQK_K; ++e) {
+    const int g = e / 16;
+    out[e] = d * (float)(w->scales[g] & 0x0F) * (float)low_two_bits(w->qs, e) - dmin * (float)(w->scales[g] >> 4);
+  }
+}
+
+void dequantize_q3_k(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockQ3_K*>(block);
+  const float d = fp16_to_f32(w->d);
+  int8_t sc[16];
+  unpack_q3_k_scales(w->scales, sc);
+  for (int e = 0; e < kQK_K; ++e) out[e] = d * (float)sc[e / 16] * (float)(q3_k_q_plus_4(*w, e) - 4);
+}
+
 // Element 128h + 32s + l as in dot_q6_k.
 void dequantize_q6_k(const uint8_t* block, float* out) {
   const auto* w = reinterpret_cast<const BlockQ6_K*>(block);
@@ -317,6 +374,8 @@ const Kernels& scalar_kernels() {
                             dot_min<BlockQ4_1>,
                             dot_offset<BlockQ5_0, 16>,
                             dot_min<BlockQ5_1>,
+                            dot_q2_k,
+                            dot_q3_k,
                             dot_k_scale_min<BlockQ4_K>,
                             dot_k_scale_min<BlockQ5_K>,
                             dot_q6_k,
@@ -329,6 +388,8 @@ const Kernels& scalar_kernels() {
                             axpy<kQK, sizeof(BlockQ4_1), dequantize_q4_1>,
                             axpy<kQK, sizeof(BlockQ5_0), dequantize_q5_0>,
                             axpy<kQK, sizeof(BlockQ5_1), dequantize_q5_1>,
+                            axpy<kQK_K, sizeof(BlockQ2_K), dequantize_q2_k>,
+                            axpy<kQK_K, sizeof(BlockQ3_K), dequantize_q3_k>,
                             axpy<kQK_K, sizeof(BlockQ4_K), dequantize_k_scale_min<BlockQ4_K>>,
                             axpy<kQK_K, sizeof(BlockQ5_K), dequantize_k_scale_min<BlockQ5_K>>,
                             axpy<kQK_K, sizeof(BlockQ6_K), dequantize_q6_k>,

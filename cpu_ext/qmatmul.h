@@ -43,12 +43,18 @@ struct BlockQ4_1 { uint16_t d, m; uint8_t qs[16]; };                     // x = 
 // Q5_0/Q5_1: Q4_0/Q4_1's nibbles plus a fifth bit per element, bit j of qh (little-endian u32) for element j.
 struct BlockQ5_0 { uint16_t d; uint8_t qh[4]; uint8_t qs[16]; };         // x = d * (q - 16)
 struct BlockQ5_1 { uint16_t d, m; uint8_t qh[4]; uint8_t qs[16]; };      // x = d * q + m
+// Q2_K and Q3_K: 16 groups of 16 values; element e = 128c + 32s + l (c < 2, s < 4, l < 32) has its low two bits at
+// bits 2s of qs[32c + l]. Q2_K: scales[g] = min m_g << 4 | scale sc_g. Q3_K: bit e / 32 of hmask[e % 32] is the
+// third bit, and a clear one means -4 (q = low - 4 (1 - high), in -4..3); 6-bit scales minus 32 (q3_k_scale).
+struct BlockQ2_K { uint8_t scales[16]; uint8_t qs[64]; uint16_t d, dmin; };   // x = d sc_g q - dmin m_g
+struct BlockQ3_K { uint8_t hmask[32]; uint8_t qs[64]; uint8_t scales[12]; uint16_t d; };  // x = d sc_g q
 struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };  // see unpack_q4_k_scales
 // Q5_K: Q4_K's scales and nibbles plus a fifth bit, bit j of qh[l] for element l of sub-block j.
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "GGUF layout");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "GGUF layout");
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "GGUF layout");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "GGUF layout");
 
 // Portable IEEE half -> float (the SIMD kernels use F16C instead).
@@ -88,6 +94,16 @@ inline void q4_k_scale_min(const uint8_t* s, int j, uint8_t* sc, uint8_t* mn) {
 
 inline void unpack_q4_k_scales(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
   for (int j = 0; j < 8; ++j) q4_k_scale_min(s, j, sc + j, mn + j);
+}
+
+// Q3_K packs sixteen 6-bit scales, stored plus 32, in 12 bytes (A..P scales 0..15):
+//   bytes 0..7:  IIIIAAAA JJJJBBBB ... PPPPHHHH      low 4 bits
+//   bytes 8..11: MMIIEEAA NNJJFFBB OOKKGGCC PPLLHHDD   top 2 bits: scale 4k + j in bits 2k..2k+1 of byte 8 + j
+inline void unpack_q3_k_scales(const uint8_t* s, int8_t sc[16]) {
+  for (int g = 0; g < 16; ++g) {
+    const int low = (g < 8 ? s[g] : s[g - 8] >> 4) & 0x0F, high = (s[8 + g % 4] >> (2 * (g / 4))) & 3;
+    sc[g] = static_cast<int8_t>((low | high << 4) - 32);
+  }
 }
 
 // Row dot products. A quantized row of `n` values is n / 32 activation blocks and n / block_size weight blocks.
@@ -181,15 +197,16 @@ inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronL
 struct Kernels {
   const char* isa;
   QuantDot q8_0, q4_0, q4_1, q5_0, q5_1;
-  QuantDotK q4_k, q5_k, q6_k;
+  QuantDotK q2_k, q3_k, q4_k, q5_k, q6_k;
   FloatDot f16, f32;
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
   void (*quantize_row_k)(const float* x, BlockQ8K* out, int n);  // n a multiple of 256
-  Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q4_k, axpy_q5_k, axpy_q6_k, axpy_f16, axpy_f32;
+  Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k;
+  Axpy axpy_f16, axpy_f32;
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
   // SIMD only, last so that the portable table can leave them out; null: single dots.
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4;
-  QuantDotK4 q4_k_x4, q5_k_x4, q6_k_x4;
+  QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4;
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4;
 };
 

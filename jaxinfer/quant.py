@@ -80,6 +80,39 @@ def dequantize_Q5_1(blocks):
     return d * _q5(blocks[..., 4:8], blocks[..., 8:]) + m
 
 
+# Q2_K, 84 bytes per 256 values: | scales[16] | qs[64] | d:f16 | dmin:f16 |
+#   16 groups of 16; scales[g] = min m_g << 4 | scale sc_g. qs is 2 chunks of 32 bytes; bits 2s..2s+1 of
+#   qs[32c + l] are q of element 128c + 32s + l.                     x = d * sc_g * q - dmin * m_g
+def dequantize_Q2_K(blocks):
+    lead = blocks.shape[:-1]
+    scales = blocks[..., 0:16]
+    qs = blocks[..., 16:80].reshape(*lead, 2, 1, 32)
+    d = _f16(blocks[..., 80:82])[..., None] * (scales & 0x0F).astype(jnp.float32)
+    m = _f16(blocks[..., 82:84])[..., None] * (scales >> 4).astype(jnp.float32)
+    q = ((qs >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & 3).astype(jnp.float32)
+    return (d[..., None] * q.reshape(*lead, 16, 16) - m[..., None]).reshape(*lead, QK_K)
+
+
+# Q3_K, 110 bytes per 256 values: | hmask[32] | qs[64] | scales[12] | d:f16 |
+#   low two bits of q as Q2_K's; bit i of hmask[l] is the third bit of element 32i + l, and a set bit means +0, a
+#   clear one -4: q = low - 4 (1 - high), in -4..3. Sixteen 6-bit scales, offset by 32:
+#       bytes 0..7:  IIIIAAAA ... PPPPHHHH      A..H low 4 bits of scales 0..7, I..P of scales 8..15
+#       bytes 8..11: MMIIEEAA NNJJFFBB OOKKGGCC PPLLHHDD   top 2 bits: scale 4k + j in bits 2k of byte 8 + j
+#                                                                   x = d * (sc_g - 32) * q
+def dequantize_Q3_K(blocks):
+    lead = blocks.shape[:-1]
+    hmask = blocks[..., 0:32].reshape(*lead, 1, 32)
+    qs = blocks[..., 32:96].reshape(*lead, 2, 1, 32)
+    low_scales = blocks[..., 96:104].reshape(*lead, 1, 8) >> jnp.array([0, 4], jnp.uint8).reshape(2, 1)
+    high_scales = blocks[..., 104:108].reshape(*lead, 1, 4) >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)
+    scales = (low_scales.reshape(*lead, 16) & 0x0F) | ((high_scales.reshape(*lead, 16) & 0x03) << 4)
+    d = _f16(blocks[..., 108:110])[..., None] * (scales.astype(jnp.float32) - 32.0)
+    low = (qs >> jnp.array([0, 2, 4, 6], jnp.uint8).reshape(4, 1)) & 3
+    high = (hmask >> jnp.arange(8, dtype=jnp.uint8).reshape(8, 1)) & 1
+    q = low.reshape(*lead, 8, 32).astype(jnp.float32) - 4.0 * (1 - high).astype(jnp.float32)
+    return (d[..., None] * q.reshape(*lead, 16, 16)).reshape(*lead, QK_K)
+
+
 def _q4_k_scale_min(scales):
     """Eight 6-bit scales and eight 6-bit mins packed in 12 bytes (gguf-py `Q4_K.get_scale_min`):
 
@@ -146,6 +179,8 @@ BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q4_1: dequantize_Q4_1,
     GGMLQuantizationType.Q5_0: dequantize_Q5_0,
     GGMLQuantizationType.Q5_1: dequantize_Q5_1,
+    GGMLQuantizationType.Q2_K: dequantize_Q2_K,
+    GGMLQuantizationType.Q3_K: dequantize_Q3_K,
     GGMLQuantizationType.Q4_K: dequantize_Q4_K,
     GGMLQuantizationType.Q5_K: dequantize_Q5_K,
     GGMLQuantizationType.Q6_K: dequantize_Q6_K,
@@ -308,9 +343,9 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
     return dequantize(QuantArray(jnp.take(w.data, rows, axis=0), w.qtype, w.shape))
 
 
-# GGUF types sent to the cpu_ext kernels on the CPU backend. F32 stays with XLA, whose own f32 GEMM is as good.
-CPU_KERNEL_TYPES = frozenset(GGMLQuantizationType[name]
-                             for name in ("F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+# GGUF types sent to the cpu_ext kernels on the CPU backend: all but F32, which stays with XLA (its own f32 GEMM is as
+# good), and BF16, which has no kernel (a rare GGUF weight type).
+CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16}
 # The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).

@@ -81,6 +81,11 @@ def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], [" ".join(pair) for pair in MERGES]
 
 
+# The fp16 super-block scales of each K-quant, as (byte offset, count): d, and dmin where the type has mins.
+K_QUANT_SCALES = {GGMLQuantizationType.Q2_K: (80, 2), GGMLQuantizationType.Q3_K: (108, 1),
+                  GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208, 1)}
+
+
 def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """f32 [rows, cols] -> what GGUF stores for `qtype` (floats for F32/F16, raw block bytes otherwise).
 
@@ -90,15 +95,13 @@ def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.rando
         return values.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
         return values.astype(np.float16)
-    if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
+    if qtype in K_QUANT_SCALES:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = values.size // block_size
         blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-        scale = (np.abs(rng.normal(size=(n_blocks, 2))) * 0.002).astype(np.float16).view(np.uint8)
-        if qtype in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K):
-            blocks[:, 0:4] = scale  # d and dmin
-        else:
-            blocks[:, 208:210] = scale[:, 0:2]  # d; the int8 sub-block scales stay random
+        offset, count = K_QUANT_SCALES[qtype]  # the packed integer scales stay random
+        scales = (np.abs(rng.normal(size=(n_blocks, count))) * 0.002).astype(np.float16).view(np.uint8)
+        blocks[:, offset:offset + 2 * count] = scales
         return blocks.reshape(values.shape[0], -1)
     return gguf.quants.quantize(values.astype(np.float32), qtype)
 

@@ -18,8 +18,8 @@ from jaxinfer.synthetic import encode_tensor
 # quantize x to 8 bits per 32 values: measured over 3 seeds, 5.8e-3 .. 6.7e-3 on outputs of >= 64 values for every
 # type, up to 1.3e-2 (Q4_0) on single-value outputs. F16/F32 weights multiply x unquantized, in f32 in another
 # summation order: measured <= 5.1e-7.
-REL_ERROR = {Q.Q4_0: 2e-2, Q.Q4_1: 2e-2, Q.Q5_0: 2e-2, Q.Q5_1: 2e-2, Q.Q8_0: 2e-2, Q.Q4_K: 2e-2, Q.Q5_K: 2e-2,
-             Q.Q6_K: 2e-2, Q.F16: 1e-6, Q.F32: 1e-6}
+REL_ERROR = {Q.Q4_0: 2e-2, Q.Q4_1: 2e-2, Q.Q5_0: 2e-2, Q.Q5_1: 2e-2, Q.Q8_0: 2e-2, Q.Q2_K: 2e-2, Q.Q3_K: 2e-2,
+             Q.Q4_K: 2e-2, Q.Q5_K: 2e-2, Q.Q6_K: 2e-2, Q.F16: 1e-6, Q.F32: 1e-6}
 # (rows, cols): one row, odd row counts, more 16-row bands than threads; cols like SmolLM2's 576 and 1536.
 SHAPES = {32: [(1, 256), (5, 576), (67, 1536)], 256: [(1, 256), (5, 512), (67, 1536)], 1: [(3, 40), (67, 576)]}
 BATCHES = [1, 2, 7, 64]
@@ -65,7 +65,7 @@ def check(x, data, qtype, rows, cols, y):
     return error
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
 def test_k_quant_kernels_give_the_portable_kernels_bits(qtype, isa):
     """K-quant dots sum each super-block in integers and then apply the same float formula in every kernel set."""
     rng = np.random.default_rng(11)
@@ -219,9 +219,13 @@ def test_bad_input_raises(case, match):
         jax.block_until_ready(cpu_ext.quantized_matmul(x, data, qtype=Q.Q4_1, rows=rows, cols=cols))
 
 
+def test_every_type_the_model_sends_to_the_kernels_has_them():
+    assert quant.CPU_KERNEL_TYPES <= cpu_ext.SUPPORTED_TYPES
+
+
 def test_unsupported_type_raises():
-    with pytest.raises(ValueError, match="unsupported type Q3_K"):
-        cpu_ext.quantized_matmul(np.ones((1, 256), np.float32), np.zeros((1, 110), np.uint8), qtype=Q.Q3_K, rows=1,
+    with pytest.raises(ValueError, match="unsupported type IQ2_XXS"):
+        cpu_ext.quantized_matmul(np.ones((1, 256), np.float32), np.zeros((1, 66), np.uint8), qtype=Q.IQ2_XXS, rows=1,
                                  cols=256)
 
 
@@ -481,8 +485,8 @@ def test_sparse_bad_input_raises(op, case, match):
 def test_sparse_python_checks_raise(op):
     x = np.ones((1, 32), np.float32)
     last = np.ones((1, 1), bool) if op.startswith("masked") else np.zeros(1, np.int32)
-    with pytest.raises(ValueError, match="unsupported type Q3_K"):
-        getattr(cpu_ext, op)(x, np.zeros((1, 110), np.uint8), last, qtype=Q.Q3_K, rows=1, cols=256)
+    with pytest.raises(ValueError, match="unsupported type IQ2_XXS"):
+        getattr(cpu_ext, op)(x, np.zeros((1, 66), np.uint8), last, qtype=Q.IQ2_XXS, rows=1, cols=256)
     data = random_weight(Q.Q8_0, 1, 32, np.random.default_rng(7))
     bad = np.ones((1, 1), np.int8) if op.startswith("masked") else np.zeros((1, 1), np.int32)
     with pytest.raises(ValueError, match="mask must be bool" if op.startswith("masked") else "1-D integer array"):

@@ -82,7 +82,7 @@ def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
     assert [row[0] for row in rows] == ["Q5_K", "Q4_1"]
     assert rows[0][-2:] == ["-", "-"] and rows[1][-1] != "-"  # neuron-major only for Q4_0/Q4_1/Q8_0
     for args, fragment in [(("--types", "Q4_K", "--shapes", "576x1536"), "multiples of 256"),
-                           (("--types", "Q3_K"), "--types"), (("--shapes", "576by1536"), "--shapes"),
+                           (("--types", "IQ2_XXS"), "--types"), (("--shapes", "576by1536"), "--shapes"),
                            (("--tokens", "0"), "positive"), (("--isa", "sse9"), "--isa")]:
         bad = run("scripts/bench_sparse_kernels.py", *args)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
