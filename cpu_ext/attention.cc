@@ -12,7 +12,8 @@
 // (target_clones picks one per CPU at load time).
 //
 //   q       f32 [B, T, H, hd]                queries at positions start .. start + T - 1
-//   k, v    f32 [n_layer, B, S, H_kv, hd]    the caches, filled up to start + T - 1 (this step's K/V included)
+//   k, v    f32 or f16 [n_layer, B, S, H_kv, hd]   the caches, filled up to start + T - 1 (this step's K/V
+//                                                  included); an f16 cache's chunk is widened to f32 per task
 //   layer   s32 []                           which layer of the caches
 //   start   s32 []                           position of the first query
 //   out     f32 [B, T, H, hd]                query head h uses KV head h / (H / H_kv)
@@ -22,6 +23,10 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#if JAXINFER_CPU_X86
+#include <immintrin.h>
+#endif
 
 #include "ffi_common.h"
 
@@ -59,6 +64,35 @@ __attribute__((always_inline)) inline float sum_lanes(const F32x16& v) {
   return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
+// Sixteen vectors -> one: lane i = sum of the lanes of v[i]. Four levels, each adding two shuffles of a pair so that
+// every output keeps half as many lanes per vector, twice as many vectors per output: ~3 operations per vector
+// against ~10 for a horizontal sum each.
+__attribute__((always_inline)) inline F32x16 sum_lanes_16(const F32x16 v[16]) {
+  F32x16 a[8], b[4], c[2];
+  // a[i] lanes 0..7: halves of v[2i] added; lanes 8..15: of v[2i + 1]
+  for (int i = 0; i < 8; ++i) {
+    a[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  }
+  // b[i]: four lanes per vector, in the order v[4i], v[4i + 2], v[4i + 1], v[4i + 3]
+  for (int i = 0; i < 4; ++i) {
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                   31);
+  }
+  // c[i]: two lanes per vector
+  for (int i = 0; i < 2; ++i) {
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
+  }
+  const F32x16 d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                   __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // d holds v[i]'s sum at lane bit_reverse(i) (each level interleaves); bit reversal undoes itself
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
 // exp(x) for x <= 0 (scores minus their maximum), to about 2e-7 relative: x = (n + r) ln 2 with n an integer and
 // |r| <= 1/2, 2^n built in the exponent bits, e^(r ln 2) a degree-6 Taylor polynomial. Below -87 the result is
 // ~1e-38 instead of 0 (harmless as a softmax weight).
@@ -84,10 +118,25 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
                                                         int64_t n_keys, float* scores, float* m, float* l, float* o) {
   const int head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
   const int full = head_dim / kLanes * kLanes;
-  for (int64_t j = 0; j < n_keys; ++j) {
-    const float* key = keys + j * row;
-    for (int g = 0; g < group; ++g) {
-      const float* query = queries + g * head_dim;
+  for (int g = 0; g < group; ++g) {
+    const float* query = queries + g * head_dim;
+    int64_t j = 0;
+    for (; j + kLanes <= n_keys; j += kLanes) {  // 16 keys' lane partials, summed together
+      F32x16 partial[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        const float* key = keys + (j + i) * row;
+        F32x16 acc{};
+        for (int d = 0; d < full; d += kLanes) acc += load(query + d) * load(key + d);
+        partial[i] = acc;
+      }
+      F32x16 score = sum_lanes_16(partial);
+      for (int d = full; d < head_dim; ++d) {
+        for (int i = 0; i < kLanes; ++i) score[i] += query[d] * keys[(j + i) * row + d];
+      }
+      store(scores + g * n_keys + j, score);
+    }
+    for (; j < n_keys; ++j) {
+      const float* key = keys + j * row;
       F32x16 acc{};
       for (int d = 0; d < full; d += kLanes) acc += load(query + d) * load(key + d);
       float score = sum_lanes(acc);
@@ -117,15 +166,54 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
     m[g] = max_score;
     l[g] = sum;
   }
-  std::fill(o, o + group * head_dim, 0.0f);
-  for (int64_t j = 0; j < n_keys; ++j) {
-    const float* value = values + j * row;
-    for (int g = 0; g < group; ++g) {
-      const float p = scores[g * n_keys + j];
-      float* out = o + g * head_dim;
-      for (int d = 0; d < full; d += kLanes) store(out + d, load(out + d) + p * load(value + d));
-      for (int d = full; d < head_dim; ++d) out[d] += p * value[d];
+  // Per query head, the weighted values in registers where the head size is known (HeadDim / 16 vectors); the
+  // chunk's values stay in L1 for the group's heads.
+  constexpr int kVectors = HeadDim > 0 ? HeadDim / kLanes : 1;
+  for (int g = 0; g < group; ++g) {
+    float* out = o + g * head_dim;
+    const float* p = scores + g * n_keys;
+    if constexpr (HeadDim > 0 && HeadDim % kLanes == 0) {
+      F32x16 acc[kVectors] = {};
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const float* value = values + j * row;
+        for (int i = 0; i < kVectors; ++i) acc[i] += p[j] * load(value + kLanes * i);
+      }
+      for (int i = 0; i < kVectors; ++i) store(out + kLanes * i, acc[i]);
+    } else {
+      std::fill(out, out + head_dim, 0.0f);
+      for (int64_t j = 0; j < n_keys; ++j) {
+        const float* value = values + j * row;
+        for (int d = 0; d < full; d += kLanes) store(out + d, load(out + d) + p[j] * load(value + d));
+        for (int d = full; d < head_dim; ++d) out[d] += p[j] * value[d];
+      }
     }
+  }
+}
+
+// Rows [n, width] at stride `row` of an f16 cache -> f32 [n, width], contiguous: with F16C 8 values per instruction
+// (GCC 12 converts _Float16 through a libgcc call per value even where F16C is enabled: 0.39x llama.cpp's decode at
+// 3072 tokens of context), else the portable conversion.
+#if JAXINFER_CPU_X86
+__attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t row, int64_t n, int64_t width,
+                                                        float* dst) {
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t j = 0;
+    for (; j + 8 <= width; j += 8) {
+      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * row + j));
+      _mm256_storeu_ps(dst + i * width + j, _mm256_cvtph_ps(half));
+    }
+    for (; j < width; ++j) dst[i * width + j] = fp16_to_f32(src[i * row + j]);
+  }
+}
+#endif
+
+void widen_f16(const uint16_t* src, int64_t row, int64_t n, int64_t width, float* dst) {
+#if JAXINFER_CPU_X86
+  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+  if (f16c) return widen_f16_f16c(src, row, n, width, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < width; ++j) dst[i * width + j] = fp16_to_f32(src[i * row + j]);
   }
 }
 
@@ -139,13 +227,18 @@ JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, in
   }
 }
 
-ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer_buf,
-                               ffi::Buffer<ffi::S32> start_buf, ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                               ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> start_buf,
+                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
     return ffi::Error::InvalidArgument("cached_attention: q must be [B, T, H, hd], k and v [L, B, S, H_kv, hd]");
   }
+  const ffi::DataType cache_type = k.element_type();
+  if ((cache_type != ffi::DataType::F32 && cache_type != ffi::DataType::F16) || v.element_type() != cache_type) {
+    return ffi::Error::InvalidArgument("cached_attention: the k and v caches must both be f32 or both f16");
+  }
+  const bool f16 = cache_type == ffi::DataType::F16;
   const int64_t batch = qd[0], n_query = qd[1], n_head = qd[2], head_dim = qd[3];
   const int64_t n_layer = kd[0], max_len = kd[2], n_head_kv = kd[3];
   if (kd[1] != batch || kd[4] != head_dim || n_head_kv <= 0 || n_head % n_head_kv != 0) {
@@ -160,8 +253,11 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                        std::to_string(max_len) + " positions]");
   }
   const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;  // row: one position of one layer's cache
-  const float* ks = k.typed_data() + layer * batch * max_len * row;
-  const float* vs = v.typed_data() + layer * batch * max_len * row;
+  const int64_t layer_offset = layer * batch * max_len * row;
+  const float* ks = f16 ? nullptr : static_cast<const float*>(k.untyped_data()) + layer_offset;
+  const float* vs = f16 ? nullptr : static_cast<const float*>(v.untyped_data()) + layer_offset;
+  const uint16_t* ks16 = f16 ? static_cast<const uint16_t*>(k.untyped_data()) + layer_offset : nullptr;
+  const uint16_t* vs16 = f16 ? static_cast<const uint16_t*>(v.untyped_data()) + layer_offset : nullptr;
   const float* qs = q.typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t n_chunks = (start + n_query + kChunkKeys - 1) / kChunkKeys;
@@ -177,12 +273,22 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 
   parallel_for(pool, batch * n_chunks, [=](int64_t task) {
     const int64_t b = task / n_chunks, c = task % n_chunks, first = c * kChunkKeys;
-    thread_local std::vector<float> scaled, scores, out, m, l;
+    thread_local std::vector<float> scaled, scores, out, m, l, keys, values;
     scaled.resize(group * head_dim);
     scores.resize(group * kChunkKeys);
     out.resize(group * head_dim);
     m.resize(group);
     l.resize(group);
+    {  // ask for the whole chunk, all KV heads, at once: read head by head, each row's lines come at a stride
+      const int64_t n_rows = std::min(kChunkKeys, start + n_query - first), elem = f16 ? 2 : 4;
+      const char* k_rows = f16 ? reinterpret_cast<const char*>(ks16) : reinterpret_cast<const char*>(ks);
+      const char* v_rows = f16 ? reinterpret_cast<const char*>(vs16) : reinterpret_cast<const char*>(vs);
+      const int64_t begin = (b * max_len + first) * row * elem, end = begin + n_rows * row * elem;
+      for (int64_t at = begin; at < end; at += 64) {
+        __builtin_prefetch(k_rows + at);
+        __builtin_prefetch(v_rows + at);
+      }
+    }
     for (int64_t t = 0; t < n_query; ++t) {
       const int64_t n_keys = std::min(kChunkKeys, start + t + 1 - first);  // causal: positions 0 .. start + t
       for (int64_t kv_head = 0; kv_head < n_head_kv; ++kv_head) {
@@ -194,8 +300,17 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
         const float* query = qs + ((b * n_query + t) * n_head + h0) * head_dim;  // the group's heads are adjacent
         for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query[i] * scale;
         const int64_t offset = (b * max_len + first) * row + kv_head * head_dim;
-        attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), ks + offset, vs + offset,
-                     row, n_keys, scores.data(), m.data(), l.data(), out.data());
+        if (f16) {  // this chunk of this KV head, widened (later queries of the step widen it again)
+          keys.resize(n_keys * head_dim);
+          values.resize(n_keys * head_dim);
+          widen_f16(ks16 + offset, row, n_keys, head_dim, keys.data());
+          widen_f16(vs16 + offset, row, n_keys, head_dim, values.data());
+          attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), keys.data(),
+                           values.data(), head_dim, n_keys, scores.data(), m.data(), l.data(), out.data());
+        } else {
+          attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), ks + offset,
+                           vs + offset, row, n_keys, scores.data(), m.data(), l.data(), out.data());
+        }
         for (int64_t g = 0; g < group; ++g) {
           float* p = part(b, t, h0 + g, c);
           std::copy(out.data() + g * head_dim, out.data() + (g + 1) * head_dim, p);
@@ -234,8 +349,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedAttention, jaxinfer_cpu::CachedAttentionImpl
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q [B, T, H, hd]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k cache [L, B, S, H_kv, hd]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v cache
+                                  .Arg<ffi::AnyBuffer>()         // k cache [L, B, S, H_kv, hd], f32 or f16
+                                  .Arg<ffi::AnyBuffer>()         // v cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // start []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, H, hd]

@@ -3,6 +3,7 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.errors import JaxinferError
 
@@ -25,6 +26,7 @@ ARCHITECTURES = {
     "bamboo": Architecture(gate_activation="relu", up_activation="relu", powerinfer_gate_activation="relu"),
 }
 SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")
+CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> the KV cache's dtype
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
 GATE_ACTIVATION_KEY = "jaxinfer.gate_activation"
@@ -56,6 +58,9 @@ class Config:
     # decode-sized steps against the KV cache run cpu_ext's attention kernel.
     attention_kernel: str = "xla"
     attn_max_batch_mib: float | None = None
+    # The KV cache's element type, one of CACHE_TYPES: "f16" halves its memory and the bytes a decode step reads
+    # deep into a context (llama.cpp's default); attention math stays f32.
+    cache_type: str = "f32"
 
     @property
     def n_group(self) -> int:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import attention, hybrid, model, quant
-from jaxinfer.config import Config
+from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
 from jaxinfer.sampling import SamplingParams, sample
@@ -52,16 +52,18 @@ class LoadedModel:
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
                 f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
-                f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}"
-                f"{down}")
+                f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}, "
+                f"{c.cache_type} KV cache{down}")
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
-               exact: bool = False) -> LoadedModel:
+               exact: bool = False, cache_type: str = "f32") -> LoadedModel:
     """Load a GGUF model. Kernels are chosen here, once: flash attention kernels on a GPU, otherwise XLA attention
     computed in head groups whose K·Q scores stay under `attn_max_batch_mib` MiB (None: unbounded); quantized
     matmuls through cpu_ext's 8-bit-activation kernels on the CPU unless `exact` (f32 products with the dequantized
-    weights, as an F32 model computes)."""
+    weights, as an F32 model computes). `cache_type` ("f32", "f16") is the KV cache's element type."""
+    if cache_type not in CACHE_TYPES:
+        raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
@@ -70,7 +72,7 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     else:
         attention_kernel = "cpu_ext" if quant.cpu_kernels() is not None else "xla"
     cfg = dataclasses.replace(load_config(gguf), attn_max_batch_mib=attn_max_batch_mib,
-                              attention_kernel=attention_kernel)
+                              attention_kernel=attention_kernel, cache_type=cache_type)
     weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)

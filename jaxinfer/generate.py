@@ -37,6 +37,8 @@ flags.DEFINE_string("activation_dir", None, "activation profile folder (default:
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
+flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32, or f16 (half the memory, and half the cache "
+                    "bytes a decode step reads deep into a context)")
 FLAGS = flags.FLAGS
 
 
@@ -83,7 +85,8 @@ def main(argv):
 
         jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(FLAGS.model, FLAGS.attn_max_batch or None), spec, down_t_type)
+    m = engine.load_model(FLAGS.model, FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type)
+    m = sparsity.apply(m, spec, down_t_type)
     print(m.describe(), file=sys.stderr)
     ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)
     if split:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import attention, sparse_ffn
-from jaxinfer.config import Config
+from jaxinfer.config import CACHE_TYPES, Config
 from pallas_kernels import attention as flash_attention
 from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, take_rows
 
@@ -59,7 +59,8 @@ class KVCache:
 
 def init_cache(cfg: Config, batch: int, max_len: int) -> KVCache:
     shape = (cfg.n_layer, batch, max_len, cfg.n_head_kv, cfg.head_dim)
-    return KVCache(jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32), jnp.zeros((), jnp.int32))
+    dtype = CACHE_TYPES[cfg.cache_type]
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
 
 
 def rms_norm(x, gamma, eps):
@@ -130,8 +131,8 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
         at = (index, 0, positions[0], 0, 0)
         cache = dataclasses.replace(
             cache,
-            k=jax.lax.dynamic_update_slice(cache.k, k[None], at),
-            v=jax.lax.dynamic_update_slice(cache.v, v[None], at),
+            k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
+            v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at),
         )
         out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index)
     return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache

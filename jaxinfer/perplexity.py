@@ -306,7 +306,7 @@ def _cli_main(argv):
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     spec = sparsity.parse_spec(f.sparsity)
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None), spec,
+    m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None, cache_type=f.cache_type), spec,
                        sparsity.parse_down_t_type(f.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
 
@@ -374,6 +374,7 @@ def main():
                          short_name="ub")
     flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
     flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
+    flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)

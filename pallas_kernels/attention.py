@@ -50,13 +50,13 @@ def _online_softmax(q, k_ref, v_ref, q_pos, first_key, n_blocks, block_k):
     def step(j, carry):
         acc, l_prev, m_prev = carry
         keys = pl.ds(j * block_k, block_k)
-        scores = jax.lax.dot_general(q, k_ref[keys, :], (((1,), (1,)), ((), ())))  # [rows, block_k]
+        scores = jax.lax.dot_general(q, k_ref[keys, :].astype(jnp.float32), (((1,), (1,)), ((), ())))  # [rows, block_k]
         k_pos = first_key + j * block_k + jnp.arange(block_k)
         scores = jnp.where(k_pos[None, :] <= q_pos[:, None], scores, -jnp.inf)
         m = jnp.maximum(m_prev, scores.max(axis=1))
         p = jnp.exp(scores - m[:, None])
         rescale = jnp.exp(m_prev - m)  # 0 on the first block, where m_prev is -inf
-        acc = acc * rescale[:, None] + jnp.dot(p, v_ref[keys, :])
+        acc = acc * rescale[:, None] + jnp.dot(p, v_ref[keys, :].astype(jnp.float32))  # an f16 cache: f32 math
         return acc, l_prev * rescale + p.sum(axis=1), m
 
     init = (jnp.zeros((rows, hd), jnp.float32), jnp.zeros((rows,), jnp.float32),

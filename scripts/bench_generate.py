@@ -36,6 +36,7 @@ flags.DEFINE_integer("tg", 64, "tokens to generate")
 flags.DEFINE_integer("repetitions", 3, "timed repetitions of each test (after one untimed warm-up)")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
 flags.DEFINE_integer("ctx_size", 4096, "KV cache positions for tg (generate's default)", short_name="c")
+flags.DEFINE_string("cache_type", "f32", "KV cache element type, f32 or f16 (llama-bench keeps its default, f16)")
 flags.DEFINE_integer("depth", 0, "tokens already in the KV cache when pp and tg are timed (llama-bench's -d)")
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity, as generate's --sparsity")
 flags.DEFINE_string("down_t_type", "same", "as generate's --down_t_type")
@@ -160,7 +161,7 @@ def main(argv):
         raise JaxinferError("--compare_dense counts the neurons of the generated tokens: use it without --depth")
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
-    dense = engine.load_model(FLAGS.model)
+    dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     results = {}

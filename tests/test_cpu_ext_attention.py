@@ -14,6 +14,7 @@ def caches(seed, n_layer, batch, max_len, n_head_kv, head_dim, filled):
     return k, v
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16], ids=["f32", "f16"])
 @pytest.mark.parametrize("batch, n_query, n_head, n_head_kv, head_dim, start", [
     (1, 1, 9, 3, 64, 0),      # the default model's first decode step
     (1, 1, 9, 3, 64, 700),
@@ -23,12 +24,14 @@ def caches(seed, n_layer, batch, max_len, n_head_kv, head_dim, filled):
     (2, 2, 4, 2, 128, 130),   # the other unrolled head size, three chunks
     (1, 1, 2, 1, 80, 5),      # a head size with a 16-lane body and no tail
 ])
-def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_head_kv, head_dim, start):
+def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_head_kv, head_dim, start,
+                                                      cache_dtype):
+    """An f16 cache is widened to f32 as it is read: the reference gets the same f16 values in f32."""
     max_len, layer = 768, 2
-    k, v = caches(0, 3, batch, max_len, n_head_kv, head_dim, start + n_query)
+    k, v = (c.astype(cache_dtype) for c in caches(0, 3, batch, max_len, n_head_kv, head_dim, start + n_query))
     q = np.random.default_rng(1).normal(size=(batch, n_query, n_head, head_dim)).astype(np.float32)
     got = jax.jit(cpu_ext.cached_attention)(q, k, v, jnp.int32(layer), jnp.int32(start))
-    k_ref, v_ref = np.nan_to_num(k), np.nan_to_num(v)  # the reference reads every position, masked
+    k_ref, v_ref = (np.nan_to_num(c).astype(np.float32) for c in (k, v))  # the reference reads every position
     expected = cpu_ext.cached_attention_reference(q, k_ref, v_ref, layer, start)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
@@ -42,3 +45,5 @@ def test_cached_attention_kernel_rejects_positions_outside_the_cache():
         jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 2, 0))
     with pytest.raises(Exception, match="disagree"):
         jax.block_until_ready(cpu_ext.cached_attention(np.zeros((1, 2, 2, 8), np.float32), k, v, 0, 0))
+    with pytest.raises(Exception, match="both be f32 or both f16"):
+        jax.block_until_ready(cpu_ext.cached_attention(q, k, v.astype(np.float16), 0, 0))

@@ -46,6 +46,9 @@ def test_cli_streams_text_and_reports_timings(make_model):
     assert result.stdout.startswith("hello the")
     assert "loaded tiny.gguf" in result.stderr
     assert "compile" in result.stderr and "tok/s" in result.stderr
+    assert "f32 KV cache" in result.stderr
+    f16 = run_cli("-m", make_model(), "-p", "hello the", "-n", "6", "--temp", "0", "-c", "64", "--cache_type", "f16")
+    assert f16.returncode == 0 and "f16 KV cache" in f16.stderr, f16.stderr
 
 
 def test_cli_chat_template(make_model):
@@ -91,7 +94,7 @@ def test_prompt_longer_than_context(make_model):
 @pytest.mark.parametrize("flag,value,fragment", [
     ("-n", "-1", "n_predict"), ("--temp", "-0.5", "--temp"), ("--top_p", "0", "--top_p"),
     ("--top_k", "-3", "--top_k"), ("--min_p", "1.5", "--min_p"), ("-c", "0", "ctx_size"),
-    ("--n_predict", "many", "n_predict"),
+    ("--n_predict", "many", "n_predict"), ("--cache_type", "q8_0", "--cache_type"),
 ])
 def test_bad_flag_values(make_model, flag, value, fragment):
     assert_one_line_error(run_cli("-m", make_model(), flag, value), fragment)

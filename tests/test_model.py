@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,20 @@ def test_batched_forward_equals_one_sequence_at_a_time(make_model):
         np.testing.assert_allclose(np.asarray(batched[row]), np.asarray(single[0]), rtol=1e-5, atol=1e-5)
 
 
+def prefill_and_decode(weights, tokens, config):
+    """Logits after an 8-token prefill (padded to 16) and two decode steps, into a 40-position cache (not a multiple
+    of the bounded attention's 16-key steps)."""
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :8] = tokens[0, :8]
+    cache = model.init_cache(config, 1, 40)
+    logits, cache = model.prefill(padded, jnp.int32(8), weights, cache, config)
+    out = [np.asarray(logits)]
+    for position in (8, 9):
+        logits, cache = model.decode_step(tokens[:, position], weights, cache, config)
+        out.append(np.asarray(logits))
+    return np.concatenate(out)
+
+
 @pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, {"attention_kernel": "cpu_ext"},
                                      {"attention_kernel": "pallas_interpret"}],
                          ids=["bounded", "cpu_ext", "pallas_interpret"])
@@ -90,18 +106,24 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
     m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
     xla = dataclasses.replace(m.config, attention_kernel="xla", attn_max_batch_mib=None)
     tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)
-
-    def run(config):
-        padded = np.zeros((1, 16), np.int32)
-        padded[0, :8] = tokens[0, :8]
-        cache = model.init_cache(config, 1, 40)  # not a multiple of the bounded run's 16-key steps
-        logits, cache = model.prefill(padded, jnp.int32(8), m.weights, cache, config)
-        out = [np.asarray(logits)]
-        for position in (8, 9):
-            logits, cache = model.decode_step(tokens[:, position], m.weights, cache, config)
-            out.append(np.asarray(logits))
-        return np.concatenate(out)
-
+    run = functools.partial(prefill_and_decode, m.weights, tokens)
     reference = run(xla)
     np.testing.assert_allclose(run(dataclasses.replace(xla, **variant)), reference, rtol=1e-5,
                                atol=1e-5 * np.abs(reference).max())
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
+def test_an_f16_cache_stores_f16_and_changes_logits_by_its_rounding_only(make_model, kernel):
+    """Each attention kernel reads an f16 cache: the logits move by about f16's rounding of K and V (2^-11
+    relative), against the f32 cache through the same kernel."""
+    import dataclasses
+
+    m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
+    f32 = dataclasses.replace(m.config, attention_kernel=kernel)
+    f16 = dataclasses.replace(f32, cache_type="f16")
+    assert model.init_cache(f16, 1, 8).k.dtype == jnp.float16
+    tokens = np.random.default_rng(5).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)
+    reference, got = (prefill_and_decode(m.weights, tokens, config) for config in (f32, f16))
+    scale = np.abs(reference).max()
+    error = np.abs(got - reference).max() / scale
+    assert 0 < error < 3e-3, error
