@@ -13,7 +13,7 @@
 //
 //   q       f32 [B, T, H, hd]                queries at positions start .. start + T - 1
 //   k, v    f32 or f16 [n_layer, B, S, H_kv, hd]   the caches, filled up to start + T - 1 (this step's K/V
-//                                                  included); an f16 cache's chunk is widened to f32 per task
+//                                                  included); an f16 cache's chunk is widened to f32 once per task
 //   layer   s32 []                           which layer of the caches
 //   start   s32 []                           position of the first query
 //   out     f32 [B, T, H, hd]                query head h uses KV head h / (H / H_kv)
@@ -190,31 +190,24 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
   }
 }
 
-// Rows [n, width] at stride `row` of an f16 cache -> f32 [n, width], contiguous: with F16C 8 values per instruction
-// (GCC 12 converts _Float16 through a libgcc call per value even where F16C is enabled: 0.39x llama.cpp's decode at
-// 3072 tokens of context), else the portable conversion.
+// n f16 values -> f32: with F16C 8 values per instruction (GCC 12 converts _Float16 through a libgcc call per value
+// even where F16C is enabled: 0.39x llama.cpp's decode at 3072 tokens of context), else the portable conversion.
 #if JAXINFER_CPU_X86
-__attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t row, int64_t n, int64_t width,
-                                                        float* dst) {
-  for (int64_t i = 0; i < n; ++i) {
-    int64_t j = 0;
-    for (; j + 8 <= width; j += 8) {
-      const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * row + j));
-      _mm256_storeu_ps(dst + i * width + j, _mm256_cvtph_ps(half));
-    }
-    for (; j < width; ++j) dst[i * width + j] = fp16_to_f32(src[i * row + j]);
+__attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
   }
+  for (; i < n; ++i) dst[i] = fp16_to_f32(src[i]);
 }
 #endif
 
-void widen_f16(const uint16_t* src, int64_t row, int64_t n, int64_t width, float* dst) {
+void widen_f16(const uint16_t* src, int64_t n, float* dst) {
 #if JAXINFER_CPU_X86
   static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
-  if (f16c) return widen_f16_f16c(src, row, n, width, dst);
+  if (f16c) return widen_f16_f16c(src, n, dst);
 #endif
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < width; ++j) dst[i * width + j] = fp16_to_f32(src[i * row + j]);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_f32(src[i]);
 }
 
 JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, int head_dim, const float* keys,
@@ -253,11 +246,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                        std::to_string(max_len) + " positions]");
   }
   const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;  // row: one position of one layer's cache
-  const int64_t layer_offset = layer * batch * max_len * row;
-  const float* ks = f16 ? nullptr : static_cast<const float*>(k.untyped_data()) + layer_offset;
-  const float* vs = f16 ? nullptr : static_cast<const float*>(v.untyped_data()) + layer_offset;
-  const uint16_t* ks16 = f16 ? static_cast<const uint16_t*>(k.untyped_data()) + layer_offset : nullptr;
-  const uint16_t* vs16 = f16 ? static_cast<const uint16_t*>(v.untyped_data()) + layer_offset : nullptr;
+  const int64_t elem = f16 ? 2 : 4, layer_bytes = layer * batch * max_len * row * elem;
+  const char* ks = static_cast<const char*>(k.untyped_data()) + layer_bytes;
+  const char* vs = static_cast<const char*>(v.untyped_data()) + layer_bytes;
   const float* qs = q.typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t n_chunks = (start + n_query + kChunkKeys - 1) / kChunkKeys;
@@ -279,15 +270,24 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     out.resize(group * head_dim);
     m.resize(group);
     l.resize(group);
-    {  // ask for the whole chunk, all KV heads, at once: read head by head, each row's lines come at a stride
-      const int64_t n_rows = std::min(kChunkKeys, start + n_query - first), elem = f16 ? 2 : 4;
-      const char* k_rows = f16 ? reinterpret_cast<const char*>(ks16) : reinterpret_cast<const char*>(ks);
-      const char* v_rows = f16 ? reinterpret_cast<const char*>(vs16) : reinterpret_cast<const char*>(vs);
-      const int64_t begin = (b * max_len + first) * row * elem, end = begin + n_rows * row * elem;
-      for (int64_t at = begin; at < end; at += 64) {
-        __builtin_prefetch(k_rows + at);
-        __builtin_prefetch(v_rows + at);
-      }
+    // The chunk's rows, all KV heads, are contiguous in each cache. Ask for all of them at once: read head by head,
+    // a row's lines come at a stride. An f16 chunk is widened once, for every query and head of the task.
+    const int64_t n_rows = std::min(kChunkKeys, start + n_query - first), chunk_bytes = n_rows * row * elem;
+    const char* k_bytes = ks + (b * max_len + first) * row * elem;
+    const char* v_bytes = vs + (b * max_len + first) * row * elem;
+    for (int64_t at = 0; at < chunk_bytes; at += 64) {
+      __builtin_prefetch(k_bytes + at);
+      __builtin_prefetch(v_bytes + at);
+    }
+    const float* k_chunk = reinterpret_cast<const float*>(k_bytes);
+    const float* v_chunk = reinterpret_cast<const float*>(v_bytes);
+    if (f16) {
+      keys.resize(n_rows * row);
+      values.resize(n_rows * row);
+      widen_f16(reinterpret_cast<const uint16_t*>(k_bytes), n_rows * row, keys.data());
+      widen_f16(reinterpret_cast<const uint16_t*>(v_bytes), n_rows * row, values.data());
+      k_chunk = keys.data();
+      v_chunk = values.data();
     }
     for (int64_t t = 0; t < n_query; ++t) {
       const int64_t n_keys = std::min(kChunkKeys, start + t + 1 - first);  // causal: positions 0 .. start + t
@@ -299,18 +299,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
         }
         const float* query = qs + ((b * n_query + t) * n_head + h0) * head_dim;  // the group's heads are adjacent
         for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query[i] * scale;
-        const int64_t offset = (b * max_len + first) * row + kv_head * head_dim;
-        if (f16) {  // this chunk of this KV head, widened (later queries of the step widen it again)
-          keys.resize(n_keys * head_dim);
-          values.resize(n_keys * head_dim);
-          widen_f16(ks16 + offset, row, n_keys, head_dim, keys.data());
-          widen_f16(vs16 + offset, row, n_keys, head_dim, values.data());
-          attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), keys.data(),
-                           values.data(), head_dim, n_keys, scores.data(), m.data(), l.data(), out.data());
-        } else {
-          attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), ks + offset,
-                           vs + offset, row, n_keys, scores.data(), m.data(), l.data(), out.data());
-        }
+        attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim),
+                         k_chunk + kv_head * head_dim, v_chunk + kv_head * head_dim, row, n_keys, scores.data(),
+                         m.data(), l.data(), out.data());
         for (int64_t g = 0; g < group; ++g) {
           float* p = part(b, t, h0 + g, c);
           std::copy(out.data() + g * head_dim, out.data() + (g + 1) * head_dim, p);
