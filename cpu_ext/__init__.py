@@ -31,7 +31,8 @@ from jaxinfer import quant
 _LIBRARY = "libjaxinfer_cpu.so"
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
-    for name in ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                 "IQ4_XS")
 )
 
 

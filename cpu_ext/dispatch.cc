@@ -18,15 +18,18 @@ namespace {
 
 Kernels complete(Kernels k) {
   const Kernels& s = scalar_kernels();
-  for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q5_0, &Kernels::q5_1}) {
+  for (auto field : {&Kernels::q8_0, &Kernels::q4_0, &Kernels::q4_1, &Kernels::q5_0, &Kernels::q5_1,
+                     &Kernels::iq4_nl}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
-  for (auto field : {&Kernels::q2_k, &Kernels::q3_k, &Kernels::q4_k, &Kernels::q5_k, &Kernels::q6_k}) {
+  for (auto field : {&Kernels::q2_k, &Kernels::q3_k, &Kernels::q4_k, &Kernels::q5_k, &Kernels::q6_k,
+                     &Kernels::iq4_xs}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   for (auto field : {&Kernels::axpy_q8_0, &Kernels::axpy_q4_0, &Kernels::axpy_q4_1, &Kernels::axpy_q5_0,
                      &Kernels::axpy_q5_1, &Kernels::axpy_q2_k, &Kernels::axpy_q3_k, &Kernels::axpy_q4_k,
-                     &Kernels::axpy_q5_k, &Kernels::axpy_q6_k, &Kernels::axpy_f16, &Kernels::axpy_f32}) {
+                     &Kernels::axpy_q5_k, &Kernels::axpy_q6_k, &Kernels::axpy_iq4_nl, &Kernels::axpy_iq4_xs,
+                     &Kernels::axpy_f16, &Kernels::axpy_f32}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
   if (k.f16 == nullptr) k.f16 = s.f16;

@@ -24,7 +24,7 @@ namespace jaxinfer_cpu {
 // gguf.GGMLQuantizationType values of the supported weight types.
 enum GgmlType : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
 };
 
 struct TypeInfo {
@@ -82,6 +82,14 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ6_K:
       *info = {256, 210, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q6_k, nullptr, &Kernels::q6_k,
                &Kernels::q6_k_x4};
+      return true;
+    case kIQ4_NL:
+      *info = {32, 18, ffi::DataType::U8, &Kernels::iq4_nl, nullptr, &Kernels::axpy_iq4_nl, &Kernels::iq4_nl_x4,
+               nullptr, nullptr, &Kernels::iq4_nl_2x4};
+      return true;
+    case kIQ4_XS:
+      *info = {256, 136, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_iq4_xs, nullptr, &Kernels::iq4_xs,
+               &Kernels::iq4_xs_x4};
       return true;
     default: return false;
   }

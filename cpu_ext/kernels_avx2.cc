@@ -210,11 +210,13 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q4_1,
                             avx2::dot_q5_0,
                             avx2::dot_q5_1,
+                            avx2::dot_iq4_nl,
                             avx2::dot_q2_k,
                             avx2::dot_q3_k,
                             avx2::dot_q4_k,
                             avx2::dot_q5_k,
                             avx2::dot_q6_k,
+                            avx2::dot_iq4_xs,
                             avx2::dot_f16,
                             avx2::dot_f32,
                             avx2::quantize_row,
@@ -229,6 +231,8 @@ const Kernels& avx2_kernels() {
                             avx2::axpy_k_scale_min<BlockQ4_K>,
                             avx2::axpy_k_scale_min<BlockQ5_K>,
                             avx2::axpy_q6_k,
+                            nullptr,  // IQ4_NL, IQ4_XS axpy: the portable ones
+                            nullptr,
                             avx2::axpy_floats<uint16_t>,
                             avx2::axpy_floats<float>,
                             avx2::neuron_block_q4<false>,
@@ -239,16 +243,19 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q4_1_x4,
                             avx2::dot_q5_0_x4,
                             avx2::dot_q5_1_x4,
+                            avx2::dot_iq4_nl_x4,
                             avx2::dot_q2_k_x4,
                             avx2::dot_q3_k_x4,
                             avx2::dot_q4_k_x4,
                             avx2::dot_q5_k_x4,
                             avx2::dot_q6_k_x4,
+                            avx2::dot_iq4_xs_x4,
                             avx2::dot_q8_0_2x4,
                             avx2::dot_q4_0_2x4,
                             avx2::dot_q4_1_2x4,
                             avx2::dot_q5_0_2x4,
-                            avx2::dot_q5_1_2x4};
+                            avx2::dot_q5_1_2x4,
+                            avx2::dot_iq4_nl_2x4};
   return k;
 }
 

@@ -77,11 +77,13 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q4_1,
                             avx512::dot_q5_0,
                             avx512::dot_q5_1,
+                            avx512::dot_iq4_nl,
                             avx512::dot_q2_k,
                             avx512::dot_q3_k,
                             avx512::dot_q4_k,
                             avx512::dot_q5_k,
                             avx512::dot_q6_k,
+                            avx512::dot_iq4_xs,
                             avx512::dot_f16,
                             avx512::dot_f32,
                             avx512::quantize_row,
@@ -96,6 +98,8 @@ const Kernels& avx512_kernels() {
                             avx512::axpy_k_scale_min<BlockQ4_K>,
                             avx512::axpy_k_scale_min<BlockQ5_K>,
                             avx512::axpy_q6_k,
+                            nullptr,  // IQ4_NL, IQ4_XS axpy: the portable ones
+                            nullptr,
                             avx512::axpy_floats<uint16_t>,
                             avx512::axpy_floats<float>,
                             nullptr,  // neuron-major: dispatch.cc picks VBMI's or AVX2's
@@ -106,16 +110,19 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q4_1_x4,
                             avx512::dot_q5_0_x4,
                             avx512::dot_q5_1_x4,
+                            avx512::dot_iq4_nl_x4,
                             avx512::dot_q2_k_x4,
                             avx512::dot_q3_k_x4,
                             avx512::dot_q4_k_x4,
                             avx512::dot_q5_k_x4,
                             avx512::dot_q6_k_x4,
+                            avx512::dot_iq4_xs_x4,
                             avx512::dot_q8_0_2x4,
                             avx512::dot_q4_0_2x4,
                             avx512::dot_q4_1_2x4,
                             avx512::dot_q5_0_2x4,
-                            avx512::dot_q5_1_2x4};
+                            avx512::dot_q5_1_2x4,
+                            avx512::dot_iq4_nl_2x4};
   return k;
 }
 

@@ -200,6 +200,36 @@ float dot_q6_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
   return total.sum();
 }
 
+// IQ4_NL and IQ4_XS: the table values of sub-block (or block) nibbles, element order as Q4_0's.
+int iq4_value(const uint8_t qs[16], int i) { return kIq4Values[i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4]; }
+
+// IQ4_NL: signed values, dotted in integers as Q8_0's q.
+float dot_iq4_nl(const uint8_t* w_row, const BlockQ8* x, int n) {
+  const auto* w = reinterpret_cast<const BlockIQ4_NL*>(w_row);
+  float total = 0.0f;
+  for (int b = 0; b < n / kQK; ++b) {
+    int dot = 0;
+    for (int i = 0; i < kQK; ++i) dot += iq4_value(w[b].qs, i) * x[b].qs[i];
+    total += fp16_to_f32(w[b].d) * x[b].d * (float)dot;
+  }
+  return total;
+}
+
+// IQ4_XS: each sub-block's integer dot times its integer scale, in the K-quant lanes.
+float dot_iq4_xs(const uint8_t* w_row, const BlockQ8K* x, int n) {
+  const auto* w = reinterpret_cast<const BlockIQ4_XS*>(w_row);
+  KLanes total;
+  for (int b = 0; b < n / kQK_K; ++b) {
+    int32_t sum[8] = {};
+    for (int j = 0; j < 8; ++j) {
+      const int scale = iq4_xs_scale(w[b], j);
+      for (int i = 0; i < kQK; ++i) sum[i / 4] += scale * iq4_value(w[b].qs + 16 * j, i) * x[b].qs[kQK * j + i];
+    }
+    total.add(x[b].d * fp16_to_f32(w[b].d), sum);
+  }
+  return total.sum();
+}
+
 float dot_f16(const void* w_row, const float* x, int n) {
   const auto* w = static_cast<const uint16_t*>(w_row);
   float total = 0.0f;
@@ -307,6 +337,21 @@ void dequantize_q6_k(const uint8_t* block, float* out) {
   }
 }
 
+void dequantize_iq4_nl(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockIQ4_NL*>(block);
+  const float d = fp16_to_f32(w->d);
+  for (int i = 0; i < kQK; ++i) out[i] = d * (float)iq4_value(w->qs, i);
+}
+
+void dequantize_iq4_xs(const uint8_t* block, float* out) {
+  const auto* w = reinterpret_cast<const BlockIQ4_XS*>(block);
+  const float d = fp16_to_f32(w->d);
+  for (int j = 0; j < 8; ++j) {
+    const float scale = d * (float)iq4_xs_scale(*w, j);
+    for (int i = 0; i < kQK; ++i) out[kQK * j + i] = scale * (float)iq4_value(w->qs + 16 * j, i);
+  }
+}
+
 void dequantize_f16(const uint8_t* value, float* out) {
   uint16_t h;
   std::memcpy(&h, value, 2);
@@ -374,11 +419,13 @@ const Kernels& scalar_kernels() {
                             dot_min<BlockQ4_1>,
                             dot_offset<BlockQ5_0, 16>,
                             dot_min<BlockQ5_1>,
+                            dot_iq4_nl,
                             dot_q2_k,
                             dot_q3_k,
                             dot_k_scale_min<BlockQ4_K>,
                             dot_k_scale_min<BlockQ5_K>,
                             dot_q6_k,
+                            dot_iq4_xs,
                             dot_f16,
                             dot_f32,
                             quantize_row,
@@ -393,6 +440,8 @@ const Kernels& scalar_kernels() {
                             axpy<kQK_K, sizeof(BlockQ4_K), dequantize_k_scale_min<BlockQ4_K>>,
                             axpy<kQK_K, sizeof(BlockQ5_K), dequantize_k_scale_min<BlockQ5_K>>,
                             axpy<kQK_K, sizeof(BlockQ6_K), dequantize_q6_k>,
+                            axpy<kQK, sizeof(BlockIQ4_NL), dequantize_iq4_nl>,
+                            axpy<kQK_K, sizeof(BlockIQ4_XS), dequantize_iq4_xs>,
                             axpy<1, sizeof(uint16_t), dequantize_f16>,
                             axpy<1, sizeof(float), dequantize_f32>,
                             neuron_block_q4<false>,

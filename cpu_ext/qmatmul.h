@@ -52,10 +52,25 @@ struct BlockQ4_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qs[128]; };  //
 // Q5_K: Q4_K's scales and nibbles plus a fifth bit, bit j of qh[l] for element l of sub-block j.
 struct BlockQ5_K { uint16_t d, dmin; uint8_t scales[12]; uint8_t qh[32]; uint8_t qs[128]; };
 struct BlockQ6_K { uint8_t ql[128]; uint8_t qh[64]; int8_t scales[16]; uint16_t d; };
+// IQ4_NL and IQ4_XS: 4-bit indices into one fixed non-linear table of int8 values (llama.cpp's kvalues_iq4nl), laid
+// out as Q4_0's nibbles (byte i: element i low, element i + 16 high) per 32 values. IQ4_XS has eight such sub-blocks
+// with 6-bit scales stored plus 32: sub-block j's low 4 bits in nibble j % 2 of scales_l[j / 2], its top 2 bits at
+// bits 2j..2j+1 of scales_h (iq4_xs_scale).
+struct BlockIQ4_NL { uint16_t d; uint8_t qs[16]; };                                          // x = d v[q]
+struct BlockIQ4_XS { uint16_t d, scales_h; uint8_t scales_l[4]; uint8_t qs[128]; };        // x = d (ls_j - 32) v[q]
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "GGUF layout");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "GGUF layout");
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "GGUF layout");
 static_assert(sizeof(BlockQ4_K) == 144 && sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "GGUF layout");
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "GGUF layout");
+
+// The values the IQ4 nibbles index.
+constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+// Sub-block j's scale of an IQ4_XS block, in -32..31.
+inline int iq4_xs_scale(const BlockIQ4_XS& w, int j) {
+  return (((w.scales_l[j / 2] >> (4 * (j % 2))) & 0x0F) | ((w.scales_h >> (2 * j)) & 3) << 4) - 32;
+}
 
 // Portable IEEE half -> float (the SIMD kernels use F16C instead).
 inline float fp16_to_f32(uint16_t h) {
@@ -196,18 +211,18 @@ inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronL
 // entries at the end).
 struct Kernels {
   const char* isa;
-  QuantDot q8_0, q4_0, q4_1, q5_0, q5_1;
-  QuantDotK q2_k, q3_k, q4_k, q5_k, q6_k;
+  QuantDot q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl;
+  QuantDotK q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs;
   FloatDot f16, f32;
   void (*quantize_row)(const float* x, BlockQ8* out, int n);
   void (*quantize_row_k)(const float* x, BlockQ8K* out, int n);  // n a multiple of 256
   Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k;
-  Axpy axpy_f16, axpy_f32;
+  Axpy axpy_iq4_nl, axpy_iq4_xs, axpy_f16, axpy_f32;
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
   // SIMD only, last so that the portable table can leave them out; null: single dots.
-  QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4;
-  QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4;
-  QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4;
+  QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4, iq4_nl_x4;
+  QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4, iq4_xs_x4;
+  QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
 };
 
 const Kernels& scalar_kernels();

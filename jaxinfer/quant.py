@@ -173,6 +173,33 @@ def dequantize_Q6_K(blocks):
     return (d.reshape(*lead, 16, 1) * q.reshape(*lead, 16, 16)).reshape(*lead, QK_K)
 
 
+# IQ4_NL, 18 bytes per 32 values:  | d:f16 | qs[16] |             x = d * IQ4_VALUES[q]
+#   4-bit indices into a fixed non-linear table, nibbles as Q4_0's.
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _iq4_values(q):
+    return jnp.asarray(IQ4_VALUES, jnp.float32)[q]
+
+
+def dequantize_IQ4_NL(blocks):
+    return _f16(blocks[..., 0:2])[..., None] * _iq4_values(_nibbles(blocks[..., 2:]))
+
+
+# IQ4_XS, 136 bytes per 256 values: | d:f16 | scales_h:u16 | scales_l[4] | qs[128] |
+#   eight sub-blocks of 32, sub-block j's nibbles in qs[16j .. 16j+16] as IQ4_NL's; 6-bit scales stored plus 32:
+#       scales_l[j / 2], nibble j % 2 (low first): bits 0..3 of scale j;  scales_h bits 2j..2j+1: its bits 4..5
+#                                                                   x = d * (scale_j - 32) * IQ4_VALUES[q]
+def dequantize_IQ4_XS(blocks):
+    lead = blocks.shape[:-1]
+    scales_h = blocks[..., 2].astype(jnp.uint32) | blocks[..., 3].astype(jnp.uint32) << 8
+    low = (blocks[..., 4:8, None] >> jnp.array([0, 4], jnp.uint8)) & 0x0F
+    high = (scales_h[..., None] >> (2 * jnp.arange(8, dtype=jnp.uint32))) & 3
+    scales = (low.reshape(*lead, 8) | (high << 4).astype(jnp.uint8)).astype(jnp.float32) - 32.0
+    q = _nibbles(blocks[..., 8:].reshape(*lead, 8, 16))
+    return ((_f16(blocks[..., 0:2])[..., None] * scales)[..., None] * _iq4_values(q)).reshape(*lead, QK_K)
+
+
 BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q8_0: dequantize_Q8_0,
     GGMLQuantizationType.Q4_0: dequantize_Q4_0,
@@ -184,6 +211,8 @@ BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q4_K: dequantize_Q4_K,
     GGMLQuantizationType.Q5_K: dequantize_Q5_K,
     GGMLQuantizationType.Q6_K: dequantize_Q6_K,
+    GGMLQuantizationType.IQ4_NL: dequantize_IQ4_NL,
+    GGMLQuantizationType.IQ4_XS: dequantize_IQ4_XS,
 }
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(BLOCK_DEQUANTIZERS)
 

@@ -81,25 +81,28 @@ def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
     return tokens, [int(t) for t in types], [" ".join(pair) for pair in MERGES]
 
 
-# The fp16 super-block scales of each K-quant, as (byte offset, count): d, and dmin where the type has mins.
-K_QUANT_SCALES = {GGMLQuantizationType.Q2_K: (80, 2), GGMLQuantizationType.Q3_K: (108, 1),
-                  GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2), GGMLQuantizationType.Q6_K: (208, 1)}
+# The fp16 block scales of each type gguf-py cannot quantize, as (byte offset, count): d, and dmin where the type has
+# mins.
+RANDOM_BLOCK_SCALES = {GGMLQuantizationType.Q2_K: (80, 2), GGMLQuantizationType.Q3_K: (108, 1),
+                       GGMLQuantizationType.Q4_K: (0, 2), GGMLQuantizationType.Q5_K: (0, 2),
+                       GGMLQuantizationType.Q6_K: (208, 1), GGMLQuantizationType.IQ4_NL: (0, 1),
+                       GGMLQuantizationType.IQ4_XS: (0, 1)}
 
 
 def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """f32 [rows, cols] -> what GGUF stores for `qtype` (floats for F32/F16, raw block bytes otherwise).
 
-    gguf-py has no quantizer for K-quants; for those the blocks are random bytes with sane scales, so the stored
+    gguf-py has no quantizer for K-quants and IQ types; for those the blocks are random bytes with sane scales, so the stored
     tensor is simply whatever those blocks decode to (the values argument only fixes the shape)."""
     if qtype == GGMLQuantizationType.F32:
         return values.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
         return values.astype(np.float16)
-    if qtype in K_QUANT_SCALES:
+    if qtype in RANDOM_BLOCK_SCALES:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = values.size // block_size
         blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
-        offset, count = K_QUANT_SCALES[qtype]  # the packed integer scales stay random
+        offset, count = RANDOM_BLOCK_SCALES[qtype]  # the packed integer scales stay random
         scales = (np.abs(rng.normal(size=(n_blocks, count))) * 0.002).astype(np.float16).view(np.uint8)
         blocks[:, offset:offset + 2 * count] = scales
         return blocks.reshape(values.shape[0], -1)

@@ -19,7 +19,7 @@ from jaxinfer.synthetic import encode_tensor
 # type, up to 1.3e-2 (Q4_0) on single-value outputs. F16/F32 weights multiply x unquantized, in f32 in another
 # summation order: measured <= 5.1e-7.
 REL_ERROR = {Q.Q4_0: 2e-2, Q.Q4_1: 2e-2, Q.Q5_0: 2e-2, Q.Q5_1: 2e-2, Q.Q8_0: 2e-2, Q.Q2_K: 2e-2, Q.Q3_K: 2e-2,
-             Q.Q4_K: 2e-2, Q.Q5_K: 2e-2, Q.Q6_K: 2e-2, Q.F16: 1e-6, Q.F32: 1e-6}
+             Q.Q4_K: 2e-2, Q.Q5_K: 2e-2, Q.Q6_K: 2e-2, Q.IQ4_NL: 2e-2, Q.IQ4_XS: 2e-2, Q.F16: 1e-6, Q.F32: 1e-6}
 # (rows, cols): one row, odd row counts, more 16-row bands than threads; cols like SmolLM2's 576 and 1536.
 SHAPES = {32: [(1, 256), (5, 576), (67, 1536)], 256: [(1, 256), (5, 512), (67, 1536)], 1: [(3, 40), (67, 576)]}
 BATCHES = [1, 2, 7, 64]
@@ -65,7 +65,7 @@ def check(x, data, qtype, rows, cols, y):
     return error
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_k_quant_kernels_give_the_portable_kernels_bits(qtype, isa):
     """K-quant dots sum each super-block in integers and then apply the same float formula in every kernel set."""
     rng = np.random.default_rng(11)

@@ -11,7 +11,7 @@ from jaxinfer.synthetic import encode_tensor
 
 # Scale fields of each block type, as (byte offset, number of fp16 values): random bytes there could be inf/NaN.
 F16_FIELDS = {Q.Q8_0: (0, 1), Q.Q4_0: (0, 1), Q.Q4_1: (0, 2), Q.Q5_0: (0, 1), Q.Q5_1: (0, 2), Q.Q2_K: (80, 2),
-              Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1)}
+              Q.Q3_K: (108, 1), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208, 1), Q.IQ4_NL: (0, 1), Q.IQ4_XS: (0, 1)}
 
 
 def random_blocks(qtype, rows, cols, rng):
