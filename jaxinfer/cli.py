@@ -10,6 +10,16 @@ DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --spars
                     "bytes of Q4_1)")
 
 
+def define_split_flags():
+    """The flags of a hot/cold split between accelerator and host (generate, perplexity)."""
+    flags.DEFINE_float("vram_budget", -1.0, "GiB of accelerator memory: place hot FFN neurons there and the rest on "
+                       "the host CPU (needs an activation profile, python -m jaxinfer.profile); -1: no split")
+    flags.DEFINE_bool("reset_gpu_index", False, "solve the hot/cold split again instead of reusing "
+                      "MODEL.generated.gpuidx")
+    flags.DEFINE_bool("disable_gpu_index", False, "run without a hot/cold split even when --vram-budget is given")
+    flags.DEFINE_string("activation_dir", None, "activation profile folder (default: activation/ beside the model)")
+
+
 def _underscore(arg: str) -> str:
     """`--kl-divergence-base=x` -> `--kl_divergence_base=x`: llama.cpp spells flags with dashes, absl with
     underscores; both spellings work."""

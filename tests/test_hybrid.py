@@ -1,4 +1,7 @@
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, hybrid, model, sparsity
+from jaxinfer import engine, hybrid, model, perplexity, placement, profile, sparsity
 
 
 @pytest.fixture
@@ -64,13 +67,24 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model):
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5, atol=1e-5)
 
 
-def test_generate_cli_with_a_vram_budget(make_model, tmp_path):
-    import os
-    import subprocess
-    import sys
+@pytest.mark.parametrize("ubatch", [8, 32])
+def test_perplexity_of_a_split_model_equals_the_unsplit_ones(sparse_model, ubatch):
+    m = sparse_model
+    devices = hybrid.Placement.detect()
+    hot = [np.sort(np.random.default_rng(i).permutation(m.config.n_ff)[:77]) for i in range(2)]
+    split = engine.Split(hybrid.split_weights(m.weights, hot, devices, m.config), devices, "")
+    windows = perplexity.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
+    # Micro-batches through the KV cache for both, so that their predictor logits round alike (see above).
+    expected = perplexity.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=8, progress=False)
+    got = perplexity.evaluate_windows(split.weights.dense, m.config, windows, n_seq=2, ubatch=ubatch,
+                                      progress=False, split=split)
+    np.testing.assert_allclose(got.nll, expected.nll, rtol=0, atol=1e-4)
+    assert abs(got.ppl - expected.ppl) < 1e-4 * expected.ppl
 
-    from jaxinfer import perplexity, placement, profile
 
+@pytest.fixture
+def profiled_model(make_model, tmp_path):
+    """(path, budget in GiB) of a predictor model with an activation profile, the budget fitting 100.5 neurons."""
     path = make_model(n_embd=64, n_ff=256, sparsity=0.85, n_ctx=64)
     m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
     tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
@@ -78,16 +92,30 @@ def test_generate_cli_with_a_vram_budget(make_model, tmp_path):
     profile.write_profile(str(tmp_path / "activation"), path, counts, tokens.size, "predictor")
     costs = placement.model_costs(m.gguf, m.config, n_ctx=32)
     budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.neuron_bytes[0])
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return path, budget / placement.GIB
 
-    def run(*extra):
-        return subprocess.run([sys.executable, "-m", "jaxinfer.generate", "-m", path, "--sparsity", "predictor",
-                               "-n", "6", "-c", "32", "--temp", "0", *extra], capture_output=True, text=True, env=env,
-                              timeout=300)
 
-    dense = run()
-    split = run("--vram-budget", f"{budget / placement.GIB:.12f}")
+def run_cli(module, path, *args):
+    return subprocess.run([sys.executable, "-m", module, "-m", path, "--sparsity", "predictor", "-c", "32", *args],
+                          capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+
+
+def test_generate_cli_with_a_vram_budget(profiled_model):
+    path, budget = profiled_model
+    dense = run_cli("jaxinfer.generate", path, "-n", "6", "--temp", "0")
+    split = run_cli("jaxinfer.generate", path, "-n", "6", "--temp", "0", "--vram-budget", f"{budget:.12f}")
     assert split.returncode == 0, split.stderr
     assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
     assert split.stdout == dense.stdout  # the same greedy text, split or not
     assert os.path.exists(placement.gpuidx_path(path))
+
+
+def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):
+    path, budget = profiled_model
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 20)
+    dense = run_cli("jaxinfer.perplexity", path, "-f", str(text), "-ub", "8")
+    split = run_cli("jaxinfer.perplexity", path, "-f", str(text), "-ub", "8", "--vram-budget", f"{budget:.12f}")
+    assert split.returncode == 0, split.stderr
+    assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
+    assert split.stdout.split("|")[0] == dense.stdout.split("|")[0]  # the same PPL line, split or not
