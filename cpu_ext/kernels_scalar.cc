@@ -36,17 +36,6 @@ void quantize_row_k(const float* x, BlockQ8K* out, int n) {
 
 int block_sum(const BlockQ8& x) { return x.sum[0] + x.sum[1]; }
 
-float dot_q8_0(const uint8_t* w_row, const BlockQ8* x, int n) {
-  const auto* w = reinterpret_cast<const BlockQ8_0*>(w_row);
-  float total = 0.0f;
-  for (int b = 0; b < n / kQK; ++b) {
-    int dot = 0;
-    for (int i = 0; i < kQK; ++i) dot += w[b].qs[i] * x[b].qs[i];
-    total += fp16_to_f32(w[b].d) * x[b].d * (float)dot;
-  }
-  return total;
-}
-
 // Q4_0 and Q4_1 nibbles: byte i holds element i (low) and element i + 16 (high).
 int nibble_dot(const uint8_t qs[16], const int8_t* x) {
   int dot = 0;
@@ -203,13 +192,17 @@ float dot_q6_k(const uint8_t* w_row, const BlockQ8K* x, int n) {
 // IQ4_NL and IQ4_XS: the table values of sub-block (or block) nibbles, element order as Q4_0's.
 int iq4_value(const uint8_t qs[16], int i) { return kIq4Values[i < 16 ? qs[i] & 0x0F : qs[i - 16] >> 4]; }
 
-// IQ4_NL: signed values, dotted in integers as Q8_0's q.
-float dot_iq4_nl(const uint8_t* w_row, const BlockQ8* x, int n) {
-  const auto* w = reinterpret_cast<const BlockIQ4_NL*>(w_row);
+// Q8_0 and IQ4_NL: signed values, d * v, dotted in integers.
+int signed_value(const BlockQ8_0& w, int i) { return w.qs[i]; }
+int signed_value(const BlockIQ4_NL& w, int i) { return iq4_value(w.qs, i); }
+
+template <typename Block>
+float dot_signed(const uint8_t* w_row, const BlockQ8* x, int n) {
+  const auto* w = reinterpret_cast<const Block*>(w_row);
   float total = 0.0f;
   for (int b = 0; b < n / kQK; ++b) {
     int dot = 0;
-    for (int i = 0; i < kQK; ++i) dot += iq4_value(w[b].qs, i) * x[b].qs[i];
+    for (int i = 0; i < kQK; ++i) dot += signed_value(w[b], i) * x[b].qs[i];
     total += fp16_to_f32(w[b].d) * x[b].d * (float)dot;
   }
   return total;
@@ -414,12 +407,12 @@ void neuron_block_q8_0(const uint8_t* block, int d, const NeuronLayout& layout, 
 
 const Kernels& scalar_kernels() {
   static const Kernels k = {"scalar",
-                            dot_q8_0,
+                            dot_signed<BlockQ8_0>,
                             dot_offset<BlockQ4_0, 8>,
                             dot_min<BlockQ4_1>,
                             dot_offset<BlockQ5_0, 16>,
                             dot_min<BlockQ5_1>,
-                            dot_iq4_nl,
+                            dot_signed<BlockIQ4_NL>,
                             dot_q2_k,
                             dot_q3_k,
                             dot_k_scale_min<BlockQ4_K>,
