@@ -49,7 +49,7 @@ def test_attend_matches_per_head_loop_with_gqa():
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("weight_type", [Q.F32, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("weight_type", [Q.F32, Q.Q4_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_incremental_decode_matches_full_forward(make_model, weight_type):
     m = engine.load_model(make_model(n_embd=256, n_ff=256, weight_type=weight_type, embedding_type=Q.Q8_0))
     tokens = np.random.default_rng(2).integers(0, m.config.n_vocab, size=(1, 11)).astype(np.int32)
