@@ -83,8 +83,9 @@ def _split_window_hidden(windows, split, cfg: Config, ubatch: int):
     return jnp.concatenate(pieces, axis=1)
 
 
-# Scores of the scored positions of windows [B, n_ctx], from their final hidden states [B, n_ctx, d].
 def _log_probs_and_nll(hidden, windows, weights):
+    """(logits, log-probs, nll of the next token) at the scored positions of windows [B, n_ctx], from their final
+    hidden states [B, n_ctx, d]: the scorers below all start here."""
     first, count = scored_positions(windows.shape[1])
     logits = model.logits(hidden[:, first:first + count], weights)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
@@ -104,8 +105,7 @@ def hidden_logits(hidden, windows, weights):
 
 def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights):
     """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
-    first, count = scored_positions(windows.shape[1])
-    targets = windows[:, first + 1:]
+    targets = windows[:, scored_positions(windows.shape[1])[0] + 1:]
     logits, log_probs, nll = _log_probs_and_nll(hidden, windows, weights)
     base_log_probs = base_min[..., None] + base_scale[..., None] * base_q.astype(jnp.float32)
     base_nll = -jnp.take_along_axis(base_log_probs, targets[..., None], axis=-1)[..., 0]
