@@ -11,7 +11,8 @@ DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --spars
 
 
 def define_split_flags():
-    """The flags of a hot/cold split between accelerator and host (generate, perplexity)."""
+    """The flags of a hot/cold split between accelerator and host (generate, perplexity). The calling CLI adopts them
+    (flags.adopt_module_key_flags) so that its --help lists them."""
     flags.DEFINE_float("vram_budget", -1.0, "GiB of accelerator memory: place hot FFN neurons there and the rest on "
                        "the host CPU (needs an activation profile, python -m jaxinfer.profile); -1: no split")
     flags.DEFINE_bool("reset_gpu_index", False, "solve the hot/cold split again instead of reusing "

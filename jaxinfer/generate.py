@@ -9,6 +9,7 @@ import time
 
 from absl import app, flags, logging
 
+from jaxinfer import cli
 from jaxinfer.cli import DOWN_T_TYPE_HELP, define_split_flags, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
@@ -32,6 +33,7 @@ flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat pen
 flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
 define_split_flags()
+flags.adopt_module_key_flags(cli)
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)

@@ -393,6 +393,7 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
+    from jaxinfer import cli
     from jaxinfer.cli import DOWN_T_TYPE_HELP, define_split_flags, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
@@ -412,6 +413,7 @@ def main():
     flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
     define_split_flags()
+    flags.adopt_module_key_flags(cli)
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 

@@ -119,3 +119,10 @@ def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):
     assert split.returncode == 0, split.stderr
     assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
     assert split.stdout.split("|")[0] == dense.stdout.split("|")[0]  # the same PPL line, split or not
+
+
+@pytest.mark.parametrize("module", ["jaxinfer.generate", "jaxinfer.perplexity"])
+def test_cli_help_lists_the_split_flags(module):
+    result = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)
+    for flag in ("vram_budget", "activation_dir", "reset_gpu_index", "disable_gpu_index"):
+        assert flag in result.stdout, (module, flag)
