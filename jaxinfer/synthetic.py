@@ -92,8 +92,8 @@ RANDOM_BLOCK_SCALES = {GGMLQuantizationType.Q2_K: (80, 2), GGMLQuantizationType.
 def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
     """f32 [rows, cols] -> what GGUF stores for `qtype` (floats for F32/F16, raw block bytes otherwise).
 
-    gguf-py has no quantizer for K-quants and IQ types; for those the blocks are random bytes with sane scales, so the stored
-    tensor is simply whatever those blocks decode to (the values argument only fixes the shape)."""
+    gguf-py has no quantizer for K-quants and IQ types; for those the blocks are random bytes with sane scales, so the
+    stored tensor is simply whatever those blocks decode to (the values argument only fixes the shape)."""
     if qtype == GGMLQuantizationType.F32:
         return values.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:

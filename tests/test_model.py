@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 
 import jax
@@ -101,8 +102,6 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
     """Through the whole model, prefill and decode: bounded attention (head groups without a cache, 16-key steps
     against it), cpu_ext's cache kernel and the Pallas flash kernels (interpreted on CPU) equal one-piece XLA
     attention."""
-    import dataclasses
-
     m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
     xla = dataclasses.replace(m.config, attention_kernel="xla", attn_max_batch_mib=None)
     tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)
@@ -116,8 +115,6 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
 def test_an_f16_cache_stores_f16_and_changes_logits_by_its_rounding_only(make_model, kernel):
     """Each attention kernel reads an f16 cache: the logits move by about f16's rounding of K and V (2^-11
     relative), against the f32 cache through the same kernel."""
-    import dataclasses
-
     m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
     f32 = dataclasses.replace(m.config, attention_kernel=kernel)
     f16 = dataclasses.replace(f32, cache_type="f16")
