@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from jaxinfer import powerinfer, quant, sparsity
 from jaxinfer.config import GATE_ACTIVATION_KEY
 from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.gguf_io import load_matrix
 from jaxinfer.powerinfer import PendingTensor
 
 RANK_MULTIPLE = 16
@@ -111,6 +112,10 @@ def with_predictors(weights, predictors: list[Predictor]):
     return dataclasses.replace(weights, layers=layers)
 
 
+def _transposed_f16(g, name: str) -> np.ndarray:
+    return np.asarray(quant.dequantize(load_matrix(g, name, exact=True))).T.astype(np.float16)
+
+
 def export(m, predictors: list[Predictor], path: str, threshold: float, predictor_type=GGMLQuantizationType.F16):
     """Write the model with its predictors as a PowerInfer file: fc1/fc2 added (replacing any), the down projection
     stored transposed (ffn_down_t, F16, as PowerInfer's axpy kernels read it), the threshold in the metadata."""
@@ -122,15 +127,17 @@ def export(m, predictors: list[Predictor], path: str, threshold: float, predicto
         fields.append((GATE_ACTIVATION_KEY, m.config.gate_activation, GGUFValueType.STRING, None))
     replaced = {f"blk.{i}.{name}.weight" for i in range(len(predictors)) for name in ("fc1", "fc2", "ffn_down")}
     tensors = powerinfer.stored_tensors(g, skip=replaced)
-    for i, (p, layer) in enumerate(zip(predictors, m.weights.layers)):
+    for i, p in enumerate(predictors):
         for name, values in (("fc1", p.fc1), ("fc2", p.fc2)):
             tensors.append(PendingTensor(f"blk.{i}.{name}.weight", values.shape, predictor_type,
                                          lambda v=values: v.astype(np.float16)))
-        if layer.ffn_down is not None:
-            down = layer.ffn_down
-            tensors.append(PendingTensor(f"blk.{i}.ffn_down_t.weight", (down.shape[1], down.shape[0]),
-                                         GGMLQuantizationType.F16,
-                                         lambda w=down: np.asarray(quant.dequantize(w)).T.astype(np.float16)))
+        # From the file, not from m.weights: a model run with --sparsity gate|hidden holds its down projection
+        # repacked (ffn_down is None then), and a PowerInfer file's own ffn_down_t is kept by stored_tensors.
+        down_name = f"blk.{i}.ffn_down.weight"
+        if down_name in g.tensors:
+            n_embd, n_ff = (int(n) for n in reversed(g.tensors[down_name].shape.tolist()))
+            tensors.append(PendingTensor(f"blk.{i}.ffn_down_t.weight", (n_ff, n_embd), GGMLQuantizationType.F16,
+                                         lambda name=down_name: _transposed_f16(g, name)))
     return powerinfer.write_gguf(path, m.config.arch, fields, tensors, powerinfer=True, progress=True)
 
 

@@ -46,9 +46,10 @@ def test_profile_calibrate_and_train_end_to_end(make_model, text, tmp_path):
     assert run("jaxinfer.calibrate", "-m", dense_model, "-f", text, "-c", "32", "--levels", "0.5").returncode == 0
     result = run("jaxinfer.perplexity", "-m", dense_model, "-f", text, "-c", "32", "--sparsity", "hidden:0.5")
     assert result.returncode == 0 and "PPL =" in result.stdout, result.stderr
+    # The README's sequence: predictors trained on calibrated hidden:S labels, exported, then generated from.
     trained = tmp_path / "trained.gguf"
-    result = run("jaxinfer.train_predictor", "-m", sparse_model, "-f", text, "-c", "32", "--train_chunks", "4",
-                 "--heldout_chunks", "1", "--steps", "20", "-o", str(trained))
+    result = run("jaxinfer.train_predictor", "-m", dense_model, "-f", text, "-c", "32", "--sparsity", "hidden:0.5",
+                 "--train_chunks", "4", "--heldout_chunks", "1", "--steps", "20", "-o", str(trained))
     assert result.returncode == 0 and "recall" in result.stdout, result.stderr
     result = run("jaxinfer.generate", "-m", str(trained), "--sparsity", "predictor", "-n", "4", "-c", "32")
     assert result.returncode == 0, result.stderr

@@ -1,8 +1,10 @@
+import dataclasses
+
 import jax
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, model, perplexity, sparsity, train_predictor
+from jaxinfer import engine, model, perplexity, quant, sparsity, train_predictor
 from jaxinfer.gguf_io import open_gguf
 
 
@@ -52,3 +54,20 @@ def test_export_writes_a_powerinfer_file_that_runs_with_its_predictors(make_mode
     predicted = sparsity.apply(exported, sparsity.SparsitySpec("predictor"))
     assert predicted.config.sparse_threshold == 0.25
     forward(tokens, predicted.weights, predicted.config)
+
+
+def test_export_of_a_model_run_sparse_keeps_its_down_projection(make_model, tmp_path):
+    """train_predictor --sparsity gate|hidden trains on a model whose down projections are repacked one row per
+    neuron (ffn_down None in memory); the exported file must still carry them."""
+    m = engine.load_model(make_model(weight_type=Q.Q8_0), exact=True)
+    repacked = dataclasses.replace(m, weights=dataclasses.replace(
+        m.weights, layers=[sparsity.with_transposed_down(layer) for layer in m.weights.layers]))
+    assert repacked.weights.layers[0].ffn_down is None
+    predictors = [train_predictor.Predictor(np.zeros((16, m.config.n_embd), np.float32),
+                                            np.zeros((m.config.n_ff, 16), np.float32))
+                  for _ in m.weights.layers]
+    exported = engine.load_model(train_predictor.export(repacked, predictors, str(tmp_path / "p.gguf"), 0.0),
+                                 exact=True)
+    for layer, original in zip(exported.weights.layers, m.weights.layers):
+        np.testing.assert_allclose(np.asarray(quant.dequantize(layer.ffn_down_t)).T,
+                                   np.asarray(quant.dequantize(original.ffn_down)), rtol=1e-3, atol=1e-3)
