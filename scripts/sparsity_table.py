@@ -1,6 +1,6 @@
 """PPL vs activation sparsity on WikiText-2, through the real inference path, as a Markdown table for the README.
 
-    python scripts/sparsity_table.py [-m MODEL] [-f wiki.test.raw] [--levels 0.3,0.5,0.7] [--predictor_labels 0.5,0.7]
+    python scripts/sparsity_table.py -f wiki.test.raw [-m MODEL] [--levels 0.3,0.5,0.7] [--predictor_labels 0.5,0.7]
 
 Evaluation: llama-perplexity's convention, -c 512, the first --chunks windows. Thresholds are calibrated, and
 predictors trained, on windows taken from the far end of the same file, disjoint from the evaluated ones.
@@ -18,10 +18,11 @@ from absl import app, flags, logging
 
 from jaxinfer import calibrate, engine, perplexity, profile, runtime, sparsity, train_predictor
 from jaxinfer.cli import parse_flags
-from jaxinfer.errors import exit_on_error
+from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
-flags.DEFINE_string("file", "../shared/data/wikitext-2-raw/wiki.test.raw", "evaluation text", short_name="f")
+flags.DEFINE_string("file", None, "evaluation text: WikiText-2's whole wiki.test.raw (calibration and training "
+                    "windows come from its far end)", short_name="f")
 flags.DEFINE_integer("chunks", 20, "evaluated windows of 512 tokens")
 flags.DEFINE_list("levels", ["0.3", "0.5", "0.7"], "target sparsity levels for the threshold methods")
 flags.DEFINE_list("predictor_labels", ["0.5", "0.7"], "hidden:S label sparsities to train predictors for")
@@ -62,6 +63,8 @@ def bytes_ratio(mode, active, b, reference):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
+    if not FLAGS.file:
+        raise JaxinferError("-f/--file is required: WikiText-2's wiki.test.raw")
     runtime.enable_compilation_cache()
     base = engine.load_model(FLAGS.model)
     print(base.describe(), file=sys.stderr)
