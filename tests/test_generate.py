@@ -186,3 +186,30 @@ def test_generation_ends_when_the_context_is_full(make_model):
     tokens = list(engine.generate_tokens(m, prompt, 100, ctx, SamplingParams(temperature=0), 0, stats,
                                          stop_ids=frozenset()))
     assert len(tokens) == 12 and stats.stop_reason == "context full"
+
+
+def last_prompt_logits(m, ids, ubatch):
+    """The prompt prefilled as generate cuts it for -ub `ubatch` -> logits after its last token."""
+    chunk = engine._prefill_chunk(len(ids), ubatch)
+    cache = model.init_cache(m.config, 1, -(-len(ids) // chunk) * chunk)
+    for start in range(0, len(ids), chunk):
+        piece = np.zeros((1, chunk), np.int32)
+        piece[0, :len(ids[start:start + chunk])] = ids[start:start + chunk]
+        logits, cache = model.prefill(piece, jnp.int32(len(ids[start:start + chunk])), m.weights, cache, m.config)
+    return np.asarray(logits[0])
+
+
+def test_what_ubatch_changes_is_as_the_readme_states(make_model):
+    """README, "Long contexts": same flags, same tokens; every -ub at least the prompt (as a power of two) cuts it
+    once; cuts of more than 128 tokens (f32 GEMM) differ by summation order only; cuts through the 8-bit kernels
+    agree to their rounding."""
+    m = engine.load_model(make_model(n_ctx=512, weight_type=Q.Q8_0, embedding_type=Q.Q8_0))
+    ids = np.random.default_rng(0).integers(3, m.config.n_vocab, size=200).tolist()
+    greedy = SamplingParams(temperature=0)
+    runs = [list(engine.generate_tokens(m, ids[:40], 8, 512, greedy, seed=0, ubatch=ub)) for ub in (64, 64, 512)]
+    assert runs[0] == runs[1] == runs[2]
+    by_ubatch = {ub: last_prompt_logits(m, ids, ub) for ub in (4, 8, 16, 64, 200, 512)}
+    span = np.ptp(by_ubatch[512])
+    np.testing.assert_allclose(by_ubatch[200], by_ubatch[512], atol=1e-5 * span)  # 200 + 0 vs 256 tokens: f32 GEMM
+    for ub in (4, 8, 16, 64):  # 8-bit kernels (cpu_ext attention up to 8 tokens) against the f32 GEMM
+        np.testing.assert_allclose(by_ubatch[ub], by_ubatch[512], atol=0.05 * span)
