@@ -25,7 +25,7 @@ def test_profile_counts_equal_a_direct_count(make_model, tmp_path):
     summary = profile.write_profile(directory, m.path, counts, windows.size, "dense")
     # Layer files are numbered, not sorted as strings: activation_10.pt is layer 10 (PowerInfer's export bug).
     np.testing.assert_array_equal(torch_format.load_tensor(os.path.join(directory, "activation_10.pt")), counts[10])
-    np.testing.assert_array_equal(profile.read_profile(directory, m.path, 12), counts)
+    np.testing.assert_array_equal(profile.read_profile(directory, m.path, 12, 128), counts)
     assert os.path.getsize(os.path.join(directory, "activation.png")) > 1000
     assert summary["layers"][3]["mean_active"] == pytest.approx(counts[3].sum() / (windows.size * 128))
     saved = json.load(open(os.path.join(directory, "profile.json")))
