@@ -13,7 +13,9 @@ bytes for every neuron (31% too much for Bamboo and 70B) and buckets neurons by 
 order, `blk.N.gpu_idx` (I32 [n_ff], 1 where the neuron lives on the accelerator) and `blk.N.gpu_bucket` (I32, the
 sorted ids of those neurons), plus `split.vram_capacity` (u64, bytes of FFN the split may use) and
 `generic.gpu_index.block_count`. jaxinfer adds `jaxinfer.model_fingerprint` and `jaxinfer.vram_budget`, so an index
-made for another model, another version of it or another budget is rebuilt, not trusted.
+made for another model, another version of it or another budget is rebuilt, not trusted; so is a malformed one, or
+one placing more neurons than its budget buys. It lives beside the model, or in the model's cache folder when the
+model's folder is read-only or an installed package's (sidecar.derived_path).
 """
 
 import dataclasses
@@ -137,7 +139,7 @@ def _hot_ids(g, i: int, n_ff: int, path: str) -> np.ndarray:
     mask, bucket = g.tensors.get(f"blk.{i}.gpu_idx"), g.tensors.get(f"blk.{i}.gpu_bucket")
     if mask is None or bucket is None:
         raise JaxinferError(f"GPU index {path} lacks layer {i}")
-    if any(GGMLQuantizationType(t.tensor_type) != GGMLQuantizationType.I32 or len(t.shape) != 1 for t in (mask, bucket)):
+    if any(t.tensor_type != GGMLQuantizationType.I32 or len(t.shape) != 1 for t in (mask, bucket)):
         raise JaxinferError(f"GPU index {path}: layer {i}'s tensors must be 1-D I32")
     if mask.n_elements != n_ff:
         raise JaxinferError(f"GPU index {path}: layer {i} has {mask.n_elements} neurons, the model {n_ff}")
