@@ -49,6 +49,8 @@ def derived_path(model_path: str, name: str, create: bool = False) -> str:
     """Where the file or folder `name` derived from a model lives: beside the model, unless the model sits in an
     installed package or in a folder this user cannot write; then in CACHE_DIR/models/<model file>-<fingerprint>/
     (created when `create`), so that writers and readers agree and no package folder is ever written to."""
+    if not os.path.isfile(model_path):  # before its folder is judged: a mistyped model is what to report
+        raise JaxinferError(f"model file not found: {model_path}")
     model_path = os.path.abspath(model_path)
     directory = os.path.dirname(model_path)
     if set(directory.split(os.sep)) & set(PACKAGE_FOLDERS) or not os.access(directory, os.W_OK | os.X_OK):

@@ -162,3 +162,11 @@ def test_a_thresholds_file_that_is_not_an_object_is_one_line(make_model):
         f.write("[0.1, 0.2]")
     with pytest.raises(JaxinferError, match="not a jaxinfer sidecar"):
         sparsity.load_thresholds(model, "hidden", 0.5, 2)
+
+
+def test_thresholds_go_to_the_file_asked_for(make_model, tmp_path):
+    model = make_model()
+    chosen = str(tmp_path / "elsewhere.json")
+    assert sparsity.save_thresholds(model, "gate", {0.3: np.full(2, 0.5)}, "test", chosen) == chosen
+    assert not os.path.exists(sparsity.thresholds_path(model))
+    np.testing.assert_array_equal(sparsity.load_thresholds(model, "gate", 0.3, 2, chosen), np.full(2, 0.5))

@@ -116,6 +116,11 @@ def test_derived_files_of_a_packaged_model_go_to_its_cache_folder(make_model, tm
     np.testing.assert_array_equal(sparsity.load_thresholds(model, "hidden", 0.5, 2), np.ones(2))
 
 
+def test_a_missing_model_is_reported_as_such(tmp_path):
+    with pytest.raises(JaxinferError, match="model file not found"):
+        sparsity.thresholds_path(str(tmp_path / "no-such-dir" / "typo.gguf"), create=True)
+
+
 def test_the_default_models_derived_files_stay_out_of_site_packages():
     path = engine.default_model_path()
     for derived in (sparsity.thresholds_path(path), placement.gpuidx_path(path), profile.default_directory(path)):
