@@ -104,10 +104,14 @@ def remove_stale_temps(path: str) -> None:
         stale = [entry for entry in entries if _is_stale(entry, target, now)]
     for entry in stale:
         with contextlib.suppress(FileNotFoundError):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
+            _remove(entry.path)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -150,7 +154,7 @@ def atomic_directory(path: str):
             except BaseException:
                 os.rename(aside, path)
                 raise
-            shutil.rmtree(aside)
+            _remove(aside)  # a folder, or a file that stood in the folder's place
         else:
             os.rename(tmp, path)
     except BaseException:

@@ -93,6 +93,10 @@ def test_atomic_directory_replaces_the_folder_as_one_unit(tmp_path):
         open(os.path.join(tmp, "activation_0.pt"), "w").write("new 0")
     assert sorted(os.listdir(tmp_path)) == ["activation"] and os.listdir(folder) == ["activation_0.pt"]
     assert (folder / "activation_0.pt").read_text() == "new 0"
+    (tmp_path / "was a file").write_text("")
+    with sidecar.atomic_directory(str(tmp_path / "was a file")):
+        pass
+    assert (tmp_path / "was a file").is_dir()
 
 
 def test_derived_files_of_a_packaged_model_go_to_its_cache_folder(make_model, tmp_path, monkeypatch):
