@@ -5,7 +5,9 @@ Per layer, a threshold t is set so that a target share S of neurons is inactive 
     hidden  |h| <= t, h = gate_act(...) * up(...)   (only down rows are skipped; much cheaper in quality)
 Magnitudes are accumulated in a log-spaced histogram inside the compiled forward (4096 bins over 1e-8..1e4, so a
 threshold is resolved to 0.7%), then the S-quantile of each layer becomes its threshold. The thresholds go into
-`<model>.sparsity.json`; `--sparsity gate:S` / `hidden:S` on generate, perplexity and profile apply them.
+`<model>.sparsity.json` (sparsity.thresholds_path: beside the model, or in its cache folder when the model's folder is
+read-only or an installed package's) or `-o FILE`; `--sparsity gate:S` / `hidden:S` on generate, perplexity and
+profile apply the ones in `<model>.sparsity.json`.
 """
 
 import sys
@@ -55,7 +57,7 @@ def calibrate(m, windows: np.ndarray, method: str, levels, n_seq: int = 4) -> di
 def _cli_main(argv):
     from absl import flags, logging
 
-    from jaxinfer import engine, perplexity, runtime
+    from jaxinfer import engine, perplexity, runtime, sidecar
 
     f = flags.FLAGS
     logging.set_verbosity(logging.WARNING)
@@ -75,15 +77,18 @@ def _cli_main(argv):
         text = open(f.file, encoding="utf-8", errors="replace").read()
     except OSError as e:
         raise JaxinferError(f"cannot read {f.file}: {e.strerror}") from None
+    output = f.output or sparsity.thresholds_path(f.model or engine.default_model_path(), create=True)
+    sidecar.check_writable_file(output)  # before calibrating, not after
     runtime.enable_compilation_cache()
     m = engine.load_model(f.model)
     print(m.describe(), file=sys.stderr)
+    print(f"thresholds go to {output}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
     windows = perplexity.make_windows(tokens, f.ctx_size, f.chunks,
                                       m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     start = time.perf_counter()
     thresholds = calibrate(m, windows, f.method, levels, max(1, f.batch_size // f.ctx_size))
-    path = sparsity.save_thresholds(m.path, f.method, thresholds, f"{f.file} ({windows.size} tokens)")
+    path = sparsity.save_thresholds(m.path, f.method, thresholds, f"{f.file} ({windows.size} tokens)", output)
     for level, values in thresholds.items():
         print(f"{f.method}:{level:g}  thresholds median {np.median(values):.4g} (layers {values.min():.4g} .. "
               f"{values.max():.4g})")
@@ -102,6 +107,9 @@ def main():
     flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
     flags.DEFINE_integer("chunks", 8, "calibrate on the first N windows; -1 for all")
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
+    flags.DEFINE_string("output", None, "thresholds file to merge into (default: MODEL.sparsity.json, where --sparsity "
+                        "gate:S / hidden:S look for them: beside the model, or in the model's cache folder when the "
+                        "model's folder is read-only or an installed package's)", short_name="o")
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 
 

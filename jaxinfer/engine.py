@@ -42,6 +42,7 @@ class LoadedModel:
     tokenizer: GGUFTokenizer
     load_seconds: float
     split: "Split | None" = None  # hot/cold placement across accelerator and host, when --vram-budget is given
+    thresholds_path: str | None = None  # the calibrated thresholds file a gate:S / hidden:S sparsity came from
 
     def describe(self) -> str:
         c = self.config
@@ -50,10 +51,11 @@ class LoadedModel:
         types = sorted({t.tensor_type.name for t in self.gguf.reader.tensors})
         down_t = self.weights.layers[0].ffn_down_t if self.weights.layers else None
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
+        thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
                 f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
                 f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}, "
-                f"{c.cache_type} KV cache{down}")
+                f"{c.cache_type} KV cache{down}{thresholds}")
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
@@ -305,14 +307,15 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
     .gpuidx when it matches the model and budget)."""
     from jaxinfer import placement, profile
 
-    directory = activation_dir or os.path.join(os.path.dirname(os.path.abspath(m.path)), "activation")
+    directory = activation_dir or profile.default_directory(m.path)
     costs = placement.model_costs(m.gguf, m.config, ctx)
     budget = int(budget_gib * placement.GIB)
-    split = placement.load_or_solve(m.path, lambda: profile.read_profile(directory, m.path, m.config.n_layer),
-                                    costs, budget, reset)
+    split = placement.load_or_solve(m.path, lambda: profile.read_profile(directory, m.path, m.config.n_layer,
+                                                                         m.config.n_ff), costs, budget, reset)
     devices = hybrid.Placement.detect()
     hw = hybrid.split_weights(m.weights, split.hot, devices, m.config)
     summary = (f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} "
                f"({100 * split.hot_share(m.config.n_ff):.1f}% of neurons), {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} "
-               f"MiB stay on the host {devices.host}; index {placement.gpuidx_path(m.path)}")
+               f"MiB stay on the host {devices.host}; index {placement.gpuidx_path(m.path)} "
+               f"({'reused' if split.reused else 'solved from the activation profile in ' + directory})")
     return dataclasses.replace(m, split=Split(hw, devices, summary))

@@ -32,6 +32,7 @@ from jaxinfer.errors import JaxinferError, exit_on_error
 
 LOGITS_MAGIC = b"_logits_"
 KL_LOG_PROB_FLOOR = -16.0  # llama.cpp ignores base probabilities below e^-16 in the KL sum
+MIN_LOGITS_CTX = 8  # as -c/--ctx_size
 
 
 def scored_positions(n_ctx: int) -> tuple[int, int]:
@@ -161,6 +162,8 @@ class LogitsFile:
 
 
 def read_logits_file(path: str) -> LogitsFile:
+    """A llama.cpp logits file, checked: its header, its exact size, its tokens within the vocabulary and each
+    record's scale and minimum log-probability (the quantized values themselves are any uint16)."""
     if not os.path.isfile(path):
         raise JaxinferError(f"KL-divergence base file not found: {path}")
     with open(path, "rb") as f:
@@ -169,14 +172,23 @@ def read_logits_file(path: str) -> LogitsFile:
     if magic != LOGITS_MAGIC or len(header) != 3:
         raise JaxinferError(f"{path} is not a llama.cpp logits file (magic {magic!r})")
     n_ctx, n_vocab, n_chunk = (int(v) for v in header)
+    if n_ctx < MIN_LOGITS_CTX or n_vocab < 1 or n_chunk < 1:
+        raise JaxinferError(f"{path} has an impossible header: n_ctx {n_ctx}, n_vocab {n_vocab}, n_chunk {n_chunk}")
     _, count = scored_positions(n_ctx)
     nv = 2 * ((n_vocab + 1) // 2) + 4
     tokens_end = 20 + 4 * n_ctx * n_chunk
     expected = tokens_end + 2 * n_chunk * count * nv
-    if os.path.getsize(path) < expected:
-        raise JaxinferError(f"{path} is truncated: {os.path.getsize(path)} bytes, expected {expected}")
+    size = os.path.getsize(path)
+    if size != expected:
+        raise JaxinferError(f"{path} is {'truncated' if size < expected else 'too long'}: {size} bytes, expected "
+                            f"{expected} for {n_chunk} chunks of {n_ctx} tokens over {n_vocab}")
     tokens = np.fromfile(path, np.int32, count=n_ctx * n_chunk, offset=20)
+    if tokens.min() < 0 or tokens.max() >= n_vocab:
+        raise JaxinferError(f"{path} holds a token outside its vocabulary of {n_vocab}")
     records = np.memmap(path, np.uint16, "r", offset=tokens_end, shape=(n_chunk, count, nv))
+    scale, min_log_prob = np.ascontiguousarray(records[..., 0:4]).view(np.float32).reshape(-1, 2).T
+    if not (np.all(np.isfinite(scale) & (scale >= 0)) and np.all(np.isfinite(min_log_prob) & (min_log_prob <= 0))):
+        raise JaxinferError(f"{path} holds a record whose scale or minimum log-probability is impossible")
     return LogitsFile(n_ctx, n_vocab, tokens, records)
 
 
@@ -319,7 +331,7 @@ def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4,
 def _cli_main(argv):
     from absl import flags, logging
 
-    from jaxinfer import engine, runtime, sparsity
+    from jaxinfer import engine, runtime, sidecar, sparsity
 
     f = flags.FLAGS
     logging.set_verbosity(logging.WARNING)
@@ -333,6 +345,10 @@ def _cli_main(argv):
         raise JaxinferError(f"--chunks must be >= 1 or -1 for all, got {f.chunks}")
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
+    saving = bool(f.kl_divergence_base) and not f.kl_divergence
+    if saving:
+        sidecar.check_writable_file(f.kl_divergence_base)  # before loading and evaluating, not after
+    base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     spec = sparsity.parse_spec(f.sparsity)
     split = f.vram_budget >= 0 and not f.disable_gpu_index
     if split:
@@ -345,7 +361,6 @@ def _cli_main(argv):
         m = engine.split_model(m, f.vram_budget, f.ctx_size, f.activation_dir, f.reset_gpu_index)
         print(m.split.summary, file=sys.stderr)
 
-    base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     if base is not None:
         if base.n_vocab != m.config.n_vocab:
             raise JaxinferError(f"{f.kl_divergence_base} has a vocabulary of {base.n_vocab}, the model "
@@ -371,22 +386,19 @@ def _cli_main(argv):
     n_seq = max(1, f.batch_size // n_ctx)
     print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
 
-    save = None
-    if f.kl_divergence_base and not f.kl_divergence:
-        save = open(f.kl_divergence_base + ".tmp", "wb")
-    try:
-        if save is not None:
+    def run(save=None):
+        return evaluate(m, tokens, n_ctx=n_ctx, n_chunks=n_chunks, n_seq=n_seq, ubatch=f.ubatch_size,
+                        progress=True, base=base, save_logits=save)
+
+    if saving:
+        with sidecar.atomic_output(f.kl_divergence_base) as tmp, open(tmp, "wb") as save:  # never a half-written base
             n_max = len(tokens) // n_ctx
             write_logits_header(save, n_ctx, m.config.n_vocab,
                                 tokens[: (n_max if n_chunks < 0 else min(n_chunks, n_max)) * n_ctx])
-        result = evaluate(m, tokens, n_ctx=n_ctx, n_chunks=n_chunks, n_seq=n_seq, ubatch=f.ubatch_size,
-                          progress=True, base=base, save_logits=save)
-    finally:
-        if save is not None:
-            save.close()
-    if save is not None:
-        os.replace(f.kl_divergence_base + ".tmp", f.kl_divergence_base)  # atomic: never a half-written base
+            result = run(save)
         print(f"saved logits to {f.kl_divergence_base}", file=sys.stderr)
+    else:
+        result = run()
     print(result.summary())
 
 

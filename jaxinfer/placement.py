@@ -13,7 +13,9 @@ bytes for every neuron (31% too much for Bamboo and 70B) and buckets neurons by 
 order, `blk.N.gpu_idx` (I32 [n_ff], 1 where the neuron lives on the accelerator) and `blk.N.gpu_bucket` (I32, the
 sorted ids of those neurons), plus `split.vram_capacity` (u64, bytes of FFN the split may use) and
 `generic.gpu_index.block_count`. jaxinfer adds `jaxinfer.model_fingerprint` and `jaxinfer.vram_budget`, so an index
-made for another model, another version of it or another budget is rebuilt, not trusted.
+made for another model, another version of it or another budget is rebuilt, not trusted; so is a malformed one, or
+one placing more neurons than its budget buys. It lives beside the model, or in the model's cache folder when the
+model's folder is read-only or an installed package's (sidecar.derived_path).
 """
 
 import dataclasses
@@ -76,9 +78,15 @@ class Split:
     ffn_capacity: int  # bytes of FFN the budget allowed
     ffn_bytes_used: int
     budget_bytes: int
+    reused: bool = False  # read from a cached .gpuidx rather than solved
 
     def hot_share(self, n_ff: int) -> float:
         return sum(len(h) for h in self.hot) / (len(self.hot) * n_ff)
+
+
+def ffn_capacity(costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> int:
+    """Bytes of FFN neurons the budget buys once the dense weights, the KV cache and the reserve are paid for."""
+    return max(budget_bytes - costs.dense_bytes - costs.kv_bytes - reserve, 0)
 
 
 def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> Split:
@@ -86,8 +94,8 @@ def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int
     if counts.shape != (costs.n_layer, costs.n_ff):
         raise JaxinferError(f"activation profile is {counts.shape}, the model has {costs.n_layer} layers of "
                             f"{costs.n_ff} neurons")
-    capacity = budget_bytes - costs.dense_bytes - costs.kv_bytes - reserve
-    if capacity <= 0:
+    capacity = ffn_capacity(costs, budget_bytes, reserve)
+    if capacity == 0:
         return Split([np.zeros(0, np.int64) for _ in range(costs.n_layer)], 0, 0, budget_bytes)
     cost = np.repeat(costs.neuron_bytes.astype(np.float64), costs.n_ff)
     value = counts.reshape(-1).astype(np.float64)
@@ -101,8 +109,9 @@ def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int
     return Split(hot, int(capacity), int(cost[chosen].sum()), budget_bytes)
 
 
-def gpuidx_path(model_path: str) -> str:
-    return model_path + ".generated.gpuidx"
+def gpuidx_path(model_path: str, create: bool = False) -> str:
+    """`<model>.generated.gpuidx`, beside the model or in its cache folder (sidecar.derived_path)."""
+    return sidecar.derived_path(model_path, os.path.basename(model_path) + ".generated.gpuidx", create)
 
 
 def write_gpuidx(path: str, split: Split, n_ff: int, model_path: str) -> None:
@@ -125,8 +134,27 @@ def write_gpuidx(path: str, split: Split, n_ff: int, model_path: str) -> None:
     write_gguf(path, GPU_INDEX_ARCH, fields, tensors, powerinfer=True)
 
 
+def _hot_ids(g, i: int, n_ff: int, path: str) -> np.ndarray:
+    """Layer i's hot neuron ids from an index, checked: an I32 0/1 mask of n_ff and the sorted ids it marks."""
+    mask, bucket = g.tensors.get(f"blk.{i}.gpu_idx"), g.tensors.get(f"blk.{i}.gpu_bucket")
+    if mask is None or bucket is None:
+        raise JaxinferError(f"GPU index {path} lacks layer {i}")
+    if any(t.tensor_type != GGMLQuantizationType.I32 or len(t.shape) != 1 for t in (mask, bucket)):
+        raise JaxinferError(f"GPU index {path}: layer {i}'s tensors must be 1-D I32")
+    if mask.n_elements != n_ff:
+        raise JaxinferError(f"GPU index {path}: layer {i} has {mask.n_elements} neurons, the model {n_ff}")
+    flags = np.asarray(mask.data).reshape(-1)
+    if not np.all((flags == 0) | (flags == 1)):
+        raise JaxinferError(f"GPU index {path}: layer {i}'s gpu_idx holds values other than 0 and 1")
+    ids = np.asarray(bucket.data, np.int64).reshape(-1)
+    if not np.array_equal(np.flatnonzero(flags), ids):
+        raise JaxinferError(f"GPU index {path} is inconsistent in layer {i} (gpu_idx vs gpu_bucket)")
+    return ids
+
+
 def read_gpuidx(path: str, model_path: str, budget_bytes: int, costs: ModelCosts) -> Split:
-    """A split from `path`; JaxinferError if it is unreadable, foreign, stale or made for another budget."""
+    """A split from `path`; JaxinferError if it is unreadable, malformed, foreign, stale, made for another budget or
+    places more neurons than the budget buys."""
     from jaxinfer.gguf_io import open_gguf
 
     try:
@@ -137,28 +165,28 @@ def read_gpuidx(path: str, model_path: str, budget_bytes: int, costs: ModelCosts
         raise JaxinferError(f"GPU index {path} was made for a different model file (use --reset-gpu-index)")
     if g.metadata.get(BUDGET_KEY) != budget_bytes:
         raise JaxinferError(f"GPU index {path} was made for another --vram-budget (use --reset-gpu-index)")
-    hot = []
     n_layer, n_ff = costs.n_layer, costs.n_ff
-    for i in range(n_layer):
-        mask, bucket = g.tensors.get(f"blk.{i}.gpu_idx"), g.tensors.get(f"blk.{i}.gpu_bucket")
-        if mask is None or bucket is None or mask.n_elements != n_ff:
-            raise JaxinferError(f"GPU index {path} does not match the model's {n_layer} layers of {n_ff} neurons")
-        ids = np.asarray(bucket.data, np.int64)
-        if not np.array_equal(np.flatnonzero(np.asarray(mask.data)), ids):
-            raise JaxinferError(f"GPU index {path} is inconsistent in layer {i} (gpu_idx vs gpu_bucket)")
-        hot.append(ids)
-    used = int(sum(len(ids) * costs.neuron_bytes[i] for i, ids in enumerate(hot)))
-    return Split(hot, int(g.metadata["split.vram_capacity"]), used, budget_bytes)
+    if g.metadata.get(f"{GPU_INDEX_ARCH}.block_count") != n_layer:
+        raise JaxinferError(f"GPU index {path} does not match the model's {n_layer} layers")
+    capacity = ffn_capacity(costs, budget_bytes)
+    if g.metadata.get("split.vram_capacity") != capacity:
+        raise JaxinferError(f"GPU index {path}: split.vram_capacity is not the {capacity} bytes this budget buys")
+    hot = [_hot_ids(g, i, n_ff, path) for i in range(n_layer)]
+    used = int(sum(len(ids) * int(costs.neuron_bytes[i]) for i, ids in enumerate(hot)))
+    if used > capacity:
+        raise JaxinferError(f"GPU index {path} places {used} bytes of neurons on the accelerator, more than the "
+                            f"{capacity} the budget buys")
+    return Split(hot, capacity, used, budget_bytes, reused=True)
 
 
 def load_or_solve(model_path: str, counts_fn, costs: ModelCosts, budget_bytes: int, reset: bool = False) -> Split:
     """The cached split for this model and budget, or a new one (solved from `counts_fn()`, written atomically)."""
-    path = gpuidx_path(model_path)
+    path = gpuidx_path(model_path, create=True)
     if os.path.exists(path) and not reset:
         try:
             return read_gpuidx(path, model_path, budget_bytes, costs)
         except JaxinferError:
-            pass  # stale, foreign or another budget: rebuilt below
+            pass  # stale, foreign, malformed or another budget: rebuilt below
     split = solve(counts_fn(), costs, budget_bytes)
     write_gpuidx(path, split, costs.n_ff, model_path)
     return split

@@ -5,10 +5,12 @@ A sparsity spec, as the CLIs' `--sparsity` flag takes it:
     dense             no skipping beyond exact zeros (ReLU models skip their natural zeros)
     predictor         the file's fc1/fc2 predictors decide (PowerInfer); `predictor:T` overrides the threshold T
     gate:S / hidden:S thresholds calibrated for a share S of inactive neurons (see sparse_ffn.py and calibrate.py)
-Calibrated thresholds live in `<model>.sparsity.json`, stamped with the model's fingerprint.
+Calibrated thresholds live in `<model>.sparsity.json` (beside the model, or in its cache folder when the model's
+folder is read-only or an installed package's: sidecar.derived_path), stamped with the model's fingerprint.
 """
 
 import dataclasses
+import os
 from functools import partial
 
 import jax
@@ -66,34 +68,52 @@ def parse_down_t_type(text: str):
     return None if text.lower() == "same" else GGMLQuantizationType[text.upper()]
 
 
-def thresholds_path(model_path: str) -> str:
-    return model_path + ".sparsity.json"
+def thresholds_path(model_path: str, create: bool = False) -> str:
+    """`<model>.sparsity.json`, beside the model or in its cache folder (sidecar.derived_path)."""
+    return sidecar.derived_path(model_path, os.path.basename(model_path) + ".sparsity.json", create)
 
 
-def load_thresholds(model_path: str, method: str, level: float) -> np.ndarray:
-    path = thresholds_path(model_path)
+def _threshold_tables(document: dict, path: str) -> dict:
+    """The document's {method: {level: [per-layer thresholds]}}, checked for its shape (the values by the reader)."""
+    tables = document.get("thresholds", {})
+    if not isinstance(tables, dict) or not all(isinstance(t, dict) for t in tables.values()):
+        raise JaxinferError(f"{path} is malformed: \"thresholds\" must map each method to its levels")
+    return tables
+
+
+def load_thresholds(model_path: str, method: str, level: float, n_layer: int, path: str | None = None) -> np.ndarray:
+    """The per-layer thresholds [n_layer] of `method` at `level` from `path` (default: the model's sidecar)."""
+    path = path or thresholds_path(model_path)
     hint = f"calibrate them: python -m jaxinfer.calibrate -m {model_path} -f TEXT --method {method} --levels {level:g}"
     try:
         document = sidecar.read_json(path, model_path)
     except JaxinferError as e:
         raise JaxinferError(f"no calibrated {method}:{level:g} thresholds ({e}); {hint}") from None
-    table = document.get("thresholds", {}).get(method, {})
+    table = _threshold_tables(document, path).get(method, {})
     if f"{level:g}" not in table:
         raise JaxinferError(f"{path} has no {method}:{level:g} thresholds; {hint}")
-    return np.asarray(table[f"{level:g}"], np.float32)
+    values = sidecar.checked_numbers(table[f"{level:g}"], n_layer,
+                                     f"{path}: the {method}:{level:g} thresholds (one per layer)")
+    if np.any(values < 0):
+        raise JaxinferError(f"{path}: the {method}:{level:g} thresholds are magnitudes, found a negative one")
+    return values.astype(np.float32)
 
 
-def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.ndarray], source: str):
-    """Merge calibrated per-layer thresholds into the model's sidecar (atomically)."""
-    path = thresholds_path(model_path)
+def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.ndarray], source: str,
+                    path: str | None = None) -> str:
+    """Merge calibrated per-layer thresholds into `path` (default: the model's sidecar), atomically."""
+    path = path or thresholds_path(model_path, create=True)
     try:
         document = sidecar.read_json(path, model_path)
+        _threshold_tables(document, path)
     except JaxinferError:
-        document = {}
+        document = {}  # missing, foreign or malformed: replaced by what was just calibrated
     table = document.setdefault("thresholds", {}).setdefault(method, {})
     for level, values in thresholds.items():
         table[f"{level:g}"] = [float(v) for v in values]
-    document.setdefault("calibrated_on", {})[method] = source
+    if not isinstance(document.get("calibrated_on"), dict):
+        document["calibrated_on"] = {}
+    document["calibrated_on"][method] = source
     document.pop("model_fingerprint", None)
     sidecar.write_json(path, model_path, document)
     return path
@@ -112,9 +132,8 @@ def apply(m, spec: SparsitySpec, down_t_type=None):
         if spec.level is not None:
             cfg = dataclasses.replace(cfg, sparse_threshold=spec.level)
     elif spec.mode in THRESHOLD_METHODS:
-        values = load_thresholds(m.path, spec.mode, spec.level)
-        if len(values) != len(layers):
-            raise JaxinferError(f"{thresholds_path(m.path)} has {len(values)} thresholds for {len(layers)} layers")
+        values = load_thresholds(m.path, spec.mode, spec.level, len(layers))
+        m = dataclasses.replace(m, thresholds_path=thresholds_path(m.path))
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
         layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec)) for layer in layers]

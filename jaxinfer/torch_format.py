@@ -16,11 +16,15 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 
 import numpy as np
 
+from jaxinfer.errors import JaxinferError
+
 STORAGE_TYPES = {np.dtype(np.int64): "LongStorage", np.dtype(np.float32): "FloatStorage",
                  np.dtype(np.int32): "IntStorage", np.dtype(np.float64): "DoubleStorage"}
+MAX_PICKLE_BYTES = 1 << 16  # a 1-D tensor's pickle is ~200 bytes; a larger one is not a tensor file
 
 
 def _unicode(text: str) -> bytes:
@@ -73,9 +77,9 @@ def save_tensor(path: str, values: np.ndarray) -> None:
 class _TensorUnpickler(pickle.Unpickler):
     """Resolves exactly the globals a saved 1-D tensor uses; anything else is refused."""
 
-    def __init__(self, file, archive: zipfile.ZipFile, folder: str):
+    def __init__(self, file, archive: zipfile.ZipFile, folder: str, max_elements: int | None):
         super().__init__(file)
-        self.archive, self.folder = archive, folder
+        self.archive, self.folder, self.max_elements = archive, folder, max_elements
 
     def find_class(self, module, name):
         dtypes = {v: k for k, v in STORAGE_TYPES.items()}
@@ -88,19 +92,48 @@ class _TensorUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"unexpected global {module}.{name} in a tensor file")
 
     def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage" and isinstance(pid[1], np.dtype)
+                and isinstance(pid[2], str) and _is_count(pid[4])):
+            raise pickle.UnpicklingError(f"unexpected storage reference {pid!r:.80}")
         _, dtype, key, _, numel = pid
-        data = self.archive.read(f"{self.folder}/data/{key}")
-        return np.frombuffer(data, dtype=np.dtype(dtype).newbyteorder("<"), count=numel)
+        if self.max_elements is not None and numel > self.max_elements:  # before a (compressed) storage is inflated
+            raise pickle.UnpicklingError(f"{numel} values, expected at most {self.max_elements}")
+        info = self.archive.getinfo(f"{self.folder}/data/{key}")
+        if info.file_size != numel * dtype.itemsize:
+            raise pickle.UnpicklingError(f"storage of {numel} {dtype} values holds {info.file_size} bytes")
+        return np.frombuffer(self.archive.read(info), dtype=dtype.newbyteorder("<"), count=numel)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _rebuild_tensor(storage, offset, size, stride, requires_grad, hooks):
-    return np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
-                                           strides=[s * storage.itemsize for s in stride]).copy()
+    """A 1-D contiguous tensor: what save_tensor and torch.save of a 1-D CPU tensor write; anything else (whose
+    strides could reach outside the storage) is refused."""
+    if not (isinstance(storage, np.ndarray) and _is_count(offset) and isinstance(size, tuple) and len(size) == 1
+            and _is_count(size[0]) and (stride in ((1,), ()) or size[0] <= 1) and offset + size[0] <= len(storage)):
+        raise pickle.UnpicklingError(f"not a 1-D tensor within its storage (size {size!r:.40}, stride {stride!r:.40})")
+    return storage[offset:offset + size[0]].copy()
 
 
-def load_tensor(path: str) -> np.ndarray:
-    """Read a tensor file written by `save_tensor` or by `torch.save` of a 1-D CPU tensor."""
-    with zipfile.ZipFile(path) as archive:
-        pkl = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
-        with archive.open(pkl) as f:
-            return _TensorUnpickler(f, archive, pkl.rsplit("/", 1)[0]).load()
+def load_tensor(path: str, max_elements: int | None = None) -> np.ndarray:
+    """Read a tensor file written by `save_tensor` or by `torch.save` of a 1-D CPU tensor of at most `max_elements`
+    values; a JaxinferError naming `path` if it is anything else."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [i for i in archive.infolist() if i.filename.endswith("/data.pkl")]
+            if len(pickles) != 1 or pickles[0].file_size > MAX_PICKLE_BYTES:
+                raise pickle.UnpicklingError("expected one small <name>/data.pkl")
+            with archive.open(pickles[0]) as f:
+                tensor = _TensorUnpickler(f, archive, pickles[0].filename.rsplit("/", 1)[0], max_elements).load()
+    except FileNotFoundError:
+        raise JaxinferError(f"tensor file not found: {path}") from None
+    except OSError as e:
+        raise JaxinferError(f"cannot read {path}: {e.strerror or e}") from None
+    except (zipfile.BadZipFile, pickle.UnpicklingError, KeyError, ValueError, TypeError, EOFError, OverflowError,
+            IndexError, AttributeError, RecursionError, NotImplementedError, zlib.error) as e:
+        raise JaxinferError(f"{path} is not a 1-D torch tensor file ({type(e).__name__}: {e})") from None
+    if not isinstance(tensor, np.ndarray):
+        raise JaxinferError(f"{path} is not a 1-D torch tensor file (it holds a {type(tensor).__name__})")
+    return tensor

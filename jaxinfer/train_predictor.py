@@ -144,7 +144,7 @@ def export(m, predictors: list[Predictor], path: str, threshold: float, predicto
 def _cli_main(argv):
     from absl import flags, logging
 
-    from jaxinfer import engine, perplexity, runtime
+    from jaxinfer import engine, perplexity, runtime, sidecar
 
     f = flags.FLAGS
     logging.set_verbosity(logging.WARNING)
@@ -163,6 +163,8 @@ def _cli_main(argv):
     spec = sparsity.parse_spec(f.sparsity)
     if spec.mode == "predictor":
         raise JaxinferError("--sparsity defines the labels to learn: dense, gate:S or hidden:S")
+    if f.output:
+        sidecar.check_writable_file(f.output)  # before training, not after
     runtime.enable_compilation_cache()
     m = sparsity.apply(engine.load_model(f.model), spec)
     print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)

@@ -108,6 +108,8 @@ def test_generate_cli_with_a_vram_budget(profiled_model):
     assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
     assert split.stdout == dense.stdout  # the same greedy text, split or not
     assert os.path.exists(placement.gpuidx_path(path))
+    assert (f"index {placement.gpuidx_path(path)} (solved from the activation profile in "
+            f"{profile.default_directory(path)})") in split.stderr, split.stderr
 
 
 def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):

@@ -123,13 +123,69 @@ def test_cli_writes_base_then_compares(make_model, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
     base = tmp_path / "base.kld"
+    (tmp_path / "base.kld.tmp").mkdir()  # where an older version wrote: its temp name must not be shared
     first = run_cli("-m", model_path, "-f", str(text), "-c", "32", "-b", "64", "--kl-divergence-base", str(base))
     assert first.returncode == 0, first.stderr
-    assert base.exists() and not (tmp_path / "base.kld.tmp").exists()
+    assert sorted(os.listdir(tmp_path)) == ["base.kld", "base.kld.tmp", "text.txt", "tiny.gguf"]
+    assert os.stat(base).st_mode & 0o777 == 0o666 & ~current_umask()
     second = run_cli("-m", model_path, "-c", "32", "--kl-divergence-base", str(base), "--kl-divergence")
     assert second.returncode == 0, second.stderr
     assert "same top-1 100.00%" in second.stdout
     assert first.stdout.split("|")[0] == second.stdout.split("|")[0]  # same PPL line
+
+
+def current_umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
+
+
+def test_unwritable_base_fails_before_the_run(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("words " * 200)
+    model = tmp_path / "not-a-model.gguf"
+    model.write_text("not a model: the output is checked first")
+    result = run_cli("-m", str(model), "-f", str(text), "--kl-divergence-base", str(tmp_path / "no" / "base.kld"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("does not exist")
+
+
+def write_base(path, n_ctx=8, n_vocab=5, n_chunk=1, tokens=np.zeros(8), records=None, extra=b""):
+    """A logits file whose header says (n_ctx, n_vocab, n_chunk) and whose body is that of one chunk of 8 tokens
+    over a vocabulary of 5 (3 scored tokens of 10 uint16 each), unless given."""
+    if records is None:
+        records = np.zeros((1, 3, 10), np.uint16)
+        records[..., 0:4] = np.array([0.01, -5.0], np.float32).view(np.uint16)
+    with open(path, "wb") as f:
+        f.write(perplexity.LOGITS_MAGIC + np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes())
+        f.write(np.asarray(tokens, np.int32).tobytes() + records.tobytes() + extra)
+    return str(path)
+
+
+def nan_records():
+    records = np.zeros((1, 3, 10), np.uint16)
+    records[..., 0:4] = np.array([np.nan, -5.0], np.float32).view(np.uint16)
+    return records
+
+
+@pytest.mark.parametrize("case, kwargs, message", [
+    ("zero context", dict(n_ctx=0), "impossible header"),
+    ("negative vocabulary", dict(n_vocab=-3), "impossible header"),
+    ("no chunks", dict(n_chunk=0), "impossible header"),
+    ("huge", dict(n_ctx=2**30, n_chunk=2**30), "truncated"),
+    ("too long", dict(extra=b"\0\0"), "too long"),
+    ("token outside", dict(tokens=np.full(8, 9)), "outside its vocabulary"),
+    ("nan scale", dict(records=nan_records()), "impossible"),
+])
+def test_bad_logits_files_are_one_line_errors(tmp_path, case, kwargs, message):
+    path = write_base(tmp_path / "base.kld", **kwargs)
+    with pytest.raises(JaxinferError, match=message):
+        perplexity.read_logits_file(path)
+
+
+def test_a_well_formed_logits_file_is_read(tmp_path):
+    base = perplexity.read_logits_file(write_base(tmp_path / "base.kld"))
+    assert (base.n_ctx, base.n_vocab, base.n_chunk, base.records.shape) == (8, 5, 1, (1, 3, 10))
 
 
 def test_micro_batches_give_the_same_scores(tiny):

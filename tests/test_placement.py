@@ -4,10 +4,12 @@ import os
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType
 
-from jaxinfer import placement
+from jaxinfer import placement, sidecar
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import load_config, open_gguf
+from jaxinfer.powerinfer import PendingTensor, write_gguf
 
 
 def costs_for(neuron_bytes, n_ff, dense=1000, kv=500):
@@ -84,3 +86,69 @@ def test_gpuidx_round_trip_and_stale_rejection(make_model, tmp_path):
     rebuilt = placement.load_or_solve(path, lambda: counts, costs, budget)
     assert all(np.array_equal(a, b) for a, b in zip(rebuilt.hot, split.hot))
     assert os.path.getsize(index) > 100
+
+
+@pytest.fixture
+def indexed_model(make_model):
+    """(model path, costs, budget fitting 60 neurons) of a model whose .gpuidx is to be forged."""
+    path = make_model(n_embd=64, n_ff=128, sparsity=0.8)
+    g = open_gguf(path)
+    costs = placement.model_costs(g, load_config(g), n_ctx=32)
+    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 60 * int(costs.neuron_bytes[0])
+    return path, costs, budget
+
+
+def forge_gpuidx(path, costs, budget, hot, drop=(), mask_type=Q.I32, mask_value=1, capacity=None, n_layer=2):
+    capacity = placement.ffn_capacity(costs, budget) if capacity is None else capacity
+    fields = [(key, value, vtype, None) for key, value, vtype in [
+        (f"{placement.GPU_INDEX_ARCH}.block_count", n_layer, GGUFValueType.UINT32),
+        ("split.vram_capacity", capacity, GGUFValueType.UINT64),
+        (placement.FINGERPRINT_KEY, sidecar.model_fingerprint(path), GGUFValueType.STRING),
+        (placement.BUDGET_KEY, budget, GGUFValueType.UINT64)] if key not in drop]
+    dtype = {Q.I32: np.int32, Q.F32: np.float32}[mask_type]
+    tensors = []
+    for i, ids in enumerate(hot):
+        mask = np.zeros(costs.n_ff, dtype)
+        mask[ids] = mask_value
+        tensors.append(PendingTensor(f"blk.{i}.gpu_idx", (costs.n_ff,), mask_type, lambda m=mask: m))
+        tensors.append(PendingTensor(f"blk.{i}.gpu_bucket", (len(ids),), Q.I32, lambda b=ids: b.astype(np.int32)))
+    write_gguf(placement.gpuidx_path(path), placement.GPU_INDEX_ARCH, fields, tensors, powerinfer=True)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("over budget", "more than the"),
+    ("capacity lie", "vram_capacity"),
+    ("no capacity", "vram_capacity"),
+    ("no block count", "layers"),
+    ("float mask", "1-D I32"),
+    ("mask of twos", "other than 0 and 1"),
+    ("missing layer", "lacks layer 1"),
+    ("other layer count", "2 layers"),
+])
+def test_forged_gpu_indexes_are_rejected_and_rebuilt(indexed_model, case, message):
+    path, costs, budget = indexed_model
+    all_hot = [np.arange(128), np.arange(128)]  # every neuron: far more than 60 neurons' bytes
+    few = [np.arange(30), np.arange(30)]
+    forge_gpuidx(path, costs, budget, **{
+        "over budget": dict(hot=all_hot),
+        "capacity lie": dict(hot=all_hot, capacity=10**12),
+        "no capacity": dict(hot=few, drop=("split.vram_capacity",)),
+        "no block count": dict(hot=few, drop=(f"{placement.GPU_INDEX_ARCH}.block_count",)),
+        "float mask": dict(hot=few, mask_type=Q.F32),
+        "mask of twos": dict(hot=few, mask_value=2),
+        "missing layer": dict(hot=few[:1]),
+        "other layer count": dict(hot=few, n_layer=3),
+    }[case])
+    with pytest.raises(JaxinferError, match=message):
+        placement.read_gpuidx(placement.gpuidx_path(path), path, budget, costs)
+    counts = np.random.default_rng(3).integers(0, 100, size=(2, 128))
+    split = placement.load_or_solve(path, lambda: counts, costs, budget)
+    assert not split.reused and sum(len(h) for h in split.hot) == 60
+    assert placement.load_or_solve(path, lambda: counts, costs, budget).reused
+
+
+def test_a_forged_index_within_the_budget_is_used(indexed_model):
+    path, costs, budget = indexed_model
+    forge_gpuidx(path, costs, budget, hot=[np.arange(30), np.arange(60, 90)])
+    split = placement.read_gpuidx(placement.gpuidx_path(path), path, budget, costs)
+    assert [h.tolist() for h in split.hot] == [list(range(30)), list(range(60, 90))]
