@@ -53,12 +53,11 @@ def calibrate(m, windows: np.ndarray, method: str, levels, n_seq: int = 4) -> di
 
 
 def _cli_main(argv):
-    from absl import flags, logging
+    from absl import flags
 
-    from jaxinfer import engine, perplexity, runtime
+    from jaxinfer import cli, engine, perplexity, runtime
 
     f = flags.FLAGS
-    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     if f.method not in sparsity.THRESHOLD_METHODS:
@@ -79,10 +78,10 @@ def _cli_main(argv):
     m = engine.load_model(f.model)
     print(m.describe(), file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
-    windows = perplexity.make_windows(tokens, f.ctx_size, f.chunks,
-                                      m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
+    windows = perplexity.make_windows(tokens, n_ctx, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     start = time.perf_counter()
-    thresholds = calibrate(m, windows, f.method, levels, max(1, f.batch_size // f.ctx_size))
+    thresholds = calibrate(m, windows, f.method, levels, cli.windows_per_batch(f.batch_size, n_ctx, len(windows)))
     path = sparsity.save_thresholds(m.path, f.method, thresholds, f"{f.file} ({windows.size} tokens)")
     for level, values in thresholds.items():
         print(f"{f.method}:{level:g}  thresholds median {np.median(values):.4g} (layers {values.min():.4g} .. "
@@ -93,15 +92,19 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import parse_flags
+    from jaxinfer.cli import MIN_WINDOW, check_range, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "calibration text", short_name="f")
     flags.DEFINE_string("method", "hidden", "gate (CATS: skip up and down) or hidden (skip down only)")
     flags.DEFINE_list("levels", ["0.5"], "target shares of inactive neurons, e.g. 0.3,0.5,0.7")
-    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window; capped at the model's training context",
+                         short_name="c")
     flags.DEFINE_integer("chunks", 8, "calibrate on the first N windows; -1 for all")
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
+    check_range("ctx_size", MIN_WINDOW)
+    check_range("chunks", 1, sentinel=-1)
+    check_range("batch_size", 1)
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 
 

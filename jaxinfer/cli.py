@@ -8,6 +8,7 @@ from absl import flags, logging
 
 INT32_MAX = 2**31 - 1  # counts reach the compiled programs as int32
 MAX_VRAM_GIB = 2.0**20  # 1 PiB: far beyond any accelerator; larger budgets are typos
+MIN_WINDOW = 8  # least -c of the CLIs that cut a text into windows (perplexity scores their second half)
 HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 
 # Help of the flags that more than one CLI defines.
@@ -18,22 +19,22 @@ SPLIT_ONLY_FLAGS = ("reset_gpu_index", "disable_gpu_index", "activation_dir")
 
 
 def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-                sentinel: float | None = None):
+                sentinel: float | None = None, flag_values: flags.FlagValues = flags.FLAGS):
     """Check flag `name` as the command line is parsed: a finite number in [low, high] (low excluded with
     `low_open`), or exactly `sentinel` (a value meaning off, all or random). Integer flags are also bounded by
     INT32_MAX. A failure is parse_flags' one-line error naming the flag and the range."""
-    is_float = flags.FLAGS[name].flag_type() == "float"
+    is_float = flag_values[name].flag_type() == "float"
     if high is None and not is_float:
         high = INT32_MAX
     if low is not None and high is not None:
-        allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        allowed = f"in {'(' if low_open else '['}{_plain(low)}, {_plain(high)}]"
     elif low is not None:
-        allowed = f"{'>' if low_open else '>='} {low:g}"
+        allowed = f"{'>' if low_open else '>='} {_plain(low)}"
     else:
-        allowed = f"<= {high:g}"
+        allowed = f"<= {_plain(high)}"
     allowed = ("a finite number " if is_float else "") + allowed
     if sentinel is not None:
-        allowed = f"{sentinel:g} or {allowed}"
+        allowed = f"{_plain(sentinel)} or {allowed}"
 
     def in_range(value) -> bool:
         if value is None or value == sentinel:
@@ -42,7 +43,12 @@ def check_range(name: str, low: float | None = None, high: float | None = None, 
         below = high is None or value <= high
         return above and below and abs(value) != float("inf")  # NaN already fails both comparisons
 
-    flags.register_validator(name, in_range, message=f"must be {allowed}")
+    flags.register_validator(name, in_range, message=f"must be {allowed}", flag_values=flag_values)
+
+
+def _plain(number: float) -> str:
+    """2147483647 rather than 2.14748e+09 in a range the user reads."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
 
 
 def define_split_flags():
