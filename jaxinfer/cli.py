@@ -2,7 +2,9 @@
 one-line flag errors, --help, and the notes every CLI prints the same way."""
 
 import logging as std_logging
+import shutil
 import sys
+import textwrap
 
 from absl import flags, logging
 
@@ -70,7 +72,7 @@ def split_requested() -> bool:
     if f.vram_budget < 0:
         given = ["--" + name.replace("_", "-") for name in SPLIT_ONLY_FLAGS if f[name].present]
         if given:
-            print(f"warning: {', '.join(given)} does nothing without --vram-budget", file=sys.stderr)
+            print(f"warning: {', '.join(given)} ignored without --vram-budget (no hot/cold split)", file=sys.stderr)
         return False
     return not f.disable_gpu_index
 
@@ -98,13 +100,33 @@ def _underscore(arg: str) -> str:
     return "--" + name[2:].replace("-", "_") + sep + value
 
 
+def _describe(flag: flags.Flag, width: int) -> str:
+    """One flag's help, wrapped at spaces only (absl's wrapping also breaks at hyphens: "llm-" / "smollm2")."""
+    names = (f"-{flag.short_name}," if flag.short_name else "") + ("--[no]" if flag.boolean else "--") + flag.name
+    default = flag.default
+    if isinstance(default, list):
+        default = ",".join(map(str, default))
+    shown = "" if default is None else f" (default: {str(default).lower() if flag.boolean else default})"
+    return textwrap.fill(f"{names}: {flag.help}{shown}", width=width, initial_indent="  ", subsequent_indent="      ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
 def print_help(full: bool):
-    """The program's docstring, printed as written (absl's own usage %-formats it), then its flags; `full` adds
-    the flags of every library (absl, JAX)."""
+    """The program's docstring, printed as written (absl's own usage %-formats it: "50% a" turns into the program's
+    path), then its flags; `full` adds the flags of every library (absl, JAX)."""
+    width = max(60, min(shutil.get_terminal_size().columns, 120))
     doc = (sys.modules["__main__"].__doc__ or f"usage: {sys.argv[0]} [flags]").strip()
-    listed = flags.FLAGS.get_help() if full else flags.FLAGS.main_module_help()
-    more = "" if full else "\n\n--helpfull also lists the flags of absl and JAX."
-    sys.stdout.write(f"{doc}\n\nflags:\n{listed}{more}\n")
+    if full:
+        sections = sorted(flags.FLAGS.flags_by_module_dict().items())
+    else:
+        sections = [("flags", flags.FLAGS.get_key_flags_for_module(sys.argv[0]))]
+    parts = [doc]
+    for module, module_flags in sections:
+        unique = {flag.name: flag for flag in module_flags}
+        parts.append(f"{module}:\n" + "\n".join(_describe(unique[name], width) for name in sorted(unique)))
+    if not full:
+        parts.append("--helpfull also lists the flags of absl and JAX.")
+    sys.stdout.write("\n\n".join(parts) + "\n")
 
 
 def parse_flags(argv):
