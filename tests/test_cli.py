@@ -19,7 +19,8 @@ CLIS = ("jaxinfer.generate", "jaxinfer.perplexity", "jaxinfer.calibrate", "jaxin
 
 DRIVER = r"""
 import json, os, runpy, sys, tempfile, traceback
-import jax  # once, before the forks
+import jax  # once, before the forks, with what the CLIs import (they define their flags in main, not on import)
+import jaxinfer.engine, jaxinfer.perplexity, jaxinfer.train_predictor
 
 results = []
 for module, args in json.loads(sys.argv[1]):
