@@ -19,8 +19,8 @@ CLIS = ("jaxinfer.generate", "jaxinfer.perplexity", "jaxinfer.calibrate", "jaxin
 
 DRIVER = r"""
 import json, os, runpy, sys, tempfile, traceback
-import jax  # once, before the forks, with what the CLIs import (they define their flags in main, not on import)
-import jaxinfer.engine, jaxinfer.perplexity, jaxinfer.train_predictor
+import jax  # once, before the forks, with what the CLIs import (not the CLIs: runpy runs them afresh)
+import jaxinfer.engine, jaxinfer.powerinfer, jaxinfer.sparsity, optax
 
 results = []
 for module, args in json.loads(sys.argv[1]):
