@@ -55,12 +55,11 @@ def calibrate(m, windows: np.ndarray, method: str, levels, n_seq: int = 4) -> di
 
 
 def _cli_main(argv):
-    from absl import flags, logging
+    from absl import flags
 
-    from jaxinfer import engine, perplexity, runtime, sidecar
+    from jaxinfer import cli, engine, perplexity, runtime, sidecar
 
     f = flags.FLAGS
-    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     if f.method not in sparsity.THRESHOLD_METHODS:
@@ -84,10 +83,10 @@ def _cli_main(argv):
     print(m.describe(), file=sys.stderr)
     print(f"thresholds go to {output}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
-    windows = perplexity.make_windows(tokens, f.ctx_size, f.chunks,
-                                      m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
+    windows = perplexity.make_windows(tokens, n_ctx, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     start = time.perf_counter()
-    thresholds = calibrate(m, windows, f.method, levels, max(1, f.batch_size // f.ctx_size))
+    thresholds = calibrate(m, windows, f.method, levels, cli.windows_per_batch(f.batch_size, n_ctx, len(windows)))
     path = sparsity.save_thresholds(m.path, f.method, thresholds, f"{f.file} ({windows.size} tokens)", output)
     for level, values in thresholds.items():
         print(f"{f.method}:{level:g}  thresholds median {np.median(values):.4g} (layers {values.min():.4g} .. "
@@ -98,18 +97,22 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import parse_flags
+    from jaxinfer.cli import MIN_WINDOW, check_range, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "calibration text", short_name="f")
     flags.DEFINE_string("method", "hidden", "gate (CATS: skip up and down) or hidden (skip down only)")
     flags.DEFINE_list("levels", ["0.5"], "target shares of inactive neurons, e.g. 0.3,0.5,0.7")
-    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window; capped at the model's training context",
+                         short_name="c")
     flags.DEFINE_integer("chunks", 8, "calibrate on the first N windows; -1 for all")
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
     flags.DEFINE_string("output", None, "thresholds file to merge into (default: MODEL.sparsity.json, where --sparsity "
                         "gate:S / hidden:S look for them: beside the model, or in the model's cache folder when the "
                         "model's folder is read-only or an installed package's)", short_name="o")
+    check_range("ctx_size", MIN_WINDOW)
+    check_range("chunks", 1, sentinel=-1)
+    check_range("batch_size", 1)
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 
 

@@ -1,13 +1,56 @@
-"""Shared command-line plumbing: llama.cpp-style flag spellings and one-line flag errors."""
+"""Shared command-line plumbing: llama.cpp-style flag spellings, flag values checked as the command line is parsed,
+one-line flag errors, --help, and the notes every CLI prints the same way."""
 
+import logging as std_logging
+import shutil
 import sys
+import textwrap
 
-from absl import flags
+from absl import flags, logging
+
+INT32_MAX = 2**31 - 1  # counts reach the compiled programs as int32
+MAX_VRAM_GIB = 2.0**20  # 1 PiB: far beyond any accelerator; larger budgets are typos
+MIN_WINDOW = 8  # least -c of the CLIs that cut a text into windows (perplexity scores their second half)
+HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 
 # Help of the flags that more than one CLI defines.
 DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --sparsity (one row per neuron, so inactive "
-                    "rows are skipped): same (the model's own; a second rounding) or q8_0 (near-lossless, 1.7x the "
-                    "bytes of Q4_1)")
+                    "rows are skipped): same (the model's own; a second rounding), q8_0 (near-lossless, 1.7x the "
+                    "bytes of Q4_1), q4_0, q4_1, q5_0 or q5_1")
+SPLIT_ONLY_FLAGS = ("reset_gpu_index", "disable_gpu_index", "activation_dir")
+
+
+def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+                sentinel: float | None = None, flag_values: flags.FlagValues = flags.FLAGS):
+    """Check flag `name` as the command line is parsed: a finite number in [low, high] (low excluded with
+    `low_open`), or exactly `sentinel` (a value meaning off, all or random). Integer flags are also bounded by
+    INT32_MAX. A failure is parse_flags' one-line error naming the flag and the range."""
+    is_float = flag_values[name].flag_type() == "float"
+    if high is None and not is_float:
+        high = INT32_MAX
+    if low is not None and high is not None:
+        allowed = f"in {'(' if low_open else '['}{_plain(low)}, {_plain(high)}]"
+    elif low is not None:
+        allowed = f"{'>' if low_open else '>='} {_plain(low)}"
+    else:
+        allowed = f"<= {_plain(high)}"
+    allowed = ("a finite number " if is_float else "") + allowed
+    if sentinel is not None:
+        allowed = f"{_plain(sentinel)} or {allowed}"
+
+    def in_range(value) -> bool:
+        if value is None or value == sentinel:
+            return True
+        above = low is None or (value > low if low_open else value >= low)
+        below = high is None or value <= high
+        return above and below and abs(value) != float("inf")  # NaN already fails both comparisons
+
+    flags.register_validator(name, in_range, message=f"must be {allowed}", flag_values=flag_values)
+
+
+def _plain(number: float) -> str:
+    """2147483647 rather than 2.14748e+09 in a range the user reads."""
+    return str(int(number)) if float(number).is_integer() else f"{number:g}"
 
 
 def define_split_flags():
@@ -19,6 +62,33 @@ def define_split_flags():
                       "MODEL.generated.gpuidx")
     flags.DEFINE_bool("disable_gpu_index", False, "run without a hot/cold split even when --vram-budget is given")
     flags.DEFINE_string("activation_dir", None, "activation profile folder (default: activation/ beside the model)")
+    check_range("vram_budget", 0, MAX_VRAM_GIB, sentinel=-1)
+
+
+def split_requested() -> bool:
+    """Whether the parsed flags ask for a hot/cold split. The split's other flags without --vram-budget do nothing,
+    which a warning line says rather than ignoring them silently."""
+    f = flags.FLAGS
+    if f.vram_budget < 0:
+        given = ["--" + name.replace("_", "-") for name in SPLIT_ONLY_FLAGS if f[name].present]
+        if given:
+            print(f"warning: {', '.join(given)} ignored without --vram-budget (no hot/cold split)", file=sys.stderr)
+        return False
+    return not f.disable_gpu_index
+
+
+def capped_context(n_ctx: int, n_ctx_train: int) -> int:
+    """-c beyond the model's training context is capped to it, with a note (as llama.cpp warns), in every CLI."""
+    if n_ctx > n_ctx_train:
+        print(f"note: -c {n_ctx} exceeds the model's training context; using {n_ctx_train}", file=sys.stderr)
+        return n_ctx_train
+    return n_ctx
+
+
+def windows_per_batch(batch_size: int, n_ctx: int, n_windows: int) -> int:
+    """Windows of n_ctx tokens per compiled call for -b tokens: at least one, and never more than there are (a huge
+    -b would otherwise pad every batch with copies)."""
+    return max(1, min(batch_size // n_ctx, n_windows))
 
 
 def _underscore(arg: str) -> str:
@@ -30,10 +100,49 @@ def _underscore(arg: str) -> str:
     return "--" + name[2:].replace("-", "_") + sep + value
 
 
+def _describe(flag: flags.Flag, width: int) -> str:
+    """One flag's help, wrapped at spaces only (absl's wrapping also breaks at hyphens: "llm-" / "smollm2")."""
+    names = (f"-{flag.short_name}," if flag.short_name else "") + ("--[no]" if flag.boolean else "--") + flag.name
+    default = flag.default
+    if isinstance(default, list):
+        default = ",".join(map(str, default))
+    shown = "" if default is None else f" (default: {str(default).lower() if flag.boolean else default})"
+    return textwrap.fill(f"{names}: {flag.help}{shown}", width=width, initial_indent="  ", subsequent_indent="      ",
+                         break_on_hyphens=False, break_long_words=False)
+
+
+def print_help(full: bool):
+    """The program's docstring, printed as written (absl's own usage %-formats it: "50% a" turns into the program's
+    path), then its flags; `full` adds the flags of every library (absl, JAX)."""
+    width = max(60, min(shutil.get_terminal_size().columns, 120))
+    doc = (sys.modules["__main__"].__doc__ or f"usage: {sys.argv[0]} [flags]").strip()
+    if full:
+        sections = sorted(flags.FLAGS.flags_by_module_dict().items())
+    else:
+        sections = [("flags", flags.FLAGS.get_key_flags_for_module(sys.argv[0]))]
+    parts = [doc]
+    for module, module_flags in sections:
+        unique = {flag.name: flag for flag in module_flags}
+        parts.append(f"{module}:\n" + "\n".join(_describe(unique[name], width) for name in sorted(unique)))
+    if not full:
+        parts.append("--helpfull also lists the flags of absl and JAX.")
+    sys.stdout.write("\n\n".join(parts) + "\n")
+
+
 def parse_flags(argv):
-    """absl `flags_parser`: a bad flag is one `error: ...` line and exit status 2."""
+    """absl `flags_parser`: -h/--help/--helpfull print the help and exit 0; a bad flag or flag value is one
+    `error: ...` line and exit status 2. Libraries' INFO/WARNING log lines stay off the terminal unless
+    --verbosity asks for them."""
+    asked = [a for a in argv[1:] if a in HELP_ARGS]
+    if asked:
+        print_help(full="--helpfull" in asked)
+        sys.exit(0)
     try:
-        return flags.FLAGS([_underscore(a) for a in argv])
+        rest = flags.FLAGS([_underscore(a) for a in argv])
     except flags.Error as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)
+        std_logging.getLogger("jax").setLevel(std_logging.ERROR)  # backend probing ("Unable to initialize ...")
+    return rest

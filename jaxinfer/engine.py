@@ -82,6 +82,7 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
 
 def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokenizer) -> str:
     """Render the GGUF's Jinja chat template for one user turn, ready for the assistant's reply."""
+    from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -91,8 +92,15 @@ def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokeniz
     env.globals["raise_exception"] = raise_exception
     special = {name: tokenizer.tokenizer.id_to_token(i) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))}
-    return env.from_string(template).render(
-        messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+    try:
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+    except JaxinferError:
+        raise
+    except Exception as e:  # the template comes from the file: any failure of its code is bad input, not a bug
+        detail = " ".join(str(e).split()) or "no detail"
+        line = f" at line {e.lineno}" if isinstance(e, TemplateSyntaxError) else ""
+        raise JaxinferError(f"the chat template cannot be rendered ({type(e).__name__}{line}: {detail})") from None
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -172,6 +180,17 @@ def _prefill_chunk(n_prompt: int, ubatch: int) -> int:
     return min(max(MIN_PREFILL_LEN, 1 << (min(n_prompt, ubatch) - 1).bit_length()), ubatch)
 
 
+def check_prompt(n_prompt: int, ctx: int, n_ctx_train: int):
+    """A prompt of n_prompt tokens fits a context of ctx positions with room for one new token."""
+    if ctx > n_ctx_train:
+        raise JaxinferError(f"context {ctx} exceeds the model's training context {n_ctx_train}")
+    if n_prompt == 0:
+        raise JaxinferError("the prompt is empty (no tokens)")
+    if n_prompt >= ctx:
+        raise JaxinferError(f"the prompt is {n_prompt} tokens, longer than the context allows ({ctx} with room for "
+                            f"one new token): raise -c/--ctx_size or shorten the prompt")
+
+
 def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: int, params: SamplingParams,
                     seed: int, stats: GenerationStats | None = None, ubatch: int = 512,
                     stop_ids: frozenset[int] | None = None) -> Iterator[int]:
@@ -179,17 +198,14 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     `stats` is filled in. The prompt is prefilled in micro-batches of at most `ubatch` tokens."""
     stats = stats if stats is not None else GenerationStats()
     stop_ids = m.tokenizer.stop_ids if stop_ids is None else stop_ids
-    if ctx > m.config.n_ctx_train:
-        raise JaxinferError(f"context {ctx} exceeds the model's training context {m.config.n_ctx_train}")
-    if not prompt_ids:
-        raise JaxinferError("the prompt is empty (no tokens)")
-    if len(prompt_ids) >= ctx:
-        raise JaxinferError(f"the prompt is {len(prompt_ids)} tokens, longer than the context allows ({ctx} with "
-                            f"room for one new token): raise -c/--ctx_size or shorten the prompt")
+    check_prompt(len(prompt_ids), ctx, m.config.n_ctx_train)
     stats.prompt_tokens = len(prompt_ids)
     if n_predict == 0:
         stats.stop_reason = "n_predict"
         return
+    # One compiled program for all sampling values; a window wider than the context could only hold more empty
+    # slots (the same penalty), so it is bounded by the context.
+    params = dataclasses.replace(params.as_arrays(), repeat_last_n=min(params.repeat_last_n, ctx))
     recent = np.full((1, max(params.repeat_last_n, 1)), -1, np.int32)
     kept = prompt_ids[-recent.shape[1]:]
     recent[0, recent.shape[1] - len(kept):] = kept

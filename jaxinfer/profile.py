@@ -132,12 +132,11 @@ def plot(path: str, counts: np.ndarray, n_tokens: int, summary: dict):
 
 
 def _cli_main(argv):
-    from absl import flags, logging
+    from absl import flags
 
-    from jaxinfer import engine, perplexity, runtime
+    from jaxinfer import cli, engine, perplexity, runtime
 
     f = flags.FLAGS
-    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not f.file or not os.path.isfile(f.file):
@@ -150,10 +149,10 @@ def _cli_main(argv):
     print(m.describe(), file=sys.stderr)
     print(f"the activation profile goes to {directory}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(open(f.file, encoding="utf-8", errors="replace").read()), np.int32)
-    windows = perplexity.make_windows(tokens, f.ctx_size, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos
-                                      else None)
+    n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
+    windows = perplexity.make_windows(tokens, n_ctx, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     start = time.perf_counter()
-    counts = profile_counts(m, windows, max(1, f.batch_size // f.ctx_size))
+    counts = profile_counts(m, windows, cli.windows_per_batch(f.batch_size, n_ctx, len(windows)))
     seconds = time.perf_counter() - start
     summary = write_profile(directory, m.path, counts, windows.size, str(spec))
     print(f"{'layer':>5} {'active':>7} " + " ".join(f"{'cover ' + format(s, '.0%'):>10}" for s in COVERAGE_SHARES))
@@ -168,13 +167,17 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import parse_flags
+    from jaxinfer.cli import MIN_WINDOW, check_range, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "text to profile on", short_name="f")
-    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window; capped at the model's training context",
+                         short_name="c")
     flags.DEFINE_integer("chunks", -1, "profile only the first N windows; -1 for all")
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
+    check_range("ctx_size", MIN_WINDOW)
+    check_range("chunks", 1, sentinel=-1)
+    check_range("batch_size", 1)
     flags.DEFINE_string("sparsity", "dense", "what counts as active: dense | predictor | gate:S | hidden:S")
     flags.DEFINE_string("output", None, "output folder, replaced as a whole (default: activation/ beside the model, "
                         "or in the model's cache folder when the model's folder is read-only)", short_name="o")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from gguf import GGMLQuantizationType, GGUFValueType
+from tqdm import tqdm
 
 from jaxinfer import powerinfer, quant, sparsity
 from jaxinfer.config import GATE_ACTIVATION_KEY
@@ -32,6 +33,7 @@ from jaxinfer.gguf_io import load_matrix
 from jaxinfer.powerinfer import PendingTensor
 
 RANK_MULTIPLE = 16
+LOSS_EVERY = 20  # optimizer steps between loss readings for the progress bar
 
 
 def inputs_and_labels(trace, valid):
@@ -79,7 +81,9 @@ def _train_step(params, opt_state, x, y, positive_weight, optimizer):
 
 
 def train_layer(x: np.ndarray, y: np.ndarray, rank: int, *, steps: int, batch: int, learning_rate: float,
-                positive_weight: float, seed: int) -> Predictor:
+                positive_weight: float, seed: int, bar: tqdm | None = None) -> Predictor:
+    """Train one layer's predictor; `bar` advances one per step and shows the loss (read back every
+    LOSS_EVERY steps: reading it each step would wait for every step to finish)."""
     key1, key2, key3 = jax.random.split(jax.random.key(seed), 3)
     d, f = x.shape[1], y.shape[1]
     scale = float(np.std(x)) or 1.0  # residual magnitudes grow with depth: start at unit pre-activations
@@ -90,7 +94,11 @@ def train_layer(x: np.ndarray, y: np.ndarray, rank: int, *, steps: int, batch: i
     order = np.asarray(jax.random.permutation(key3, len(x)))
     for step in range(steps):
         rows = order[(step * batch + np.arange(batch)) % len(x)]
-        params, opt_state, _ = _train_step(params, opt_state, x[rows], y[rows], positive_weight, optimizer)
+        params, opt_state, loss = _train_step(params, opt_state, x[rows], y[rows], positive_weight, optimizer)
+        if bar is not None:
+            if step % LOSS_EVERY == 0 or step == steps - 1:
+                bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+            bar.update()
     return Predictor(np.asarray(params["fc1"]), np.asarray(params["fc2"]))
 
 
@@ -142,20 +150,15 @@ def export(m, predictors: list[Predictor], path: str, threshold: float, predicto
 
 
 def _cli_main(argv):
-    from absl import flags, logging
+    from absl import flags
 
-    from jaxinfer import engine, perplexity, runtime, sidecar
+    from jaxinfer import cli, engine, perplexity, runtime, sidecar
 
     f = flags.FLAGS
-    logging.set_verbosity(logging.WARNING)
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not f.file:
         raise JaxinferError("-f/--file is required (the training text)")
-    if not 0 < f.budget < 1:
-        raise JaxinferError(f"--budget must be in (0, 1), got {f.budget}")
-    if f.train_chunks < 1 or f.heldout_chunks < 1:
-        raise JaxinferError("--train_chunks and --heldout_chunks must be >= 1")
     try:
         text = open(f.file, encoding="utf-8", errors="replace").read()
     except OSError as e:
@@ -169,25 +172,28 @@ def _cli_main(argv):
     m = sparsity.apply(engine.load_model(f.model), spec)
     print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
-    windows = perplexity.make_windows(tokens, f.ctx_size, -1, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
+    windows = perplexity.make_windows(tokens, n_ctx, -1, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     if len(windows) < f.train_chunks + f.heldout_chunks:
-        raise JaxinferError(f"{f.file} has {len(windows)} windows of {f.ctx_size} tokens; need "
+        raise JaxinferError(f"{f.file} has {len(windows)} windows of {n_ctx} tokens; need "
                             f"{f.train_chunks + f.heldout_chunks}")
-    n_seq = max(1, f.batch_size // f.ctx_size)
+    n_seq = cli.windows_per_batch(f.batch_size, n_ctx, f.train_chunks)
     start = time.perf_counter()
     train_x, train_y = collect(m, windows[:f.train_chunks], n_seq)
     test_x, test_y = collect(m, windows[-f.heldout_chunks:], n_seq)
     ranks = choose_ranks(np.array([y.mean() for y in train_y]), m.config.n_embd, m.config.n_ff, f.budget)
     predictors, rows = [], []
     print(f"{'layer':>5} {'rank':>5} {'recall':>7} {'precision':>9} {'pred. sparsity':>14} {'true sparsity':>13}")
+    bar = tqdm(total=len(ranks) * f.steps, desc="training", unit="step", file=sys.stderr)
     for i, (x, y, rank) in enumerate(zip(train_x, train_y, ranks)):
         p = train_layer(x, y, rank, steps=f.steps, batch=f.minibatch, learning_rate=f.learning_rate,
-                        positive_weight=f.positive_weight, seed=i)
+                        positive_weight=f.positive_weight, seed=i, bar=bar)
         metrics = evaluate_predictor(p, test_x[i], test_y[i])
         predictors.append(p)
         rows.append(metrics)
         print(f"{i:>5} {rank:>5} {metrics['recall']:>7.3f} {metrics['precision']:>9.3f} "
               f"{metrics['predicted_sparsity']:>14.3f} {metrics['true_sparsity']:>13.3f}", flush=True)
+    bar.close()
     mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
     print(f"mean: recall {mean['recall']:.3f}, precision {mean['precision']:.3f}, predicted sparsity "
           f"{mean['predicted_sparsity']:.3f} (true {mean['true_sparsity']:.3f}) on {test_x[0].shape[0]} held-out "
@@ -200,7 +206,7 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import parse_flags
+    from jaxinfer.cli import MIN_WINDOW, check_range, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "training text; the last --heldout_chunks windows are held out", short_name="f")
@@ -208,7 +214,8 @@ def main():
     flags.DEFINE_string("output", None, "write the model with these predictors to this PowerInfer GGUF",
                         short_name="o")
     flags.DEFINE_float("budget", 0.1, "predictor parameters as a share of the FFN parameters")
-    flags.DEFINE_integer("ctx_size", 512, "tokens per window", short_name="c")
+    flags.DEFINE_integer("ctx_size", 512, "tokens per window; capped at the model's training context",
+                         short_name="c")
     flags.DEFINE_integer("train_chunks", 16, "windows to train on")
     flags.DEFINE_integer("heldout_chunks", 4, "windows (from the end of the text) to evaluate on")
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled forward call", short_name="b")
@@ -216,6 +223,12 @@ def main():
     flags.DEFINE_integer("minibatch", 1024, "tokens per optimizer step")
     flags.DEFINE_float("learning_rate", 3e-3, "Adam learning rate")
     flags.DEFINE_float("positive_weight", 3.0, "loss weight of active neurons (higher favours recall)")
+    check_range("budget", 0, 1, low_open=True)
+    check_range("ctx_size", MIN_WINDOW)
+    for name in ("train_chunks", "heldout_chunks", "batch_size", "steps", "minibatch"):
+        check_range(name, 1)
+    check_range("learning_rate", 0, low_open=True)
+    check_range("positive_weight", 0, low_open=True)
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 
 

@@ -11,6 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import engine, model
+from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams, sample
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -99,7 +100,23 @@ def test_unsupported_quant_type_is_named(make_model):
 
 
 def test_prompt_longer_than_context(make_model):
-    assert_one_line_error(run_cli("-m", make_model(), "-p", "x" * 40, "-c", "16"), "longer than the context")
+    result = run_cli("-m", make_model(), "-p", "x" * 40, "-c", "16")
+    assert_one_line_error(result, "longer than the context")
+    assert result.stdout == ""  # the prompt is not echoed before the error
+
+
+@pytest.mark.parametrize("template,fragment", [
+    ("{% for m in messages %}{{ m.content }", "TemplateSyntaxError at line 1"),
+    ("{{ messages[0].content + 3 }}", "TypeError"),
+    ("{{ messages[0].nope.deeper }}", "UndefinedError"),
+    ("{{ ''.__class__.__mro__ }}", "SecurityError"),
+    ("{{ raise_exception('only system turns') }}", "chat template: only system turns"),
+])
+def test_a_chat_template_that_fails_is_one_line_naming_the_problem(make_model, template, fragment):
+    tokenizer = engine.load_model(make_model()).tokenizer
+    with pytest.raises(JaxinferError, match=fragment) as error:
+        engine.apply_chat_template(template, "hi", tokenizer)
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("flag,value,fragment", [
@@ -186,6 +203,25 @@ def test_generation_ends_when_the_context_is_full(make_model):
     tokens = list(engine.generate_tokens(m, prompt, 100, ctx, SamplingParams(temperature=0), 0, stats,
                                          stop_ids=frozenset()))
     assert len(tokens) == 12 and stats.stop_reason == "context full"
+
+
+def test_new_sampling_values_reuse_the_compiled_decode_loop(make_model):
+    """--temp, --top_k, --top_p, --min_p and --repeat_penalty are traced: a new value runs the compiled loop (and
+    hits the persistent compilation cache in a new process) instead of compiling ~8 s anew."""
+    m = engine.load_model(make_model())
+    state = engine.DecodeState(jnp.array([5], jnp.int32), jnp.full((1, 4), -1, jnp.int32), jax.random.key(0),
+                               jnp.zeros((), bool))
+    before = engine.decode_chunk._cache_size()
+    outputs = []
+    for params in (SamplingParams(temperature=0, repeat_last_n=4), SamplingParams(temperature=1.5, top_k=3,
+                                                                                   repeat_last_n=4),
+                   SamplingParams(temperature=0.7, top_k=0, top_p=0.5, min_p=0.1, repeat_penalty=1.2,
+                                  repeat_last_n=4)):
+        tokens, _, _ = engine.decode_chunk(state, jnp.int32(4), jnp.array([-1], jnp.int32), m.weights,
+                                           model.init_cache(m.config, 1, 16), m.config, params.as_arrays(), n_steps=4)
+        outputs.append(np.asarray(tokens)[:, 0].tolist())
+    assert engine.decode_chunk._cache_size() == before + 1
+    assert outputs[0] != outputs[1]  # the values did reach the program
 
 
 def last_prompt_logits(m, ids, ubatch):

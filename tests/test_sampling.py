@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,3 +58,61 @@ def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
 def test_bad_values_are_rejected_naming_the_flag(field, value, flag):
     with pytest.raises(JaxinferError, match=flag):
         SamplingParams(**{field: value}).validate()
+
+
+def reference_sample(logits, recent, key, params: SamplingParams):
+    """The sampler before its values were traced (static values, lax.top_k of exactly top_k): the traced one must
+    draw the same tokens from the same keys."""
+    logits = logits.astype(jnp.float32)
+    if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
+        logits = apply_repeat_penalty(logits, recent, params.repeat_penalty)
+    if params.temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    k = params.top_k if 0 < params.top_k < logits.shape[-1] else logits.shape[-1]
+    values, ids = jax.lax.top_k(logits, k)
+    probs = jax.nn.softmax(values, axis=-1)
+    keep = jnp.cumsum(probs, axis=-1) - probs < params.top_p
+    keep &= probs >= params.min_p * probs[..., :1]
+    values = jnp.where(keep, values / params.temperature, -jnp.inf)
+    choice = jax.random.categorical(key, values, axis=-1)
+    return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0), SamplingParams(temperature=0, repeat_penalty=1.5),
+    SamplingParams(), SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=2.0, top_k=128),
+    SamplingParams(temperature=2.0, top_k=129, top_p=1.0, min_p=0.0), SamplingParams(top_k=0, top_p=0.9),
+    SamplingParams(temperature=3.0, top_k=300, top_p=1.0, min_p=0.01, repeat_penalty=1.3),
+    SamplingParams(temperature=1.0, top_k=5000, top_p=0.5, min_p=0.0, repeat_penalty=0.7)])
+def test_traced_sampler_draws_what_the_static_one_drew(params):
+    """Same tokens for the same keys, on both sides of FAST_TOP_K (300 > 128 tokens) and with top_k beyond it."""
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(0, 2, (1, 300)), jnp.float32)
+    recent = jnp.asarray(rng.integers(-1, 300, (1, 8)), jnp.int32)
+    params = dataclasses.replace(params, repeat_last_n=8)
+    keys = jax.random.split(jax.random.key(5), 300)
+    traced = jax.jit(jax.vmap(lambda k, p: sample(logits, recent, k, p), in_axes=(0, None)))
+    expected = jax.vmap(lambda k: reference_sample(logits, recent, k, params))(keys)
+    np.testing.assert_array_equal(np.asarray(traced(keys, params.as_arrays())), np.asarray(expected))
+
+
+def test_new_sampling_values_reuse_the_compiled_sampler():
+    step = jax.jit(sample)
+    logits, recent = jnp.zeros((1, 300)), jnp.full((1, 64), -1, jnp.int32)
+    for params in (SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=1, top_k=7, top_p=0.5),
+                   SamplingParams(top_k=0, min_p=0.2, repeat_penalty=1.1), SamplingParams(top_k=2**31 - 1)):
+        step(logits, recent, jax.random.key(0), params.as_arrays())
+    assert step._cache_size() == 1
+    step(logits, recent, jax.random.key(0), SamplingParams(repeat_last_n=8).as_arrays())
+    assert step._cache_size() == 2  # the window size is static: it sizes the recent-token array
+
+
+def test_non_finite_values_are_rejected():
+    for field in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        for value in (float("nan"), float("inf")):
+            with pytest.raises(JaxinferError, match="must be"):
+                SamplingParams(**{field: value}).validate()
+    with pytest.raises(JaxinferError, match="--top_k"):
+        SamplingParams(top_k=2**40).validate()
+    with pytest.raises(JaxinferError, match="--repeat_last_n"):
+        SamplingParams(repeat_last_n=2**40).validate()
