@@ -34,9 +34,10 @@ std::string dims_string(ffi::Span<const int64_t> dims) {
 }
 
 // A mask's bytes. XLA makes PRED bytes 0 or 1, but a caller can hand over any bytes as bool (a uint8 array viewed as
-// bool): every byte is read as a byte and any nonzero one means active, as numpy and XLA's select read it. Read as
-// C++ bool, a byte of 2 is undefined behaviour: the compiler may add it as a count, and a count past the rows wrote
-// past the row list. Rejecting such bytes instead would take a pass over all m * rows of them, not O(rows).
+// bool). Read as C++ bool, a byte of 2 is undefined behaviour: the compiler added it to the count of active rows, and
+// a count past the rows wrote past the row list. So the handlers read bytes, and any nonzero one means active, as
+// numpy and XLA's conversion to int read it (XLA's select looks at the low bit only: no reading agrees with all of
+// XLA). Rejecting such bytes instead would take a pass over all m * rows of them, not O(rows).
 const uint8_t* mask_bytes(const ffi::Buffer<ffi::PRED>& mask) {
   return reinterpret_cast<const uint8_t*>(mask.typed_data());
 }

@@ -15,9 +15,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-cpu_ext = pytest.importorskip("cpu_ext")
-
-from test_cpu_ext import random_weight  # noqa: E402
+import cpu_ext
+from test_cpu_ext import random_weight
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -77,9 +76,9 @@ case("gather int64 in range", lambda: np.array_equal(cpu_ext.gather_matmul(x, w,
 
 
 def test_crashing_inputs_give_results_or_errors():
-    """A mask byte of 2 or 255 counts as active (1), as numpy and XLA read it; it was added to the count of active
-    rows and wrote past the row list. Empty layer/start arrays had their element 0 read, and a smaller output was
-    written past. Wide index entries were cast to int32, 2**32 + 3 wrapping to row 3."""
+    """A mask byte of 2 or 255 counts as active, as numpy reads it; it was added to the count of active rows and
+    wrote past the row list. Empty layer/start arrays had their element 0 read, and a smaller output was written
+    past. Wide index entries were cast to int32, 2**32 + 3 wrapping to row 3."""
     run = subprocess.run([sys.executable, "-c", _CRASH_CASES], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -124,7 +123,8 @@ def test_an_output_count_that_overflows_raises():
     @jax.jit
     def gather_axpy(w, index):
         h = jnp.zeros((2**60 + 1, 0), jnp.float32)
-        return jax.ffi.ffi_call("jaxinfer_gather_axpy", jax.ShapeDtypeStruct((1, 16), jnp.float32))(h, w, index, **attrs)
+        out = jax.ShapeDtypeStruct((1, 16), jnp.float32)
+        return jax.ffi.ffi_call("jaxinfer_gather_axpy", out)(h, w, index, **attrs)
 
     with pytest.raises(Exception, match=r"output must be \[\.\.\., 16\]"):
         jax.block_until_ready(gather_axpy(np.ones((2, 16), np.float32), np.zeros(0, np.int32)))
