@@ -140,11 +140,22 @@ def _mask(op: str, mask) -> jax.Array:
     return mask
 
 
+_INT32 = np.iinfo(np.int32)
+
+
 def _index(op: str, index) -> jax.Array:
+    """index as the handlers take it: int32, or a wider JAX integer array, which they check entry by entry (a cast to
+    int32 would wrap an entry such as 2**32 + 3 into range, to row 3, where it is meant as out of range)."""
+    if not isinstance(index, jax.Array):
+        # jnp.asarray would do that cast to a NumPy int64 array with x64 off, silently: check the values first.
+        index = np.asarray(index)
+        if np.issubdtype(index.dtype, np.integer) and index.size and (index.min() < _INT32.min or
+                                                                      index.max() > _INT32.max):
+            raise ValueError(f"cpu_ext.{op}: index entries must fit in int32, got {index.min()}..{index.max()}")
     index = jnp.asarray(index)
     if not jnp.issubdtype(index.dtype, jnp.integer) or index.ndim != 1:
         raise ValueError(f"cpu_ext.{op}: index must be a 1-D integer array, got {index.dtype}{list(index.shape)}")
-    return index.astype(jnp.int32)
+    return index if index.dtype.itemsize >= 4 else index.astype(jnp.int32)
 
 
 def _dequantize(data, qtype, rows: int, cols: int) -> jax.Array:
@@ -205,7 +216,7 @@ def masked_matmul_reference(x, data, mask, *, qtype, rows: int, cols: int) -> ja
 def gather_matmul(x: jax.Array, data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
                   cols: int) -> jax.Array:
     """x [..., cols] · W[index]ᵀ -> f32 [..., k] for index int [k] (any order, repeats allowed; entries outside
-    [0, rows) give 0, for padding). Only the indexed rows of W are read."""
+    [0, rows) give 0, for padding; entries outside int32 raise). Only the indexed rows of W are read."""
     qtype = _check_type("gather_matmul", qtype)
     call = _batched_call("gather_matmul", qtype, int(rows), int(cols))
     return call(jnp.asarray(x, jnp.float32), data, _index("gather_matmul", index))
@@ -236,7 +247,7 @@ def masked_axpy_reference(h, data_t, mask, *, qtype, rows: int, cols: int) -> ja
 def gather_axpy(h: jax.Array, data_t: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
                 cols: int) -> jax.Array:
     """sum over i of h[..., i] W_t[index[i]] -> f32 [..., cols] for h f32 [..., k], index int [k] (entries outside
-    [0, rows) are skipped). Only the indexed rows of W_t are read."""
+    [0, rows) are skipped, entries outside int32 raise). Only the indexed rows of W_t are read."""
     qtype = _check_type("gather_axpy", qtype)
     call = _batched_call("gather_axpy", qtype, int(rows), int(cols))
     return call(jnp.asarray(h, jnp.float32), data_t, _index("gather_axpy", index))

@@ -238,6 +238,12 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("cached_attention: q [B, T, H, hd] and caches [L, B, S, H_kv, hd] disagree "
                                        "on B or hd, or H is not a multiple of H_kv");
   }
+  if (!std::equal(qd.begin(), qd.end(), out->dimensions().begin(), out->dimensions().end())) {
+    return ffi::Error::InvalidArgument("cached_attention: the output must have q's shape [B, T, H, hd]");
+  }
+  if (layer_buf.element_count() != 1 || start_buf.element_count() != 1) {  // an empty one has no element 0 to read
+    return ffi::Error::InvalidArgument("cached_attention: layer and start must be single int32 values");
+  }
   const int64_t layer = *layer_buf.typed_data(), start = *start_buf.typed_data();
   if (layer < 0 || layer >= n_layer || start < 0 || start + n_query > max_len) {
     return ffi::Error::InvalidArgument("cached_attention: layer " + std::to_string(layer) + " or positions " +

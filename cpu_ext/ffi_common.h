@@ -103,6 +103,14 @@ inline bool tokens_of(ffi::Span<const int64_t> dims, int64_t last, int64_t* m) {
   return true;
 }
 
+// Whether a buffer of `count` elements holds exactly a * b. XLA takes no shape whose dims' product overflows, but a
+// product of dims of two buffers can: an empty h [2^60 + 1, 0] has 2^60 + 1 tokens, and times 16 columns that is 16
+// modulo 2^64, which a [1, 16] output matched. An overflowing product matches no buffer.
+inline bool holds(size_t count, int64_t a, int64_t b) {
+  int64_t product;
+  return !__builtin_mul_overflow(a, b, &product) && product >= 0 && count == static_cast<size_t>(product);
+}
+
 // Checks the type attributes and a weight W [rows, cols] of GGML type `qtype` as stored (uint8 blocks [rows,
 // row_bytes], or f16/f32 [rows, cols]); on success fills `info` and `row_bytes`. `op` prefixes the messages.
 inline ffi::Error check_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,
@@ -183,6 +191,7 @@ struct Scratch {
   std::vector<BlockQ8K> xk;
   std::vector<uint8_t> active;
   std::vector<int32_t> rows;
+  std::vector<int32_t> index;  // a gather's wider index, narrowed (sparse_handlers.cc)
   std::vector<float> acc;
   std::vector<float> masked;  // a token's masked h (neuron_major_axpy)
 };

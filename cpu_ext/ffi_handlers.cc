@@ -62,7 +62,7 @@ ffi::Error check_x(const std::string& op, const ffi::Buffer<ffi::F32>& x, int64_
 }
 
 ffi::Error check_output(const std::string& op, const ffi::AnyBuffer& y, int64_t m, int64_t rows) {
-  if (y.element_type() != ffi::DataType::F32 || y.element_count() != static_cast<size_t>(m * rows)) {
+  if (y.element_type() != ffi::DataType::F32 || !holds(y.element_count(), m, rows)) {
     return ffi::Error::InvalidArgument(op + ": output must be f32 [..., " + std::to_string(rows) + "]");
   }
   return ffi::Error::Success();

@@ -11,6 +11,8 @@
 // active row into an f32 accumulator (Kernels::axpy_*): h is what the sparse FFN saves work on, and quantizing it
 // would add the 8-bit rounding a second time for no saving in bytes read.
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 #include "ffi_common.h"
 
@@ -31,11 +33,19 @@ std::string dims_string(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-// Rows j < n with mask[t, j] set for some t < m, in increasing order, into s.rows; returns how many.
-int64_t active_rows(const bool* mask, int64_t m, int64_t n, Scratch& s) {
-  // XLA's PRED is one byte, 0 or 1. Read as bytes, the OR over tokens vectorizes; as bool it did not, and took 15 µs
-  // of a 300 µs call (8 tokens, 1536 rows).
-  const auto* bytes = reinterpret_cast<const uint8_t*>(mask);
+// A mask's bytes. XLA makes PRED bytes 0 or 1, but a caller can hand over any bytes as bool (a uint8 array viewed as
+// bool). Read as C++ bool, a byte of 2 is undefined behaviour: the compiler added it to the count of active rows, and
+// a count past the rows wrote past the row list. So the handlers read bytes, and any nonzero one means active, as
+// numpy and XLA's conversion to int read it (XLA's select looks at the low bit only: no reading agrees with all of
+// XLA). Rejecting such bytes instead would take a pass over all m * rows of them, not O(rows).
+const uint8_t* mask_bytes(const ffi::Buffer<ffi::PRED>& mask) {
+  return reinterpret_cast<const uint8_t*>(mask.typed_data());
+}
+
+// Rows j < n with mask[t, j] nonzero for some t < m, in increasing order, into s.rows; returns how many.
+int64_t active_rows(const uint8_t* bytes, int64_t m, int64_t n, Scratch& s) {
+  // Read as bytes, the OR over tokens vectorizes; as bool it did not, and took 15 µs of a 300 µs call (8 tokens,
+  // 1536 rows).
   const uint8_t* any = bytes;
   if (m > 1) {
     s.active.assign(bytes, bytes + n);
@@ -49,9 +59,60 @@ int64_t active_rows(const bool* mask, int64_t m, int64_t n, Scratch& s) {
   int64_t count = 0;
   for (int64_t j = 0; j < n; ++j) {  // branch-free: a random mask would mispredict about every other row
     s.rows[count] = static_cast<int32_t>(j);
-    count += any[j];
+    count += any[j] != 0;
   }
   return count;
+}
+
+// Whether an index entry of type T is an int32 value.
+template <typename T>
+bool fits_int32(T value) {
+  if constexpr (std::is_signed_v<T>) {
+    if (value < std::numeric_limits<int32_t>::min()) return false;
+  }
+  return value <= static_cast<T>(std::numeric_limits<int32_t>::max());
+}
+
+// The k entries of a wider index as int32 into s.index; false if one does not fit, as a cast would wrap it into
+// [0, rows) and read a row nobody asked for.
+template <typename T>
+bool narrow_index(const void* data, int64_t k, Scratch& s) {
+  const T* wide = static_cast<const T*>(data);
+  s.index.resize(k);
+  bool fits = true;
+  for (int64_t i = 0; i < k; ++i) {
+    fits &= fits_int32(wide[i]);
+    s.index[i] = static_cast<int32_t>(wide[i]);
+  }
+  return fits;
+}
+
+// Checks a gather's index [k] (int32, or int64 / uint32 / uint64 whose entries fit in int32: entries outside
+// [0, rows) are padding, but one int32 cannot hold is a caller's error) and points *entries at it as int32.
+ffi::Error index_entries(const std::string& op, const ffi::AnyBuffer& index, Scratch& s, const int32_t** entries,
+                         int64_t* k) {
+  if (index.dimensions().size() != 1) {
+    return ffi::Error::InvalidArgument(op + ": index must be 1-D, got " + dims_string(index.dimensions()));
+  }
+  *k = index.dimensions()[0];
+  if (*k > std::numeric_limits<int32_t>::max()) {  // positions are listed as int32 (valid_positions)
+    return ffi::Error::InvalidArgument(op + ": index has " + std::to_string(*k) + " entries, more than int32 holds");
+  }
+  const void* data = index.untyped_data();
+  bool fits = true;
+  switch (index.element_type()) {
+    case ffi::DataType::S32: *entries = static_cast<const int32_t*>(data); return ffi::Error::Success();
+    case ffi::DataType::S64: fits = narrow_index<int64_t>(data, *k, s); break;
+    case ffi::DataType::U32: fits = narrow_index<uint32_t>(data, *k, s); break;
+    case ffi::DataType::U64: fits = narrow_index<uint64_t>(data, *k, s); break;
+    default: return ffi::Error::InvalidArgument(op + ": index must be int32, int64, uint32 or uint64");
+  }
+  if (!fits) {
+    return ffi::Error::InvalidArgument(op + ": an index entry is outside the int32 range (entries outside [0, rows) "
+                                       "are padding, but these would wrap)");
+  }
+  *entries = s.index.data();
+  return ffi::Error::Success();
 }
 
 // Positions i < k whose index[i] is in [0, rows), in order, into s.rows; returns how many.
@@ -120,12 +181,12 @@ ffi::Error MaskedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                                        "] with the leading dims of x " + dims_string(x.dimensions()) + ", got " +
                                        dims_string(mask.dimensions()));
   }
-  if (y->element_count() != static_cast<size_t>(m * rows)) {
+  if (!holds(y->element_count(), m, rows)) {
     return ffi::Error::InvalidArgument("masked_matmul: output must be [..., " + std::to_string(rows) + "]");
   }
 
   Scratch& s = thread_scratch();
-  const bool* ms = mask.typed_data();
+  const uint8_t* ms = mask_bytes(mask);
   float* ys = y->typed_data();
   std::memset(ys, 0, sizeof(float) * m * rows);
   const int64_t n_active = active_rows(ms, m, rows, s);
@@ -135,13 +196,12 @@ ffi::Error MaskedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   row_dots(
       pool, dot, static_cast<const uint8_t*>(w.untyped_data()), row_bytes, m, n_active,
       [=](int64_t e) { return RowAndColumn{active[e], active[e]}; },
-      [=](int64_t t, int64_t e) { return ms[t * rows + active[e]]; }, ys, rows);
+      [=](int64_t t, int64_t e) { return ms[t * rows + active[e]] != 0; }, ys, rows);
   return ffi::Error::Success();
 }
 
-ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                            ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
-                            int64_t cols) {
+ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer index,
+                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols) {
   TypeInfo info;
   int64_t row_bytes, m;
   if (ffi::Error error = check_weight("gather_matmul", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
@@ -151,16 +211,14 @@ ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::InvalidArgument("gather_matmul: x must be [..., " + std::to_string(cols) + "], got " +
                                        dims_string(x.dimensions()));
   }
-  if (index.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument("gather_matmul: index must be 1-D, got " + dims_string(index.dimensions()));
-  }
-  const int64_t k = index.dimensions()[0];
-  if (y->element_count() != static_cast<size_t>(m * k)) {
+  Scratch& s = thread_scratch();
+  const int32_t* idx;
+  int64_t k;
+  if (ffi::Error error = index_entries("gather_matmul", index, s, &idx, &k); error.failure()) return error;
+  if (!holds(y->element_count(), m, k)) {
     return ffi::Error::InvalidArgument("gather_matmul: output must be [..., " + std::to_string(k) + "]");
   }
 
-  Scratch& s = thread_scratch();
-  const int32_t* idx = index.typed_data();
   float* ys = y->typed_data();
   std::memset(ys, 0, sizeof(float) * m * k);
   const int64_t n_valid = valid_positions(idx, k, rows, s);
@@ -252,7 +310,7 @@ ffi::Error check_masked_axpy(const std::string& op, const ffi::Buffer<ffi::F32>&
     return ffi::Error::InvalidArgument(op + ": mask must have the shape of h " + dims_string(h.dimensions()) +
                                        ", got " + dims_string(mask.dimensions()));
   }
-  if (y.element_count() != static_cast<size_t>(*m * cols)) {
+  if (!holds(y.element_count(), *m, cols)) {
     return ffi::Error::InvalidArgument(op + ": output must be [..., " + std::to_string(cols) + "]");
   }
   return ffi::Error::Success();
@@ -269,7 +327,7 @@ ffi::Error MaskedAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::An
   if (ffi::Error error = check_masked_axpy("masked_axpy", h, mask, *y, rows, cols, &m); error.failure()) return error;
 
   Scratch& s = thread_scratch();
-  const bool* ms = mask.typed_data();
+  const uint8_t* ms = mask_bytes(mask);
   const float* hs = h.typed_data();
   const int64_t n_active = active_rows(ms, m, rows, s);
   const int32_t* active = s.rows.data();
@@ -278,34 +336,31 @@ ffi::Error MaskedAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::An
       [=](int64_t e) { return int64_t{active[e]}; },
       [=](int64_t t, int64_t e, float* coef) {
         *coef = hs[t * rows + active[e]];
-        return ms[t * rows + active[e]];
+        return ms[t * rows + active[e]] != 0;
       },
       y->typed_data(), s);
   return ffi::Error::Success();
 }
 
-ffi::Error GatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::AnyBuffer w,
-                          ffi::Buffer<ffi::S32> index, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
-                          int64_t cols) {
+ffi::Error GatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::AnyBuffer w, ffi::AnyBuffer index,
+                          ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols) {
   TypeInfo info;
   int64_t row_bytes, m;
   if (ffi::Error error = check_weight("gather_axpy", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
     return error;
   }
-  if (index.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument("gather_axpy: index must be 1-D, got " + dims_string(index.dimensions()));
-  }
-  const int64_t k = index.dimensions()[0];
+  Scratch& s = thread_scratch();
+  const int32_t* idx;
+  int64_t k;
+  if (ffi::Error error = index_entries("gather_axpy", index, s, &idx, &k); error.failure()) return error;
   if (!tokens_of(h.dimensions(), k, &m)) {
     return ffi::Error::InvalidArgument("gather_axpy: h must be [..., " + std::to_string(k) +
                                        "] (k = len(index)), got " + dims_string(h.dimensions()));
   }
-  if (y->element_count() != static_cast<size_t>(m * cols)) {
+  if (!holds(y->element_count(), m, cols)) {
     return ffi::Error::InvalidArgument("gather_axpy: output must be [..., " + std::to_string(cols) + "]");
   }
 
-  Scratch& s = thread_scratch();
-  const int32_t* idx = index.typed_data();
   const float* hs = h.typed_data();
   const int64_t n_valid = valid_positions(idx, k, rows, s);
   const int32_t* pos = s.rows.data();
@@ -373,9 +428,9 @@ ffi::Error NeuronMajorAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ff
   s.xq.resize(static_cast<size_t>(m * n_blocks));
   s.masked.resize(static_cast<size_t>(rows));
   const float* hs = h.typed_data();
-  const bool* ms = mask.typed_data();
+  const uint8_t* ms = mask_bytes(mask);
   for (int64_t t = 0; t < m; ++t) {
-    for (int64_t j = 0; j < rows; ++j) s.masked[j] = ms[t * rows + j] ? hs[t * rows + j] : 0.0f;
+    for (int64_t j = 0; j < rows; ++j) s.masked[j] = ms[t * rows + j] != 0 ? hs[t * rows + j] : 0.0f;
     k.quantize_row(s.masked.data(), s.xq.data() + t * n_blocks, static_cast<int>(rows));
   }
   const BlockQ8* xq = s.xq.data();
@@ -412,7 +467,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherMatmul, jaxinfer_cpu::GatherMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., cols]
                                   .Arg<ffi::AnyBuffer>()         // W [rows, ...]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index [k]
+                                  .Arg<ffi::AnyBuffer>()         // index [k], int32 (or a wider int, see index_entries)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., k]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
@@ -434,7 +489,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherAxpy, jaxinfer_cpu::GatherAxpyImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // h [..., k]
                                   .Arg<ffi::AnyBuffer>()         // W_t [rows, ...]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // index [k]
+                                  .Arg<ffi::AnyBuffer>()         // index [k], as GatherMatmul's
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., cols]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
