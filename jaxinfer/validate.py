@@ -28,19 +28,20 @@ def tensor_shape(gguf, name: str, rank: int) -> tuple[int, ...]:
         raise JaxinferError(f"{gguf.path} lacks tensor {name}")
     dims = [int(n) for n in t.shape]  # GGML order: innermost first
     if len(dims) < rank or any(n != 1 for n in dims[rank:]):
-        raise JaxinferError(f"tensor {name} has {len(dims)} dimensions {dims}, expected {rank}")
+        raise JaxinferError(f"{gguf.path}: tensor {name} has {len(dims)} dimensions {dims}, expected {rank}")
     return tuple(reversed(dims[:rank]))
 
 
 def _check(gguf, name: str, shape: tuple[int, ...], types=SUPPORTED_TYPES) -> None:
     found = tensor_shape(gguf, name, len(shape))
     if found != shape:
-        raise JaxinferError(f"tensor {name} has shape {list(found)}, the model's metadata implies {list(shape)}")
+        raise JaxinferError(f"{gguf.path}: tensor {name} has shape {list(found)}, the model's metadata implies "
+                            f"{list(shape)}")
     qtype = GGMLQuantizationType(gguf.tensors[name].tensor_type)
     if qtype not in types:
         supported = ", ".join(sorted(q.name for q in types))
-        raise JaxinferError(f"tensor {name} has type {qtype.name}, which jaxinfer does not support here "
-                            f"(supported: {supported})")
+        raise JaxinferError(f"{gguf.path}: tensor {name} has type {qtype.name}, which jaxinfer does not support "
+                            f"here (supported: {supported})")
 
 
 def _check_layer(gguf, cfg: Config, i: int) -> None:
