@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
-from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader
+from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, shown
 from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
 from jaxinfer.quant import QuantArray, from_gguf_data
@@ -68,7 +68,7 @@ def _contents(key: str, field):
     try:
         return field.contents()
     except UnicodeDecodeError as e:
-        raise JaxinferError(f"metadata {key} is not UTF-8 ({e.reason} at byte {e.start})") from None
+        raise JaxinferError(f"metadata {shown(key)} is not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def open_gguf(path: str) -> GGUFFile:

@@ -31,6 +31,12 @@ class CorruptGGUF(ValueError):
     """The file's bytes contradict the GGUF format (the message says where and how)."""
 
 
+def shown(name: str, limit: int = 80) -> str:
+    """A name read from a file as a one-line message can show it: control characters escaped, long names cut."""
+    text = name if name.isprintable() else repr(name)[1:-1]
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _decode(data: np.ndarray, what: str) -> str:
     try:
         return bytes(data).decode("utf-8")
@@ -95,9 +101,9 @@ class Reader(GGUFReader):
             try:
                 size, parts, indices, types = self._get_field_parts(offs, raw_type[0])
             except CorruptGGUF as e:
-                raise CorruptGGUF(f"metadata {key}: {e}") from None
+                raise CorruptGGUF(f"metadata {shown(key)}: {e}") from None
             if key in self.fields:
-                raise CorruptGGUF(f"metadata key {key} appears twice (offsets {self.fields[key].offset} and "
+                raise CorruptGGUF(f"metadata key {shown(key)} appears twice (offsets {self.fields[key].offset} and "
                                   f"{orig_offs})")
             head = [key_length, key_data, raw_type]
             self.fields[key] = ReaderField(orig_offs, key, head + parts, [i + len(head) for i in indices], types)
@@ -112,9 +118,9 @@ class Reader(GGUFReader):
             name = _decode(name_data, f"the tensor name at offset {offs}")
             n_dims = int(self._get(offs + STRING_LENGTH_BYTES + len(name_data), np.uint32)[0])
             if not 1 <= n_dims <= GGML_MAX_DIMS:
-                raise CorruptGGUF(f"tensor {name} has {n_dims} dimensions, expected 1 to {GGML_MAX_DIMS}")
+                raise CorruptGGUF(f"tensor {shown(name)} has {n_dims} dimensions, expected 1 to {GGML_MAX_DIMS}")
             if name in names:
-                raise CorruptGGUF(f"tensor {name} appears twice")
+                raise CorruptGGUF(f"tensor {shown(name)} appears twice")
             names.add(name)
             field = self._get_tensor_info_field(offs)
             offs += sum(int(part.nbytes) for part in field.parts)
@@ -132,26 +138,26 @@ class Reader(GGUFReader):
             try:
                 qtype = GGMLQuantizationType(int(raw_type[0]))
             except ValueError:
-                raise CorruptGGUF(f"tensor {name} has unknown type id {int(raw_type[0])}") from None
+                raise CorruptGGUF(f"tensor {shown(name)} has unknown type id {int(raw_type[0])}") from None
             dims = [int(n) for n in dims]
             if min(dims) < 1:
-                raise CorruptGGUF(f"tensor {name} has an empty dimension (shape {dims})")
+                raise CorruptGGUF(f"tensor {shown(name)} has an empty dimension (shape {dims})")
             block_size, type_size = GGML_QUANT_SIZES[qtype]
             if dims[0] % block_size:
-                raise CorruptGGUF(f"tensor {name}: rows of {dims[0]} values are not whole {qtype.name} blocks of "
-                                  f"{block_size}")
+                raise CorruptGGUF(f"tensor {shown(name)}: rows of {dims[0]} values are not whole {qtype.name} "
+                                  f"blocks of {block_size}")
             relative = int(relative_offset[0])
             if relative % alignment:
-                raise CorruptGGUF(f"tensor {name}'s data offset {relative} is not a multiple of the alignment "
+                raise CorruptGGUF(f"tensor {shown(name)}'s data offset {relative} is not a multiple of the alignment "
                                   f"{alignment}")
             start = start_offs + relative
             end = start + math.prod(dims) // block_size * type_size
             if end > size:
-                raise CorruptGGUF(f"tensor {name} ({qtype.name} {dims}) spans bytes {start} to {end}, past the end "
-                                  f"of the file ({size} bytes)")
+                raise CorruptGGUF(f"tensor {shown(name)} ({qtype.name} {dims}) spans bytes {start} to {end}, past the "
+                                  f"end of the file ({size} bytes)")
             extents.append((start, end, name))
         extents.sort()
         for (_, end, name), (start, _, next_name) in zip(extents, extents[1:]):
             if start < end:
-                raise CorruptGGUF(f"tensors {name} and {next_name} overlap in the file")
+                raise CorruptGGUF(f"tensors {shown(name)} and {shown(next_name)} overlap in the file")
         super()._build_tensors(start_offs, fields)

@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
+from jaxinfer.gguf_reader import shown
 from jaxinfer.metadata import LongArray
 from jaxinfer.quant import SUPPORTED_TYPES
 
@@ -86,7 +87,7 @@ def check_tensors(gguf, cfg: Config) -> None:
     for name in gguf.tensors:
         layer = LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= cfg.n_layer:
-            raise JaxinferError(f"{gguf.path} has tensor {name} but {cfg.arch}.block_count is {cfg.n_layer}")
+            raise JaxinferError(f"{gguf.path} has tensor {shown(name)} but {cfg.arch}.block_count is {cfg.n_layer}")
     _check(gguf, "token_embd.weight", (cfg.n_vocab, cfg.n_embd))
     for i in range(cfg.n_layer):
         _check_layer(gguf, cfg, i)
