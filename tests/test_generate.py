@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import pathlib
@@ -11,6 +12,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import engine, model
+from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams, sample
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -186,3 +188,26 @@ def test_generation_ends_when_the_context_is_full(make_model):
     tokens = list(engine.generate_tokens(m, prompt, 100, ctx, SamplingParams(temperature=0), 0, stats,
                                          stop_ids=frozenset()))
     assert len(tokens) == 12 and stats.stop_reason == "context full"
+
+
+def with_nonfinite_output_row(m, row=5):
+    """The model with one output row of -inf in its first column: that token's logit is infinite or NaN, the others
+    stay finite (as corrupt weights on disk would make them)."""
+    out = m.weights.output
+    broken = dataclasses.replace(out, data=out.data.at[row, 0].set(-jnp.inf))
+    return dataclasses.replace(m, weights=dataclasses.replace(m.weights, output=broken))
+
+
+def test_nonfinite_logits_stop_generation_with_an_error(make_model):
+    """Before, the sampler picked a token from NaN/inf logits and generation ended "stop: end of text", exit 0."""
+    m = with_nonfinite_output_row(engine.load_model(make_model(tied_output=False)))
+    with pytest.raises(JaxinferError, match="logits are NaN or infinite at position 3"):
+        list(engine.generate_tokens(m, m.tokenizer.encode("hi!"), 4, 32, SamplingParams(temperature=0), 0))
+
+
+def test_a_decode_step_with_nonfinite_logits_stops_the_loop():
+    state = engine.DecodeState(jnp.array([5, 6], jnp.int32), jnp.full((2, 1), -1, jnp.int32), jax.random.key(0),
+                               jnp.zeros((), bool))
+    logits = jnp.zeros((2, 8)).at[1, 3].set(jnp.nan)
+    after = engine.sample_next(state, logits, jnp.array([-1], jnp.int32), SamplingParams(temperature=0))
+    assert after.token.tolist() == [0, engine.NONFINITE_LOGITS] and bool(after.stopped)

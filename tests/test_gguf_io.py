@@ -223,3 +223,25 @@ def test_names_read_from_the_file_stay_on_one_line(make_model, tmp_path):
     path = corrupt(make_model, tmp_path, lambda base: fuzz.patch(
         base.data, field(base, "tokenizer.ggml.model").parts[0][0], struct.pack("<Q", 262)))
     assert_error(path, "metadata tokenizer.ggml.model\\x", "unknown value type id")
+
+
+@pytest.mark.parametrize("key, vtype, value, item_type, fragment", [
+    ("tokenizer.ggml.bos_token_id", GGUFValueType.UINT32, 263, None, "bos_token_id is 263, past the vocabulary of 263"),
+    ("tokenizer.ggml.eos_token_id", GGUFValueType.STRING, "0", None, "eos_token_id must be an integer, found str"),
+    ("tokenizer.ggml.add_bos_token", GGUFValueType.UINT8, 1, None, "add_bos_token must be a bool, found int 1"),
+    ("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["Ġt"], GGUFValueType.STRING,
+     "merges has 'Ġt', not two tokens separated by a space"),
+    ("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["Ġ zzz"], GGUFValueType.STRING, "the tokenizer cannot be built"),
+    ("tokenizer.ggml.token_type", GGUFValueType.ARRAY, [1, 1], GGUFValueType.INT32, "token_type has 2 entries for 263"),
+    ("tokenizer.ggml.tokens", GGUFValueType.ARRAY, list(range(263)), GGUFValueType.INT32,
+     "tokenizer.ggml.tokens must be an array of str, found ARRAY/INT32"),
+    ("tokenizer.chat_template", GGUFValueType.ARRAY, ["{{ x }}"], GGUFValueType.STRING,
+     "tokenizer.chat_template must be a string, found an array of 1 items"),
+    ("tokenizer.ggml.model", GGUFValueType.STRING, "bert", None, "unsupported tokenizer model 'bert'"),
+])
+def test_tokenizer_metadata_is_checked(make_model, tmp_path, key, vtype, value, item_type, fragment):
+    """Before, these reached the tokenizers library (a TypeError or Rust exception) or the model (a BOS id past
+    the embedding)."""
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {key: fuzz.encode_field(
+        key, vtype, value, item_type)}))
+    assert_error(path, path, fragment)
