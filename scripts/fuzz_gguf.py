@@ -449,16 +449,16 @@ def worker(bases_dir: str, extra_models: list, seed: int, memory_limit_mib: int)
     """Read case indices (one per line) on stdin; for each print {"start": i} then its result, as JSON lines."""
     import jax
 
-    from jaxinfer import runtime
+    from jaxinfer import engine, runtime, sparsity  # noqa: F401 (imported before the memory limit is set)
 
     runtime.enable_compilation_cache()
     jax.numpy.zeros(1).block_until_ready()
+    bases = build_bases(bases_dir, extra_models)  # imports all a case runs, before the limit
+    scratch = tempfile.mkdtemp(prefix="fuzz_gguf_")
     if memory_limit_mib:
         used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
         limit = used + memory_limit_mib * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    bases = build_bases(bases_dir, extra_models)
-    scratch = tempfile.mkdtemp(prefix="fuzz_gguf_")
     for line in sys.stdin:
         index = int(line)
         print(json.dumps({"start": index}), flush=True)
