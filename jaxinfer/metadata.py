@@ -48,12 +48,13 @@ def integer(meta: dict, key: str, default=REQUIRED, minimum: int | None = None):
 
 
 def number(meta: dict, key: str, default=REQUIRED, positive: bool = False, finite: bool = True):
-    """A float- or integer-typed value, finite (and > 0 when `positive`); `default` when absent."""
+    """A float-typed value (as llama.cpp, not an integer's bits read as one), finite (and > 0 when `positive`);
+    `default` when absent."""
     value, present = _lookup(meta, key, default)
     if not present:
         return value
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise JaxinferError(f"GGUF metadata {key} must be a number, found {describe(value)}")
+    if not isinstance(value, float):
+        raise JaxinferError(f"GGUF metadata {key} must be a float, found {describe(value)}")
     if finite and not math.isfinite(value):
         raise JaxinferError(f"GGUF metadata {key} must be finite, found {value}")
     if positive and not value > 0:

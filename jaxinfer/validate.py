@@ -11,10 +11,10 @@ import re
 
 from gguf import GGMLQuantizationType
 
+from jaxinfer import metadata
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import shown
-from jaxinfer.metadata import LongArray
 from jaxinfer.quant import SUPPORTED_TYPES
 
 LAYER_NAME = re.compile(r"blk\.(\d+)\.")
@@ -70,12 +70,20 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
         _check(gguf, name("fc2"), (cfg.n_ff, rank))
 
 
-def check_vocabulary(gguf, n_vocab: int) -> None:
-    """The tokenizer's vocabulary must have one token per embedding row (as llama.cpp requires)."""
+def check_vocabulary(gguf, cfg: Config) -> None:
+    """The tokenizer's vocabulary (and `{arch}.vocab_size`, when given) must have one token per embedding row, as
+    llama.cpp requires."""
+    n_vocab, key = cfg.n_vocab, f"{cfg.arch}.vocab_size"
+    try:
+        vocab_size = metadata.integer(gguf.metadata, key, n_vocab)
+    except JaxinferError as e:
+        raise JaxinferError(f"{gguf.path}: {e}") from None
+    if vocab_size != n_vocab:
+        raise JaxinferError(f"{gguf.path}: {key} is {vocab_size}, token_embd.weight has {n_vocab} rows")
     tokens = gguf.metadata.get(VOCABULARY_KEY)
     if tokens is None:
         return  # reported by the tokenizer, which needs it
-    length = tokens.length if isinstance(tokens, LongArray) else len(tokens) if isinstance(tokens, list) else None
+    length = tokens.length if isinstance(tokens, metadata.LongArray) else len(tokens) if isinstance(tokens, list) else None
     if length != n_vocab:
         found = "not an array" if length is None else f"{length} tokens"
         raise JaxinferError(f"{gguf.path}: {VOCABULARY_KEY} has {found}, token_embd.weight has {n_vocab} rows")
@@ -83,7 +91,7 @@ def check_vocabulary(gguf, n_vocab: int) -> None:
 
 def check_tensors(gguf, cfg: Config) -> None:
     """Raise a JaxinferError naming the first tensor that does not fit `cfg` (see the module docstring)."""
-    check_vocabulary(gguf, cfg.n_vocab)
+    check_vocabulary(gguf, cfg)
     for name in gguf.tensors:
         layer = LAYER_NAME.match(name)
         if layer and int(layer.group(1)) >= cfg.n_layer:

@@ -209,6 +209,9 @@ def test_vocabulary_must_match_the_embedding(make_model, tmp_path):
 
     assert_error(corrupt(make_model, tmp_path, fewer_tokens), "tokenizer.ggml.tokens has 200 tokens",
                  "token_embd.weight has 263 rows")
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {"llama.vocab_size": fuzz.encode_field(
+        "llama.vocab_size", GGUFValueType.INT32, -4)}))
+    assert_error(path, "llama.vocab_size is -4, token_embd.weight has 263 rows")
 
 
 def test_wrong_typed_metadata_names_the_file_and_key(make_model, tmp_path):
