@@ -398,7 +398,7 @@ def run_model(path: str) -> tuple[str, str]:
     import jax
     import jax.numpy as jnp
 
-    from jaxinfer import engine, model, sparsity
+    from jaxinfer import engine, sparsity
     from jaxinfer.errors import JaxinferError
     from jaxinfer.sampling import SamplingParams
 
@@ -454,24 +454,24 @@ def worker(bases_dir: str, extra_models: list, seed: int, memory_limit_mib: int)
     runtime.enable_compilation_cache()
     jax.numpy.zeros(1).block_until_ready()
     bases = build_bases(bases_dir, extra_models)  # imports all a case runs, before the limit
-    scratch = tempfile.mkdtemp(prefix="fuzz_gguf_")
     if memory_limit_mib:
         used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
         limit = used + memory_limit_mib * 2**20
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    for line in sys.stdin:
-        index = int(line)
-        print(json.dumps({"start": index}), flush=True)
-        base, kind, data, description = make_case(bases, seed, index)
-        path = os.path.join(scratch, f"case_{index}.gguf")  # a new name: the last case's mapping may be alive
-        with open(path, "wb") as f:
-            f.write(data)
-        start = time.perf_counter()
-        outcome, message = run_model(path)
-        os.unlink(path)
-        print(json.dumps({"case": index, "base": base, "mutation": kind, "description": description,
-                          "outcome": outcome, "message": message, "seconds": round(time.perf_counter() - start, 3)}),
-              flush=True)
+    with tempfile.TemporaryDirectory(prefix="fuzz_gguf_") as scratch:
+        for line in sys.stdin:
+            index = int(line)
+            print(json.dumps({"start": index}), flush=True)
+            base, kind, data, description = make_case(bases, seed, index)
+            path = os.path.join(scratch, f"case_{index}.gguf")  # a new name: the last case's mapping may be alive
+            with open(path, "wb") as f:
+                f.write(data)
+            start = time.perf_counter()
+            outcome, message = run_model(path)
+            os.unlink(path)
+            print(json.dumps({"case": index, "base": base, "mutation": kind, "description": description,
+                              "outcome": outcome, "message": message,
+                              "seconds": round(time.perf_counter() - start, 3)}), flush=True)
 
 
 # ------------------------------------------------------------------------------------------------------ campaign
@@ -497,8 +497,13 @@ def run_campaign(n_cases: int, seed: int, workers: int = 2, timeout: float = 120
                  extra_models=(), start: int = 0, progress=None) -> list[dict]:
     """Run cases start .. start+n_cases-1 of campaign `seed` in `workers` subprocesses; a result dict per case,
     `progress(result)` called as each comes in."""
-    bases_dir = tempfile.mkdtemp(prefix="fuzz_gguf_bases_")
-    build_bases(bases_dir, extra_models)  # once here, so workers only read them
+    with tempfile.TemporaryDirectory(prefix="fuzz_gguf_bases_") as bases_dir:
+        build_bases(bases_dir, extra_models)  # once here, so workers only read them
+        return _run_cases(bases_dir, range(start, start + n_cases), seed, workers, timeout, memory_limit_mib,
+                          extra_models, progress)
+
+
+def _run_cases(bases_dir, cases, seed, workers, timeout, memory_limit_mib, extra_models, progress) -> list[dict]:
     results = {}
     selector = selectors.DefaultSelector()
     active = []
@@ -509,10 +514,11 @@ def run_campaign(n_cases: int, seed: int, workers: int = 2, timeout: float = 120
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        err = tempfile.TemporaryFile()
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env)
-        process.stdin.write("".join(f"{i}\n" for i in indices).encode())
-        process.stdin.close()
+        err, todo = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        todo.write("".join(f"{i}\n" for i in indices).encode())  # a file, not a pipe: no write ever blocks
+        todo.seek(0)
+        process = subprocess.Popen(command, stdin=todo, stdout=subprocess.PIPE, stderr=err, env=env)
+        todo.close()
         w = _Worker(process, collections.deque(indices), err)
         selector.register(process.stdout, selectors.EVENT_READ, w)
         active.append(w)
@@ -524,17 +530,19 @@ def run_campaign(n_cases: int, seed: int, workers: int = 2, timeout: float = 120
             w.process.kill()
         w.process.wait()
         active.remove(w)
+        words = w.last_words()
+        w.stderr.close()
         if outcome is not None:
             index = w.pending.popleft()
             results[index] = {"case": index, "outcome": outcome, "message": message}
             if progress:
                 progress(results[index])
         elif w.pending:
-            raise RuntimeError(f"a fuzz worker died outside any case: {w.last_words()}")
+            raise RuntimeError(f"a fuzz worker died outside any case: {words}")
         if w.pending:
             spawn(list(w.pending))
 
-    cases = list(range(start, start + n_cases))
+    cases = list(cases)
     for i in range(workers):
         if cases[i::workers]:
             spawn(cases[i::workers])
