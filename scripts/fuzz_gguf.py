@@ -1,6 +1,6 @@
 """Fuzz jaxinfer's loader with corrupt GGUF files: seeded mutations of tiny synthetic models, each loaded and run.
 
-    python scripts/fuzz_gguf.py --cases 5000 --seed 1 [--workers 2] [--model extra.gguf] [--json]
+    python scripts/fuzz_gguf.py --cases 5000 --seed 1 [--workers 2] [--model extra.gguf [--no_synthetic]] [--json]
 
 Each case is (seed, index) -> one base model (synthetic llama / bamboo / PowerInfer with predictors, several weight
 types, or --model files) and one mutation aimed with gguf-py's offsets at a field: byte flips in the header, metadata
@@ -128,12 +128,13 @@ def read_base(name: str, path: str) -> Base:
                     int(reader.alignment))
 
 
-def build_bases(directory: str, extra_models=()) -> dict:
-    """Write the synthetic variants into `directory` (once) and read their layouts; `extra_models` join them."""
+def build_bases(directory: str, extra_models=(), synthetic: bool = True) -> dict:
+    """Write the synthetic variants (unless not `synthetic`) into `directory` (once) and read their layouts;
+    `extra_models` join them."""
     from jaxinfer.synthetic import SyntheticSpec, write_model
 
     bases = {}
-    for name, fields in VARIANTS.items():
+    for name, fields in VARIANTS.items() if synthetic else ():
         path = os.path.join(directory, f"{name}.gguf")
         if not os.path.exists(path):
             write_model(path, SyntheticSpec(**fields))
@@ -445,7 +446,7 @@ def _prompt_logits(tokens, weights, cfg):
     return _prompt_logits_jit(tokens, weights, cfg)
 
 
-def worker(bases_dir: str, extra_models: list, seed: int, memory_limit_mib: int) -> None:
+def worker(bases_dir: str, extra_models: list, synthetic: bool, seed: int, memory_limit_mib: int) -> None:
     """Read case indices (one per line) on stdin; for each print {"start": i} then its result, as JSON lines."""
     import jax
 
@@ -453,7 +454,7 @@ def worker(bases_dir: str, extra_models: list, seed: int, memory_limit_mib: int)
 
     runtime.enable_compilation_cache()
     jax.numpy.zeros(1).block_until_ready()
-    bases = build_bases(bases_dir, extra_models)  # imports all a case runs, before the limit
+    bases = build_bases(bases_dir, extra_models, synthetic)  # imports all a case runs, before the limit
     if memory_limit_mib:
         used = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
         limit = used + memory_limit_mib * 2**20
@@ -494,23 +495,24 @@ MEMORY_WORDS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "out of me
 
 
 def run_campaign(n_cases: int, seed: int, workers: int = 2, timeout: float = 120.0, memory_limit_mib: int = 3072,
-                 extra_models=(), start: int = 0, progress=None) -> list[dict]:
+                 extra_models=(), synthetic: bool = True, start: int = 0, progress=None) -> list[dict]:
     """Run cases start .. start+n_cases-1 of campaign `seed` in `workers` subprocesses; a result dict per case,
     `progress(result)` called as each comes in."""
     with tempfile.TemporaryDirectory(prefix="fuzz_gguf_bases_") as bases_dir:
-        build_bases(bases_dir, extra_models)  # once here, so workers only read them
+        build_bases(bases_dir, extra_models, synthetic)  # once here, so workers only read them
+        models = [a for m in extra_models for a in ("--model", m)] + ([] if synthetic else ["--no_synthetic"])
         return _run_cases(bases_dir, range(start, start + n_cases), seed, workers, timeout, memory_limit_mib,
-                          extra_models, progress)
+                          models, progress)
 
 
-def _run_cases(bases_dir, cases, seed, workers, timeout, memory_limit_mib, extra_models, progress) -> list[dict]:
+def _run_cases(bases_dir, cases, seed, workers, timeout, memory_limit_mib, model_args, progress) -> list[dict]:
     results = {}
     selector = selectors.DefaultSelector()
     active = []
 
     def spawn(indices):
         command = [sys.executable, os.path.abspath(__file__), "--worker", "--bases", bases_dir, "--seed", str(seed),
-                   "--memory_limit_mib", str(memory_limit_mib)] + [a for m in extra_models for a in ("--model", m)]
+                   "--memory_limit_mib", str(memory_limit_mib)] + model_args
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = dict(os.environ, JAX_PLATFORMS="cpu",
                    PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
@@ -591,15 +593,16 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds a case may take before it is a hang")
     parser.add_argument("--memory_limit_mib", type=int, default=3072, help="address space a worker may add (MiB)")
     parser.add_argument("--model", action="append", default=[], help="another base model (e.g. the default model)")
+    parser.add_argument("--no_synthetic", action="store_true", help="only the --model files as bases")
     parser.add_argument("--json", action="store_true", help="print every case as a JSON line, then the counts")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bases", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.bases, args.model, args.seed, args.memory_limit_mib)
+        return worker(args.bases, args.model, not args.no_synthetic, args.seed, args.memory_limit_mib)
     start = time.perf_counter()
     results = run_campaign(args.cases, args.seed, args.workers, args.timeout, args.memory_limit_mib, args.model,
-                           args.start)
+                           not args.no_synthetic, args.start)
     counts = summarize(results)
     if args.json:
         for r in results:
