@@ -8,7 +8,7 @@ and tensor infos, truncations (random and at region boundaries), huge counts and
 ids, tensor offsets past the end / misaligned / overlapping / wrapping, wrong shapes, NaN or infinite weights,
 invalid UTF-8, and metadata values replaced by values of the wrong type or range. A case is run as a user would:
 engine.load_model, then a few greedy tokens with engine.generate_tokens (predictor sparsity for models that have
-predictors), and the prompt's logits are checked to be finite.
+predictors), and the logits the first new token came from are checked to be finite, independently of the engine.
 
 Outcomes: error (a JaxinferError with a one-line message), ok (ran; finite logits), and the failures: traceback (any
 other exception), multiline (a JaxinferError of several lines), nan (ran with NaN or infinite logits), crash (the
@@ -410,7 +410,9 @@ def run_model(path: str) -> tuple[str, str]:
         prompt = m.tokenizer.encode(PROMPT)
         tokens = list(engine.generate_tokens(m, prompt, N_PREDICT, min(CONTEXT, m.config.n_ctx_train),
                                              SamplingParams(temperature=0), seed=0))
-        logits = _prompt_logits(jnp.asarray([prompt], jnp.int32), m.weights, m.config)
+        # Independently of the engine's own check: the logits the first new token was sampled from. (Earlier
+        # positions may be non-finite while the last is not: a one-layer model's NaN stays at its position.)
+        logits = _prompt_logits(jnp.asarray([prompt], jnp.int32), m.weights, m.config)[:, -1]
         if not bool(jax.device_get(jnp.all(jnp.isfinite(logits)))):
             return "nan", f"generated {tokens} from non-finite logits"
         return "ok", f"generated {tokens}"
