@@ -80,6 +80,7 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
 
 def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokenizer) -> str:
     """Render the GGUF's Jinja chat template for one user turn, ready for the assistant's reply."""
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -89,8 +90,12 @@ def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokeniz
     env.globals["raise_exception"] = raise_exception
     special = {name: tokenizer.tokenizer.id_to_token(i) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))}
-    return env.from_string(template).render(
-        messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+    try:
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+    except TemplateError as e:  # the template comes from the model file: a broken one is bad input
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise JaxinferError(f"the model's chat template (tokenizer.chat_template) fails: {reason}") from None
 
 
 # What a step "samples" from logits that are not all finite (a model with corrupt weights): the check is one reduction

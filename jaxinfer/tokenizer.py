@@ -148,7 +148,8 @@ def _load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     except JaxinferError:
         raise
     except Exception as e:  # the `tokenizers` library's own, on a vocabulary it cannot use
-        raise JaxinferError(f"the tokenizer cannot be built from its vocabulary ({str(e).splitlines()[0]})") from None
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise JaxinferError(f"the tokenizer cannot be built from its vocabulary ({reason})") from None
     eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
     stop_ids = {i for i in (eos_id, _token_id(meta, "tokenizer.ggml.eot_token_id", len(tokens))) if i is not None}
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):

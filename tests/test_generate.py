@@ -211,3 +211,12 @@ def test_a_decode_step_with_nonfinite_logits_stops_the_loop():
     logits = jnp.zeros((2, 8)).at[1, 3].set(jnp.nan)
     after = engine.sample_next(state, logits, jnp.array([-1], jnp.int32), SamplingParams(temperature=0))
     assert after.token.tolist() == [0, engine.NONFINITE_LOGITS] and bool(after.stopped)
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m.content }", "{{ messages[0].content.nope() }}"])
+def test_a_broken_chat_template_is_a_one_line_error(make_model, template):
+    """The template comes from the model file; jinja2's syntax and runtime errors were tracebacks."""
+    tokenizer = engine.load_model(make_model()).tokenizer
+    with pytest.raises(JaxinferError, match=r"chat template \(tokenizer.chat_template\) fails") as error:
+        engine.apply_chat_template(template, "hi", tokenizer)
+    assert "\n" not in str(error.value)
