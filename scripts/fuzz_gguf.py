@@ -319,15 +319,11 @@ def invalid_utf8(rng, base):
     strings += [(f.key, f.parts[4]) for f in base.fields if f.types[0] == GGUFValueType.STRING]
     strings += [(t.name, t.parts[1]) for t in base.tensors]
     tokens = next(f for f in base.fields if f.key == "tokenizer.ggml.tokens")
-    strings += [("token", part) for part in tokens.parts[6:][1::2][:: 37]]
+    strings += [("token", part) for part in tokens.parts[6::2][::37]]  # every 37th token's text
     what, (offset, size) = strings[rng.integers(len(strings))]
     at = offset + int(rng.integers(max(size, 1)))
     byte = pick(rng, [0xFF, 0xC0, 0x80, 0xED])
     return patch(base.data, at, bytes([byte])), f"string of {what}: byte {at} -> {byte:#x}"
-
-
-def _arch(base):
-    return next(f for f in base.fields if f.key == "general.architecture")
 
 
 def _replacements(key: str):
@@ -351,7 +347,8 @@ def _replacements(key: str):
 
 
 def metadata_value(rng, base):
-    arch = bytes(base.data[_arch(base).parts[4][0]:][:_arch(base).parts[4][1]]).decode()
+    offset, size = next(f for f in base.fields if f.key == "general.architecture").parts[4]
+    arch = base.data[offset:offset + size].decode()
     keys = [f.key for f in base.fields] + ["general.alignment", "jaxinfer.gate_activation",
                                           f"{arch}.attention.key_length", f"{arch}.rope.scaling.type",
                                           "tokenizer.ggml.eot_token_id", "tokenizer.ggml.scores"]
