@@ -5,6 +5,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import metadata
 from jaxinfer.errors import JaxinferError
 
 
@@ -30,6 +31,8 @@ CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> t
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
 GATE_ACTIVATION_KEY = "jaxinfer.gate_activation"
+GATE_ACTIVATIONS = ("silu", "relu")
+SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's predictor threshold (f32)
 
 
 @jax.tree_util.register_static
@@ -70,44 +73,48 @@ class Config:
     @classmethod
     def from_metadata(cls, meta: dict, n_vocab: int, powerinfer: bool = False) -> "Config":
         """Build from GGUF key/values (`{"llama.block_count": 30, ...}`) and the embedding's row count; `powerinfer`
-        for a PWRI file."""
+        for a PWRI file. Every value is checked for its type and range (a JaxinferError names the key)."""
         arch = meta.get("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise JaxinferError(
-                f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})"
-            )
+        if not isinstance(arch, str) or arch not in ARCHITECTURES:
+            raise JaxinferError(f"unsupported architecture {arch!r} (supported: {', '.join(sorted(ARCHITECTURES))})")
 
-        def key(name, default=None):
-            value = meta.get(f"{arch}.{name}", default)
-            if value is None:
-                raise JaxinferError(f"GGUF metadata lacks {arch}.{name}")
-            return value
+        def count(name, default=metadata.REQUIRED):
+            return metadata.integer(meta, f"{arch}.{name}", default, minimum=1)
 
         spec = ARCHITECTURES[arch]
-        scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+        scaling = metadata.string(meta, f"{arch}.rope.scaling.type", "none")
         if scaling != "none":
             raise JaxinferError(f"unsupported RoPE scaling type {scaling!r}")
-        n_embd = int(key("embedding_length"))
-        n_head = int(key("attention.head_count"))
-        n_head_kv = int(key("attention.head_count_kv", n_head))
-        head_dim = int(key("attention.key_length", n_embd // n_head))
+        n_embd = count("embedding_length")
+        n_head = count("attention.head_count")
+        n_head_kv = count("attention.head_count_kv", n_head)
         if n_head % n_head_kv:
-            raise JaxinferError(f"head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+            raise JaxinferError(f"{arch}.attention.head_count {n_head} is not a multiple of "
+                                f"{arch}.attention.head_count_kv {n_head_kv}")
+        if f"{arch}.attention.key_length" not in meta and n_embd % n_head:
+            raise JaxinferError(f"{arch}.attention.head_count {n_head} does not divide {arch}.embedding_length "
+                                f"{n_embd}")
+        head_dim = count("attention.key_length", n_embd // n_head)
+        rope_dim = count("rope.dimension_count", head_dim)
+        if rope_dim > head_dim or rope_dim % 2:
+            raise JaxinferError(f"{arch}.rope.dimension_count must be even and at most the head size {head_dim}, "
+                                f"found {rope_dim}")
+        gate_activation = metadata.string(meta, GATE_ACTIVATION_KEY, None, choices=GATE_ACTIVATIONS) \
+            or (spec.powerinfer_gate_activation if powerinfer else None) or spec.gate_activation
         return cls(
             arch=arch,
-            n_layer=int(key("block_count")),
+            n_layer=count("block_count"),
             n_embd=n_embd,
-            n_ff=int(key("feed_forward_length")),
+            n_ff=count("feed_forward_length"),
             n_head=n_head,
             n_head_kv=n_head_kv,
             head_dim=head_dim,
             n_vocab=n_vocab,
-            n_ctx_train=int(key("context_length")),
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_theta=float(key("rope.freq_base", 10000.0)),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
-            gate_activation=meta.get(GATE_ACTIVATION_KEY)
-            or (spec.powerinfer_gate_activation if powerinfer else None) or spec.gate_activation,
+            n_ctx_train=count("context_length"),
+            rms_eps=metadata.number(meta, f"{arch}.attention.layer_norm_rms_epsilon", positive=True),
+            rope_theta=metadata.number(meta, f"{arch}.rope.freq_base", 10000.0, positive=True),
+            rope_dim=rope_dim,
+            gate_activation=gate_activation,
             up_activation=spec.up_activation,
-            sparse_threshold=float(meta.get("powerinfer.sparse_threshold", 0.0)),
+            sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
         )

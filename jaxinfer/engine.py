@@ -103,10 +103,21 @@ def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokeniz
         raise JaxinferError(f"the chat template cannot be rendered ({type(e).__name__}{line}: {detail})") from None
 
 
+# What a step "samples" from logits that are not all finite (a model with corrupt weights): the check is one reduction
+# inside the compiled step, so only the token reaches the host, which stops with an error on it.
+NONFINITE_LOGITS = -2
+
+
+def sample_finite(logits, recent, key, params: SamplingParams):
+    """`sample`, or NONFINITE_LOGITS for each row of `logits` with a NaN or infinite value."""
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    return jnp.where(finite, sample(logits, recent, key, params), NONFINITE_LOGITS)
+
+
 @partial(jax.jit, donate_argnames=("cache",))
 def _prefill_and_sample(tokens, n_valid, recent, key, weights, cache, cfg, params):
     logits, cache = model.prefill(tokens, n_valid, weights, cache, cfg)
-    return sample(logits, recent, key, params), cache
+    return sample_finite(logits, recent, key, params), cache
 
 
 # Decode steps run in chunks of up to this many inside one compiled loop, and the next chunk is dispatched before the
@@ -124,7 +135,7 @@ class DecodeState:
     token: jax.Array  # int32 [B]: the latest token, the next step's input
     recent: jax.Array  # int32 [B, N]: the tokens before it, oldest first, -1 for none (repeat penalty)
     key: jax.Array  # PRNG key, split once per step
-    stopped: jax.Array  # bool []: a stop token came out; further steps do nothing
+    stopped: jax.Array  # bool []: a stop token (or NONFINITE_LOGITS) came out; further steps do nothing
 
 
 def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams) -> DecodeState:
@@ -132,8 +143,8 @@ def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams) ->
     the next token is sampled with a fresh subkey."""
     key, subkey = jax.random.split(state.key)
     recent = jnp.concatenate([state.recent[:, 1:], state.token[:, None]], axis=1)
-    token = sample(logits, recent, subkey, params)
-    return DecodeState(token, recent, key, jnp.any(jnp.isin(token, stop_ids)))
+    token = sample_finite(logits, recent, subkey, params)
+    return DecodeState(token, recent, key, jnp.any(jnp.isin(token, stop_ids) | (token == NONFINITE_LOGITS)))
 
 
 @partial(jax.jit, static_argnames=("n_steps",), donate_argnames=("cache",))
@@ -195,7 +206,8 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
                     seed: int, stats: GenerationStats | None = None, ubatch: int = 512,
                     stop_ids: frozenset[int] | None = None) -> Iterator[int]:
     """Yield up to `n_predict` new token ids (fewer on a stop token, by default the tokenizer's, or a full context).
-    `stats` is filled in. The prompt is prefilled in micro-batches of at most `ubatch` tokens."""
+    `stats` is filled in. The prompt is prefilled in micro-batches of at most `ubatch` tokens. NaN or infinite
+    logits (corrupt weights) stop it with a JaxinferError."""
     stats = stats if stats is not None else GenerationStats()
     stop_ids = m.tokenizer.stop_ids if stop_ids is None else stop_ids
     check_prompt(len(prompt_ids), ctx, m.config.n_ctx_train)
@@ -244,6 +256,9 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     dispatch()
     while True:
         for token in tokens:
+            if token == NONFINITE_LOGITS:
+                raise JaxinferError(f"{m.path}: the model's logits are NaN or infinite at position "
+                                    f"{len(prompt_ids) + stats.generated_tokens} (corrupt weights?)")
             stats.generated_tokens += 1
             if token in stop_ids:
                 stats.stop_reason = "end of text"
@@ -305,7 +320,7 @@ def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: Sampl
     return hybrid_prefill, hybrid_decode, jax.device_put(cache, placement.accelerator)
 
 
-_sample = jax.jit(sample)
+_sample = jax.jit(sample_finite)
 _sample_next = jax.jit(sample_next)
 
 

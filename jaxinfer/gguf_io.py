@@ -14,11 +14,12 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
+from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, shown
+from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
-from jaxinfer.quant import SUPPORTED_TYPES, QuantArray, from_gguf_data
+from jaxinfer.quant import QuantArray, from_gguf_data
+from jaxinfer.validate import check_tensors, tensor_shape
 
-GGUF_MAGIC = b"GGUF"
-POWERINFER_MAGIC = b"PWRI"  # PowerInfer: a GGUF v3 file whose first 4 bytes say it carries sparse-inference tensors
 LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
     "attn_norm": "attn_norm",
     "attn_q": "attn_q",
@@ -31,26 +32,13 @@ LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
     "ffn_down": "ffn_down",
 }
 SMALL_ARRAY = 64  # metadata arrays longer than this (vocabularies, merges) are read on demand, not into `metadata`
-
-
-class Reader(GGUFReader):
-    """GGUFReader that also reads PowerInfer files, and slices plain ndarray views of the mapping.
-
-    PowerInfer writes `PWRI` where GGUF has its magic and leaves the rest of the file GGUF v3, so the magic read at
-    offset 0 answers GGUF for it. The reader slices the file once per metadata item (twice per vocabulary string);
-    an np.memmap slice carries its own attribute dict, which for a 49k-token vocabulary with 49k merges costs
-    ~90 MiB, so slices come from a plain view. Overrides the private `_get`: gguf is pinned to a minor release."""
-
-    def _get(self, offset, dtype, count=1, override_order=None):
-        plain = self.__dict__.get("_plain")
-        if plain is None:
-            plain = self._plain = self.data.view(np.ndarray)
-        if offset == 0 and plain[:4].tobytes() == POWERINFER_MAGIC:
-            return np.frombuffer(GGUF_MAGIC, dtype=np.uint32)
-        count = int(count)
-        end = offset + np.dtype(dtype).itemsize * count
-        arr = plain[offset:end].view(dtype=dtype)[:count]
-        return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+# GGUF value types of the Python values `GGUFFile.array` returns, by the kind asked for.
+ARRAY_ITEM_TYPES = {
+    str: {GGUFValueType.STRING},
+    int: {GGUFValueType.UINT8, GGUFValueType.INT8, GGUFValueType.UINT16, GGUFValueType.INT16, GGUFValueType.UINT32,
+          GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.INT64},
+    float: {GGUFValueType.FLOAT32, GGUFValueType.FLOAT64},
+}
 
 
 @dataclasses.dataclass
@@ -63,60 +51,62 @@ class GGUFFile:
     tensors: dict
     powerinfer: bool  # PWRI magic: PowerInfer's sparse-model format
 
-    def array(self, key: str) -> list | None:
-        """A metadata array (e.g. `tokenizer.ggml.tokens`) as a Python list, or None when absent."""
+    def array(self, key: str, item: type = str) -> list | None:
+        """A metadata array (e.g. `tokenizer.ggml.tokens`) of `item`s (str, int or float) as a Python list, or None
+        when absent; a JaxinferError naming the key when it is not such an array or a string in it is not UTF-8."""
         field = self.reader.get_field(key)
-        return None if field is None else field.contents()
+        if field is None:
+            return None
+        if field.types[0] != GGUFValueType.ARRAY or (len(field.types) > 1 and
+                                                      field.types[1] not in ARRAY_ITEM_TYPES[item]):
+            found = "/".join(t.name for t in field.types)
+            raise JaxinferError(f"metadata {key} must be an array of {item.__name__}, found {found}")
+        return _contents(key, field)
+
+
+def _contents(key: str, field):
+    try:
+        return field.contents()
+    except UnicodeDecodeError as e:
+        raise JaxinferError(f"metadata {shown(key)} is not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
 def open_gguf(path: str) -> GGUFFile:
-    """Open and validate a GGUF file; every way it can be unusable is a one-line JaxinferError."""
+    """Open a GGUF file and check its structure; every way it can be unusable is a one-line JaxinferError."""
     if not os.path.isfile(path):
         raise JaxinferError(f"model file not found: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic not in (GGUF_MAGIC, POWERINFER_MAGIC):
-        raise JaxinferError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r} or "
-                            f"{POWERINFER_MAGIC!r})")
     try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic not in (GGUF_MAGIC, POWERINFER_MAGIC):
+            raise JaxinferError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r} or "
+                                f"{POWERINFER_MAGIC!r})")
         reader = Reader(path)
-    except (ValueError, IndexError, KeyError, OSError, EOFError) as e:
-        raise JaxinferError(f"{path} is truncated or corrupt ({type(e).__name__}: {e})") from None
-    size = os.path.getsize(path)
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise JaxinferError(f"{path} is truncated: tensor {t.name} ends past the end of the file")
+    except OSError as e:
+        raise JaxinferError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, IndexError, KeyError, EOFError) as e:  # CorruptGGUF, and gguf-py's own (e.g. alignment)
+        raise JaxinferError(f"{path} is truncated or corrupt: {e}") from None
     metadata = {}
     for key, field in reader.fields.items():
         if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > SMALL_ARRAY:
-            continue
-        metadata[key] = field.contents()
+            metadata[key] = LongArray(len(field.data))
+        else:
+            try:
+                metadata[key] = _contents(key, field)
+            except JaxinferError as e:
+                raise JaxinferError(f"{path}: {e}") from None
     return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors}, magic == POWERINFER_MAGIC)
 
 
-def _tensor(gguf: GGUFFile, name: str):
-    t = gguf.tensors.get(name)
-    if t is None:
-        raise JaxinferError(f"{gguf.path} lacks tensor {name}")
-    qtype = GGMLQuantizationType(t.tensor_type)
-    if qtype not in SUPPORTED_TYPES:
-        supported = ", ".join(sorted(q.name for q in SUPPORTED_TYPES))
-        raise JaxinferError(f"tensor {name} has quant type {qtype.name}, which jaxinfer does not support "
-                            f"(supported: {supported})")
-    return t, qtype
-
-
 def load_vector(gguf: GGUFFile, name: str):
-    t, qtype = _tensor(gguf, name)
-    if qtype != GGMLQuantizationType.F32:
-        raise JaxinferError(f"tensor {name} must be F32, found {qtype.name}")
-    return jax.device_put(t.data.reshape(-1))
+    """An F32 vector (checked by validate.check_tensors)."""
+    return jax.device_put(gguf.tensors[name].data.reshape(-1))
 
 
 def load_matrix(gguf: GGUFFile, name: str, exact: bool = False) -> QuantArray:
-    t, qtype = _tensor(gguf, name)
-    shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # ReaderTensor.shape is in GGML (innermost-first) order
-    w = from_gguf_data(np.asarray(t.data), qtype, shape)
+    """A matrix of a supported type (checked by validate.check_tensors)."""
+    t = gguf.tensors[name]
+    w = from_gguf_data(np.asarray(t.data), GGMLQuantizationType(t.tensor_type), tensor_shape(gguf, name, 2))
     return QuantArray(jax.device_put(w.data), w.qtype, w.shape, exact)
 
 
@@ -138,7 +128,9 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool) -> Layer:
 
 
 def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False) -> Weights:
-    """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels."""
+    """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels. Every
+    tensor is checked against `cfg` first."""
+    check_tensors(gguf, cfg)
     token_embd = load_matrix(gguf, "token_embd.weight", exact)
     layers = [_load_layer(gguf, i, exact) for i in range(cfg.n_layer)]
     output = load_matrix(gguf, "output.weight", exact) if "output.weight" in gguf.tensors else token_embd
@@ -146,7 +138,8 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False) -> Weights:
 
 
 def load_config(gguf: GGUFFile) -> Config:
-    embd = gguf.tensors.get("token_embd.weight")
-    if embd is None:
-        raise JaxinferError(f"{gguf.path} lacks tensor token_embd.weight")
-    return Config.from_metadata(gguf.metadata, n_vocab=int(embd.shape[-1]), powerinfer=gguf.powerinfer)
+    n_vocab = tensor_shape(gguf, "token_embd.weight", 2)[0]
+    try:
+        return Config.from_metadata(gguf.metadata, n_vocab=n_vocab, powerinfer=gguf.powerinfer)
+    except JaxinferError as e:
+        raise JaxinferError(f"{gguf.path}: {e}") from None

@@ -90,7 +90,10 @@ def _log_probs_and_nll(hidden, windows, weights):
     first, count = scored_positions(windows.shape[1])
     logits = model.logits(hidden[:, first:first + count], weights)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
-    return logits, log_probs, -jnp.take_along_axis(log_probs, windows[:, first + 1:, None], axis=-1)[..., 0]
+    nll = -jnp.take_along_axis(log_probs, windows[:, first + 1:, None], axis=-1)[..., 0]
+    # A NaN or infinite logit anywhere in a row (corrupt weights) makes its nll NaN, which evaluate_windows stops on:
+    # one reduction in the compiled call, no logits copied to the host.
+    return logits, log_probs, jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), nll, jnp.nan)
 
 
 def hidden_nll(hidden, windows, weights):
@@ -295,6 +298,10 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
             save_logits.write(quantize_log_probs(logits.reshape(-1, logits.shape[-1])).tobytes())
         else:
             batch_nll = np.asarray(step(batch))[:n_real]
+        if not np.isfinite(batch_nll).all():
+            bar.close()
+            chunk = start + 1 + int(np.argwhere(~np.isfinite(batch_nll))[0, 0])
+            raise JaxinferError(f"the model's logits are NaN or infinite in chunk {chunk} (corrupt weights?)")
         nll[rows] = batch_nll
         bar.update(n_real)
         bar.set_postfix(ppl=f"{math.exp(nll[: start + n_real].mean()):.4f}")

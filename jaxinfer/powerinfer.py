@@ -15,10 +15,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
+from jaxinfer.config import SPARSE_THRESHOLD_KEY  # noqa: F401 (writers of PowerInfer files import it from here)
 from jaxinfer.gguf_io import POWERINFER_MAGIC, GGUFFile
 from jaxinfer.sidecar import atomic_write
 
-SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"
 VIRTUAL_FIELDS = ("GGUF.", "general.architecture")  # written by GGUFWriter itself
 PLAIN_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
                GGMLQuantizationType.I32: np.int32}  # stored as numpy arrays of that type, not as block bytes

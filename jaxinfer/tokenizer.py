@@ -10,6 +10,7 @@ import dataclasses
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
+from jaxinfer import metadata
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile
 
@@ -95,36 +96,70 @@ def _spm_tokenizer(tokens, scores, unk_id, add_space_prefix):
 
 
 def load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
+    """The file's tokenizer; its metadata is checked for types, lengths and token ids (a JaxinferError names the
+    file and key)."""
+    try:
+        return _load_tokenizer(gguf)
+    except JaxinferError as e:
+        raise JaxinferError(f"{gguf.path}: {e}") from None
+
+
+def _token_id(meta: dict, key: str, n_vocab: int) -> int | None:
+    token = metadata.integer(meta, key, None, minimum=0)
+    if token is not None and token >= n_vocab:
+        raise JaxinferError(f"metadata {key} is {token}, past the vocabulary of {n_vocab} tokens")
+    return token
+
+
+def _per_token(gguf: GGUFFile, key: str, item: type, n_vocab: int, default) -> list:
+    values = gguf.array(key, item)
+    if values is None:
+        return [default] * n_vocab
+    if len(values) != n_vocab:
+        raise JaxinferError(f"metadata {key} has {len(values)} entries for {n_vocab} tokens")
+    return values
+
+
+def _load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
     meta = gguf.metadata
-    kind = meta.get("tokenizer.ggml.model")
-    tokens = gguf.array("tokenizer.ggml.tokens")
+    kind = metadata.string(meta, "tokenizer.ggml.model", None)
+    tokens = gguf.array("tokenizer.ggml.tokens", str)
     if tokens is None:
-        raise JaxinferError(f"{gguf.path} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
-    token_types = gguf.array("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        tok = _gpt2_tokenizer(tokens, gguf.array("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre", "default"))
-        default_add_bos = False
-    elif kind == "llama":
-        scores = gguf.array("tokenizer.ggml.scores") or [0.0] * len(tokens)
-        tok = _spm_tokenizer(tokens, scores, meta.get("tokenizer.ggml.unknown_token_id"),
-                             meta.get("tokenizer.ggml.add_space_prefix", True))
-        default_add_bos = True
-    else:
-        raise JaxinferError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
-    tok.add_special_tokens([
-        AddedToken(s, special=True, normalized=False)
-        for s, kind_ in zip(tokens, token_types) if kind_ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
-    ])
-    eos_id = meta.get("tokenizer.ggml.eos_token_id")
-    stop_ids = {i for i in (eos_id, meta.get("tokenizer.ggml.eot_token_id")) if i is not None}
+        raise JaxinferError("no tokenizer vocabulary (tokenizer.ggml.tokens)")
+    token_types = _per_token(gguf, "tokenizer.ggml.token_type", int, len(tokens), 1)
+    try:
+        if kind == "gpt2":
+            merges = gguf.array("tokenizer.ggml.merges", str) or []
+            if bad := next((m for m in merges if " " not in m), None):
+                raise JaxinferError(f"metadata tokenizer.ggml.merges has {bad!r}, not two tokens separated by a space")
+            tok = _gpt2_tokenizer(tokens, merges, metadata.string(meta, "tokenizer.ggml.pre", "default"))
+            default_add_bos = False
+        elif kind == "llama":
+            scores = _per_token(gguf, "tokenizer.ggml.scores", float, len(tokens), 0.0)
+            tok = _spm_tokenizer(tokens, scores, _token_id(meta, "tokenizer.ggml.unknown_token_id", len(tokens)),
+                                 metadata.boolean(meta, "tokenizer.ggml.add_space_prefix", True))
+            default_add_bos = True
+        else:
+            raise JaxinferError(f"unsupported tokenizer model {kind!r} (supported: gpt2, llama)")
+        tok.add_special_tokens([
+            AddedToken(s, special=True, normalized=False)
+            for s, kind_ in zip(tokens, token_types) if kind_ in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)
+        ])
+    except JaxinferError:
+        raise
+    except Exception as e:  # the `tokenizers` library's own, on a vocabulary it cannot use
+        reason = (str(e).splitlines() or [type(e).__name__])[0]
+        raise JaxinferError(f"the tokenizer cannot be built from its vocabulary ({reason})") from None
+    eos_id = _token_id(meta, "tokenizer.ggml.eos_token_id", len(tokens))
+    stop_ids = {i for i in (eos_id, _token_id(meta, "tokenizer.ggml.eot_token_id", len(tokens))) if i is not None}
     for end_of_turn in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
         if (i := tok.token_to_id(end_of_turn)) is not None:
             stop_ids.add(i)
     return GGUFTokenizer(
         tokenizer=tok,
-        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", len(tokens)),
         eos_id=eos_id,
-        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+        add_bos=metadata.boolean(meta, "tokenizer.ggml.add_bos_token", default_add_bos),
         stop_ids=frozenset(stop_ids),
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=metadata.string(meta, "tokenizer.chat_template", None),
     )

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import pathlib
@@ -249,3 +250,26 @@ def test_what_ubatch_changes_is_as_the_readme_states(make_model):
     np.testing.assert_allclose(by_ubatch[200], by_ubatch[512], atol=1e-5 * span)  # 200 + 0 vs 256 tokens: f32 GEMM
     for ub in (4, 8, 16, 64):  # 8-bit kernels (cpu_ext attention up to 8 tokens) against the f32 GEMM
         np.testing.assert_allclose(by_ubatch[ub], by_ubatch[512], atol=0.05 * span)
+
+
+def with_nonfinite_output_row(m, row=5):
+    """The model with one output row of -inf in its first column: that token's logit is infinite or NaN, the others
+    stay finite (as corrupt weights on disk would make them)."""
+    out = m.weights.output
+    broken = dataclasses.replace(out, data=out.data.at[row, 0].set(-jnp.inf))
+    return dataclasses.replace(m, weights=dataclasses.replace(m.weights, output=broken))
+
+
+def test_nonfinite_logits_stop_generation_with_an_error(make_model):
+    """Before, the sampler picked a token from NaN/inf logits and generation ended "stop: end of text", exit 0."""
+    m = with_nonfinite_output_row(engine.load_model(make_model(tied_output=False)))
+    with pytest.raises(JaxinferError, match="logits are NaN or infinite at position 3"):
+        list(engine.generate_tokens(m, m.tokenizer.encode("hi!"), 4, 32, SamplingParams(temperature=0), 0))
+
+
+def test_a_decode_step_with_nonfinite_logits_stops_the_loop():
+    state = engine.DecodeState(jnp.array([5, 6], jnp.int32), jnp.full((2, 1), -1, jnp.int32), jax.random.key(0),
+                               jnp.zeros((), bool))
+    logits = jnp.zeros((2, 8)).at[1, 3].set(jnp.nan)
+    after = engine.sample_next(state, logits, jnp.array([-1], jnp.int32), SamplingParams(temperature=0))
+    assert after.token.tolist() == [0, engine.NONFINITE_LOGITS] and bool(after.stopped)

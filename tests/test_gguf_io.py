@@ -1,12 +1,17 @@
+import importlib.util
 import os
+import pathlib
+import struct
 import subprocess
 import sys
 import textwrap
+import time
 
 import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType
 
 from jaxinfer import quant
 from jaxinfer.errors import JaxinferError
@@ -64,3 +69,182 @@ def test_loading_the_default_model_peaks_under_twice_its_file_size(default_model
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True)
     assert float(out.stdout.strip().splitlines()[-1]) < 2.0
+
+
+# Corrupt files: each is a one-line JaxinferError naming the key or tensor (before: hangs, unbounded memory,
+# tracebacks, wrapped-around offsets read as weights). Files are mutated with scripts/fuzz_gguf.py's helpers.
+
+def _fuzz_module():
+    spec = importlib.util.spec_from_file_location("fuzz_gguf", pathlib.Path(__file__).parent.parent / "scripts" /
+                                                  "fuzz_gguf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fuzz = _fuzz_module()
+
+
+def corrupt(make_model, tmp_path, mutate, **spec):
+    """Write a synthetic model, mutate its bytes with `mutate(base) -> bytes`, return the mutated file's path."""
+    base = fuzz.read_base("tiny", make_model(**spec))
+    path = tmp_path / "corrupt.gguf"
+    path.write_bytes(mutate(base))
+    return str(path)
+
+
+def field(base, key):
+    return next(f for f in base.fields if f.key == key)
+
+
+def tensor(base, name):
+    return next(t for t in base.tensors if t.name == name)
+
+
+def load(path):
+    g = open_gguf(path)
+    return load_weights(g, load_config(g))
+
+
+def assert_error(path, *fragments):
+    with pytest.raises(JaxinferError) as error:
+        from jaxinfer import engine
+
+        engine.load_model(path)
+    message = str(error.value)
+    assert "\n" not in message and all(f in message for f in fragments), message
+
+
+def test_an_array_count_past_the_end_is_refused_before_reading(make_model, tmp_path):
+    """gguf-py looped 2^31 times over empty reads past the end (a hang, ~100 MB/s of memory)."""
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.patch(
+        base.data, field(base, "tokenizer.ggml.token_type").parts[4][0], struct.pack("<Q", 2**31)))
+    started = time.perf_counter()
+    assert_error(path, "truncated or corrupt", "tokenizer.ggml.token_type", "2147483648 INT32 array items",
+                 "need at least 8589934592 bytes")
+    assert time.perf_counter() - started < 5
+
+
+def test_an_array_where_a_string_belongs_is_refused(make_model, tmp_path):
+    """A value type of ARRAY where a string belongs reads the string's length as item type and count."""
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.patch(
+        base.data, field(base, "tokenizer.ggml.model").parts[2][0], struct.pack("<I", GGUFValueType.ARRAY)))
+    assert_error(path, "metadata tokenizer.ggml.model", "array items", "need at least")
+
+
+def test_huge_tensor_and_key_counts_are_refused(make_model, tmp_path):
+    for offset, fragment in ((8, "tensor infos at offset"), (16, "metadata key/value pairs at offset 24")):
+        path = corrupt(make_model, tmp_path, lambda base: fuzz.patch(base.data, offset, struct.pack("<Q", 2**40)))
+        assert_error(path, "1099511627776 " + fragment, "need at least")
+
+
+def test_metadata_strings_must_be_utf8(make_model, tmp_path):
+    def mutate(base):
+        offset, _ = field(base, "tokenizer.ggml.pre").parts[4]
+        return fuzz.patch(base.data, offset, b"\xff")
+
+    assert_error(corrupt(make_model, tmp_path, mutate), "metadata tokenizer.ggml.pre is not UTF-8")
+
+
+def test_a_tensor_offset_that_wraps_around_is_refused(make_model, tmp_path):
+    """2^64 - data_offset wrapped to 0 in gguf-py's uint64 sum: the header was read as the embedding."""
+    def mutate(base):
+        info = tensor(base, "token_embd.weight")
+        return fuzz.patch(base.data, info.parts[5][0], struct.pack("<Q", 2**64 - base.data_offset))
+
+    assert_error(corrupt(make_model, tmp_path, mutate), "tensor token_embd.weight", "past the end of the file")
+
+
+def test_tensor_offsets_must_be_aligned_and_disjoint(make_model, tmp_path):
+    def shift(base):
+        info = tensor(base, "blk.0.attn_k.weight")
+        return fuzz.patch(base.data, info.parts[5][0], struct.pack("<Q", info.data_start - base.data_offset + 4))
+
+    def overlap(base):
+        target = tensor(base, "blk.0.attn_q.weight")
+        return fuzz.patch(base.data, tensor(base, "blk.0.attn_k.weight").parts[5][0],
+                          struct.pack("<Q", target.data_start - base.data_offset))
+
+    assert_error(corrupt(make_model, tmp_path, shift), "blk.0.attn_k.weight's data offset",
+                 "not a multiple of the alignment 32")
+    assert_error(corrupt(make_model, tmp_path, overlap), "tensors blk.0.attn_k.weight and blk.0.attn_q.weight overlap")
+
+
+def test_tensor_shapes_must_match_the_config(make_model, tmp_path):
+    """A [d, kv] key projection stored as [kv, d] has the right size but would have been run transposed."""
+    def swap(base):
+        info = tensor(base, "blk.1.attn_k.weight")
+        return fuzz.patch(base.data, info.parts[3][0], struct.pack("<QQ", *info.dims[::-1]))
+
+    assert_error(corrupt(make_model, tmp_path, swap), "tensor blk.1.attn_k.weight has shape [64, 32]",
+                 "implies [32, 64]")
+
+
+def test_block_count_must_match_the_tensors(make_model, tmp_path):
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {"llama.block_count": fuzz.encode_field(
+        "llama.block_count", GGUFValueType.UINT32, 1)}), n_layer=2)
+    assert_error(path, "has tensor blk.1.", "llama.block_count is 1")
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {"llama.block_count": fuzz.encode_field(
+        "llama.block_count", GGUFValueType.UINT32, 3)}), n_layer=2)
+    assert_error(path, "lacks tensor blk.2.attn_norm.weight")
+
+
+def test_norms_must_be_f32_and_predictors_come_in_pairs(make_model, tmp_path):
+    def f16_norm(base):
+        return fuzz.patch(base.data, tensor(base, "output_norm.weight").parts[4][0], struct.pack("<I", Q.F16))
+
+    def no_fc2(base):  # renamed, so the layer has fc1 without fc2
+        offset, size = tensor(base, "blk.0.fc2.weight").parts[1]
+        return fuzz.patch(base.data, offset, b"blk.0.fcX.weight")
+
+    assert_error(corrupt(make_model, tmp_path, f16_norm), "output_norm.weight", "type F16")
+    assert_error(corrupt(make_model, tmp_path, no_fc2, sparsity=0.8), "blk.0.fc1.weight without blk.0.fc2.weight")
+
+
+def test_vocabulary_must_match_the_embedding(make_model, tmp_path):
+    def fewer_tokens(base):
+        tokens = ["<|endoftext|>"] * 200
+        return fuzz.rebuild(base, {"tokenizer.ggml.tokens": fuzz.encode_field(
+            "tokenizer.ggml.tokens", GGUFValueType.ARRAY, tokens, GGUFValueType.STRING)})
+
+    assert_error(corrupt(make_model, tmp_path, fewer_tokens), "tokenizer.ggml.tokens has 200 tokens",
+                 "token_embd.weight has 263 rows")
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {"llama.vocab_size": fuzz.encode_field(
+        "llama.vocab_size", GGUFValueType.INT32, -4)}))
+    assert_error(path, "llama.vocab_size is -4, token_embd.weight has 263 rows")
+
+
+def test_wrong_typed_metadata_names_the_file_and_key(make_model, tmp_path):
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {"llama.block_count": fuzz.encode_field(
+        "llama.block_count", GGUFValueType.STRING, "2")}))
+    assert_error(path, path, "llama.block_count must be an integer, found str '2'")
+
+
+def test_names_read_from_the_file_stay_on_one_line(make_model, tmp_path):
+    """Found by the fuzzer: a key length grown over the following fields made a key of binary lengths and
+    vocabulary, newlines included, which the error printed raw."""
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.patch(
+        base.data, field(base, "tokenizer.ggml.model").parts[0][0], struct.pack("<Q", 262)))
+    assert_error(path, "metadata tokenizer.ggml.model\\x", "unknown value type id")
+
+
+@pytest.mark.parametrize("key, vtype, value, item_type, fragment", [
+    ("tokenizer.ggml.bos_token_id", GGUFValueType.UINT32, 263, None, "bos_token_id is 263, past the vocabulary of 263"),
+    ("tokenizer.ggml.eos_token_id", GGUFValueType.STRING, "0", None, "eos_token_id must be an integer, found str"),
+    ("tokenizer.ggml.add_bos_token", GGUFValueType.UINT8, 1, None, "add_bos_token must be a bool, found int 1"),
+    ("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["Ġt"], GGUFValueType.STRING,
+     "merges has 'Ġt', not two tokens separated by a space"),
+    ("tokenizer.ggml.merges", GGUFValueType.ARRAY, ["Ġ zzz"], GGUFValueType.STRING, "the tokenizer cannot be built"),
+    ("tokenizer.ggml.token_type", GGUFValueType.ARRAY, [1, 1], GGUFValueType.INT32, "token_type has 2 entries for 263"),
+    ("tokenizer.ggml.tokens", GGUFValueType.ARRAY, list(range(263)), GGUFValueType.INT32,
+     "tokenizer.ggml.tokens must be an array of str, found ARRAY/INT32"),
+    ("tokenizer.chat_template", GGUFValueType.ARRAY, ["{{ x }}"], GGUFValueType.STRING,
+     "tokenizer.chat_template must be a string, found an array of 1 items"),
+    ("tokenizer.ggml.model", GGUFValueType.STRING, "bert", None, "unsupported tokenizer model 'bert'"),
+])
+def test_tokenizer_metadata_is_checked(make_model, tmp_path, key, vtype, value, item_type, fragment):
+    """Before, these reached the tokenizers library (a TypeError or Rust exception) or the model (a BOS id past
+    the embedding)."""
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.rebuild(base, {key: fuzz.encode_field(
+        key, vtype, value, item_type)}))
+    assert_error(path, path, fragment)

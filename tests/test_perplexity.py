@@ -1,9 +1,11 @@
+import dataclasses
 import os
 import pathlib
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -199,3 +201,14 @@ def test_micro_batches_give_the_same_scores(tiny):
         chunked = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, ubatch=ubatch,
                                               progress=False)
         np.testing.assert_allclose(chunked.nll, whole.nll, rtol=1e-5, atol=1e-5)
+
+
+def test_nonfinite_logits_stop_with_an_error(make_model):
+    """Before, one infinite logit per position left the other tokens' NLL finite (or made it NaN): PPL was reported,
+    exit 0. The check is a reduction inside the compiled call."""
+    m = engine.load_model(make_model(n_ctx=64, tied_output=False))
+    out = m.weights.output
+    weights = dataclasses.replace(m.weights, output=dataclasses.replace(out, data=out.data.at[5, 0].set(-jnp.inf)))
+    windows = perplexity.make_windows(np.arange(10, 10 + 4 * 16), 16, -1, bos_id=None)
+    with pytest.raises(JaxinferError, match="logits are NaN or infinite in chunk 1"):
+        perplexity.evaluate_windows(weights, m.config, windows, n_seq=2, progress=False)
