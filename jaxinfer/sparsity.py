@@ -162,20 +162,25 @@ def with_transposed_down(layer, qtype=None, pack: bool = True):
 
 @partial(jax.jit, static_argnames=("statistic",))
 def _observe_batch(windows, valid, weights, cfg, statistic):
-    _, _, observed = model.forward(windows, weights, cfg, observe=lambda i, trace: statistic(trace, valid))
-    return observed
+    hidden, _, observed = model.forward(windows, weights, cfg, observe=lambda i, trace: statistic(trace, valid))
+    return observed, jnp.all(jnp.isfinite(hidden))  # one reduction: corrupt weights must not become statistics
 
 
 def map_over_windows(m, windows: np.ndarray, statistic, n_seq: int = 4, desc: str = "observing"):
     """Run the model over `windows` [n, n_ctx] in jitted batches of `n_seq` (the last padded: one compiled program).
     `statistic(trace, valid)`, a module-level function (it is a static argument), maps one layer's
     sparse_ffn.FFNTrace and the batch's real-window mask [B] to a pytree. Yields (number of real windows, per-layer
-    results on the host) for each batch."""
+    results on the host) for each batch. NaN or infinite activations (corrupt weights) are a JaxinferError, not
+    thresholds, profiles or training labels."""
     for start in tqdm(range(0, len(windows), n_seq), desc=desc, unit="batch"):
         batch = windows[start:start + n_seq]
         valid = np.arange(n_seq) < len(batch)
         padded = np.concatenate([batch, np.repeat(batch[-1:], n_seq - len(batch), axis=0)])
-        yield len(batch), jax.device_get(_observe_batch(padded, valid, m.weights, m.config, statistic))
+        observed, finite = jax.device_get(_observe_batch(padded, valid, m.weights, m.config, statistic))
+        if not finite:
+            raise JaxinferError(f"{m.path}: the model's activations are NaN or infinite in windows {start}.."
+                                f"{start + len(batch) - 1} (corrupt weights?)")
+        yield len(batch), observed
 
 
 def reduce_over_windows(m, windows: np.ndarray, statistic, n_seq: int = 4, desc: str = "observing"):
