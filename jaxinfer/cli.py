@@ -61,7 +61,8 @@ def define_split_flags():
     flags.DEFINE_bool("reset_gpu_index", False, "solve the hot/cold split again instead of reusing "
                       "MODEL.generated.gpuidx")
     flags.DEFINE_bool("disable_gpu_index", False, "run without a hot/cold split even when --vram-budget is given")
-    flags.DEFINE_string("activation_dir", None, "activation profile folder (default: activation/ beside the model)")
+    flags.DEFINE_string("activation_dir", None, "activation profile folder (default: MODEL.activation/, where the "
+                        "profile CLI writes it)")
     check_range("vram_budget", 0, MAX_VRAM_GIB, sentinel=-1)
 
 

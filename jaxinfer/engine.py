@@ -333,20 +333,31 @@ class Split:
     summary: str
 
 
-def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool) -> LoadedModel:
-    """Place `m`'s FFN neurons under an accelerator memory budget, from its activation profile (the cached
-    .gpuidx when it matches the model and budget)."""
+def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool,
+                batch: int = 1) -> LoadedModel:
+    """Place `m`'s FFN neurons under an accelerator memory budget (with a KV cache of `batch` sequences of `ctx`
+    positions), from its activation profile; the cached .gpuidx when it was solved from the same inputs."""
     from jaxinfer import placement, profile
 
     directory = activation_dir or profile.default_directory(m.path)
-    costs = placement.model_costs(m.gguf, m.config, ctx)
-    budget = int(budget_gib * placement.GIB)
-    split = placement.load_or_solve(m.path, lambda: profile.read_profile(directory, m.path, m.config.n_layer,
-                                                                         m.config.n_ff), costs, budget, reset)
+    if not os.path.isdir(directory):
+        raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "
+                            f"{m.path} -f TEXT, or pass --activation-dir")
+    counts = profile.read_profile(directory, m.path, m.config.n_layer, m.config.n_ff)
     devices = hybrid.Placement.detect()
+    costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, ctx, batch))
+    budget = int(budget_gib * placement.GIB)
+    split = placement.load_or_solve(m.path, counts, costs, budget, reset)
     hw = hybrid.split_weights(m.weights, split.hot, devices, m.config)
-    summary = (f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} "
-               f"({100 * split.hot_share(m.config.n_ff):.1f}% of neurons), {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} "
-               f"MiB stay on the host {devices.host}; index {placement.gpuidx_path(m.path)} "
-               f"({'reused' if split.reused else 'solved from the activation profile in ' + directory})")
+    index = placement.gpuidx_path(m.path)
+    if split.reused:
+        origin = f"index {index} (reused)"
+    elif split.rebuilt_because:
+        origin = f"index {index} (rebuilt from the activation profile in {directory}: {split.rebuilt_because})"
+    else:
+        origin = f"index {index} (solved from the activation profile in {directory})"
+    share = (f"{100 * split.hot_share(m.config.n_ff):.1f}% of neurons" if any(len(h) for h in split.hot)
+             else placement.no_neurons_reason(costs, budget))
+    placed = f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} ({share})"
+    summary = (f"{placed}, {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} MiB stay on the host {devices.host}; {origin}")
     return dataclasses.replace(m, split=Split(hw, devices, summary))

@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from jaxinfer import model, sparse_ffn
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
+from jaxinfer.placement import ModelCosts
 from jaxinfer.quant import ROW_BLOCKS, QuantArray, dequantize, take_rows, tracing_for
 from pallas_kernels import sparse_ffn as pallas_ffn
 
@@ -61,14 +62,77 @@ def transposed_down(layer: model.Layer) -> QuantArray:
     """The down projection one row per neuron. GGUF's ffn_down [d, n_ff] has neurons as columns, which quantized
     blocks (running along a row) cannot be sliced by, so a dense model's is decoded once and stored f32 [n_ff, d]
     (exact); a sparse model prepared by sparsity.apply already has it in its own format, unless packed neuron-major
-    for cpu_ext (whose rows of nibbles share their blocks' scales), which is decoded too."""
+    for cpu_ext (whose rows of nibbles share their blocks' scales), which is decoded too. down_row_bytes prices it."""
     if layer.ffn_down_t is None:
         source, values = layer.ffn_down, dequantize(layer.ffn_down).T
-    elif layer.ffn_down_t.layout == ROW_BLOCKS:
+    elif _keeps_its_format(layer.ffn_down_t):
         return layer.ffn_down_t
     else:
         source, values = layer.ffn_down_t, dequantize(layer.ffn_down_t)  # already one row per neuron
     return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape), source.exact)
+
+
+def _keeps_its_format(down_t: QuantArray | None) -> bool:
+    return down_t is not None and down_t.layout == ROW_BLOCKS
+
+
+def _row_bytes(w: QuantArray) -> int:
+    """Bytes of one row of a weight whose rows can be sliced (layout ROW_BLOCKS)."""
+    return w.nbytes // w.shape[0]
+
+
+def down_row_bytes(layer: model.Layer) -> int:
+    """Bytes of one neuron's row of transposed_down(layer), without decoding anything."""
+    if _keeps_its_format(layer.ffn_down_t):
+        return _row_bytes(layer.ffn_down_t)
+    return 4 * layer.ffn_gate.shape[1]  # decoded to f32 [n_ff, d]
+
+
+def _kernel_row_bytes(qtypes: set, d: int) -> int | None:
+    """Bytes of one row of gate, up or down laid out by kernel_part for these weight types; None where it does not
+    take them."""
+    if qtypes == {GGMLQuantizationType.Q8_0}:
+        return d + 4 * (d // pallas_ffn.Q8_0_BLOCK)  # int8 values and an f32 scale per block (repack_q8_0)
+    return None
+
+
+def _down_qtype(layer: model.Layer) -> GGMLQuantizationType:
+    return layer.ffn_down_t.qtype if _keeps_its_format(layer.ffn_down_t) else GGMLQuantizationType.F32
+
+
+def neuron_bytes(layer: model.Layer, kernel: bool = False) -> int:
+    """Bytes one neuron of `layer` takes in a part as split_weights places it: its rows of gate, up and the
+    transposed down projection (laid out for the Pallas kernel with `kernel`, where it takes their types) and of the
+    predictor's output projection."""
+    d = layer.ffn_gate.shape[1]
+    kernel_rows = _kernel_row_bytes({layer.ffn_gate.qtype, layer.ffn_up.qtype, _down_qtype(layer)}, d) if kernel \
+        else None
+    if kernel_rows is not None:
+        ffn = 3 * kernel_rows
+    else:
+        ffn = _row_bytes(layer.ffn_gate) + _row_bytes(layer.ffn_up) + down_row_bytes(layer)
+    return ffn + (0 if layer.fc2 is None else _row_bytes(layer.fc2))
+
+
+def _uses_kernel(devices: "Placement", cfg: Config | None) -> bool:
+    return cfg is not None and cfg.ffn_sparsity == "predictor" and devices.hot_ffn_kernel != "xla"
+
+
+def _nbytes(tree) -> int:
+    """Bytes of the arrays of `tree`, each counted once (a tied output head is the embedding)."""
+    arrays = {id(leaf): leaf for leaf in jax.tree.leaves(tree)}
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in arrays.values())
+
+
+def placement_costs(weights: model.Weights, cfg: Config, devices: "Placement", kv_bytes: int) -> ModelCosts:
+    """What split_weights will place on the accelerator, for placement.solve: the dense part (everything but the
+    FFN neurons' rows; each layer's predictor input projection fc1 and threshold, which a hot part carries, are
+    counted for every layer) and each layer's bytes per hot neuron (neuron_bytes)."""
+    shared = [(layer.fc1, layer.ffn_threshold) for layer in weights.layers]
+    dense = _nbytes(_without_ffn(weights)) + _nbytes(shared)
+    kernel = _uses_kernel(devices, cfg)
+    per_neuron = np.array([neuron_bytes(layer, kernel) for layer in weights.layers], np.int64)
+    return ModelCosts(cfg.n_ff, per_neuron, dense, kv_bytes)
 
 
 def ffn_part(layer: model.Layer, rows: np.ndarray, device) -> model.Layer | None:
@@ -120,7 +184,7 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], placement: Plac
     """Place `weights` for a split: `hot[i]` are layer i's neurons on the accelerator, the rest go to the host.
     With a predictor (`cfg.ffn_sparsity == "predictor"`) and a Pallas `placement.hot_ffn_kernel`, hot parts whose
     types the kernel takes are laid out for it."""
-    use_kernel = cfg is not None and cfg.ffn_sparsity == "predictor" and placement.hot_ffn_kernel != "xla"
+    use_kernel = _uses_kernel(placement, cfg)
     hot_parts, cold_parts = [], []
     for layer, hot_rows in zip(weights.layers, hot):
         n_ff = layer.ffn_gate.shape[0]
@@ -130,17 +194,29 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], placement: Plac
             part = kernel_part(part) or part  # types the kernel does not take stay with sparse_ffn.ffn
         hot_parts.append(part)
         cold_parts.append(ffn_part(layer, cold_rows, placement.host))
-    without_ffn = [dataclasses.replace(layer, ffn_gate=None, ffn_up=None, ffn_down=None, ffn_down_t=None, fc1=None,
-                                       fc2=None) for layer in weights.layers]
-    dense = jax.device_put(dataclasses.replace(weights, layers=without_ffn), placement.accelerator)
+    dense = _without_ffn(weights)
+    tied = dense.output is dense.token_embd
+    dense = jax.device_put(dataclasses.replace(dense, output=None if tied else dense.output), placement.accelerator)
+    if tied:  # one copy: device_put would transfer the shared arrays twice
+        dense = dataclasses.replace(dense, output=dense.token_embd)
     return HybridWeights(dense, hot_parts, cold_parts)
 
 
-def ffn_bytes(parts: list[model.Layer | KernelPart | None]) -> int:
-    def weights(p):
-        return (p.gate, p.up, p.down_t) if isinstance(p, KernelPart) else (p.ffn_gate, p.ffn_up, p.ffn_down_t)
+def _without_ffn(weights: model.Weights) -> model.Weights:
+    """`weights` less the FFN neurons' arrays: what the accelerator holds for every token."""
+    layers = [dataclasses.replace(layer, ffn_gate=None, ffn_up=None, ffn_down=None, ffn_down_t=None, fc1=None,
+                                  fc2=None) for layer in weights.layers]
+    return dataclasses.replace(weights, layers=layers)
 
-    return sum(a.nbytes for p in parts if p is not None for a in jax.tree.leaves(weights(p)))
+
+def ffn_bytes(parts: list[model.Layer | KernelPart | None]) -> int:
+    """Bytes of the parts' neuron rows (gate, up, down and predictor output): what placement.solve priced."""
+    def rows(p):
+        if isinstance(p, KernelPart):
+            return p.gate, p.up, p.down_t, p.fc2
+        return p.ffn_gate, p.ffn_up, p.ffn_down_t, p.fc2
+
+    return sum(a.size * a.dtype.itemsize for p in parts if p is not None for a in jax.tree.leaves(rows(p)))
 
 
 @partial(jax.jit, donate_argnames=("cache",))

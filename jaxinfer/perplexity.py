@@ -358,9 +358,6 @@ def _cli_main(argv):
                        sparsity.parse_down_t_type(f.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
-    if split:
-        m = engine.split_model(m, f.vram_budget, ctx_size, f.activation_dir, f.reset_gpu_index)
-        print(m.split.summary, file=sys.stderr)
 
     if base is not None:
         if base.n_vocab != m.config.n_vocab:
@@ -382,6 +379,9 @@ def _cli_main(argv):
         n_ctx, n_chunks, source = ctx_size, f.chunks, f.file
     n_seq = cli.windows_per_batch(f.batch_size, n_ctx, len(tokens) // n_ctx)
     print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
+    if split:  # priced for the KV cache the evaluation allocates: n_seq windows of n_ctx
+        m = engine.split_model(m, f.vram_budget, n_ctx, f.activation_dir, f.reset_gpu_index, batch=n_seq)
+        print(m.split.summary, file=sys.stderr)
 
     def run(save=None):
         return evaluate(m, tokens, n_ctx=n_ctx, n_chunks=n_chunks, n_seq=n_seq, ubatch=f.ubatch_size,

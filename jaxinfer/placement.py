@@ -1,9 +1,10 @@
 """Hot/cold neuron placement under an accelerator memory budget, and PowerInfer's `.gpuidx` file.
 
-The budget first pays for what every token needs on the accelerator: attention weights, norms, predictors, the output
-head, the KV cache and a workspace reserve (the token embedding stays on the host, as in PowerInfer: it is a
-lookup). What is left buys FFN neurons. A neuron costs its rows of gate, up and down at their storage types; its
-value is how often it fired in the activation profile. Choosing neurons is then a knapsack whose items are tiny
+The budget first pays for what every token needs on the accelerator: the weights outside the FFN neurons (embedding,
+attention, norms, predictor input projections, output head), the KV cache and a workspace reserve. What is left
+buys FFN neurons. A neuron costs its rows of gate, up, down and predictor output exactly as hybrid.split_weights
+places them (hybrid.placement_costs prices them from the same layout: what is placed is what was priced); its value
+is how often it fired in the activation profile. Choosing neurons is then a knapsack whose items are tiny
 against the budget: taking them in decreasing fired-count-per-byte order (ties: layer, then neuron id) is optimal up
 to one item's bytes per distinct cost, deterministic, and linear-time after one sort (a 70B model's 2.3M neurons
 solve in well under a second, with no ILP solver or subprocess). PowerInfer's solver instead counts 3 x n_embd x
@@ -11,20 +12,24 @@ bytes for every neuron (31% too much for Bamboo and 70B) and buckets neurons by 
 
 `.gpuidx` (written as PowerInfer does: a GGUF with `PWRI` magic, architecture "generic.gpu_index"): per layer, in
 order, `blk.N.gpu_idx` (I32 [n_ff], 1 where the neuron lives on the accelerator) and `blk.N.gpu_bucket` (I32, the
-sorted ids of those neurons), plus `split.vram_capacity` (u64, bytes of FFN the split may use) and
-`generic.gpu_index.block_count`. jaxinfer adds `jaxinfer.model_fingerprint` and `jaxinfer.vram_budget`, so an index
-made for another model, another version of it or another budget is rebuilt, not trusted; so is a malformed one, or
-one placing more neurons than its budget buys. It lives beside the model, or in the model's cache folder when the
+sorted ids of those neurons; left out where there are none, as GGUF has no empty tensors), plus `split.vram_capacity` (u64, bytes of FFN the split may use) and
+`generic.gpu_index.block_count`. jaxinfer adds the model's fingerprint and every input of the solve (SOLVE_KEYS: the
+budget, the bytes of the dense weights and of the KV cache, digests of the per-neuron costs and of the activation
+counts), so an index made for another model, another version of it, another budget, context, cache type, batch,
+sparsity layout or profile is rebuilt, not trusted; so is a malformed one, or one placing more neurons than its
+budget buys. It lives beside the model, or in the model's cache folder when the
 model's folder is read-only or an installed package's (sidecar.derived_path).
 """
 
 import dataclasses
+import hashlib
 import os
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType
 
 from jaxinfer import sidecar
+from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 
 GIB = 1 << 30
@@ -32,44 +37,30 @@ WORKSPACE_BYTES = 256 << 20  # activations and compiler scratch kept free on the
 GPU_INDEX_ARCH = "generic.gpu_index"
 FINGERPRINT_KEY = "jaxinfer.model_fingerprint"
 BUDGET_KEY = "jaxinfer.vram_budget"
-
-
-def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    return cols // block_size * type_size
+DENSE_KEY = "jaxinfer.dense_bytes"
+KV_KEY = "jaxinfer.kv_bytes"
+NEURON_COSTS_KEY = "jaxinfer.neuron_bytes_sha256"
+PROFILE_KEY = "jaxinfer.activation_counts_sha256"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelCosts:
-    """Bytes the placement needs to know, from the model's tensors."""
+    """Bytes the placement needs to know, as the split places them (hybrid.placement_costs)."""
 
     n_ff: int
-    neuron_bytes: np.ndarray  # [n_layer] bytes of one neuron (its gate, up and down rows) in each layer
-    dense_bytes: int  # attention, norms, predictors, output head: on the accelerator for every token
-    kv_bytes: int  # the KV cache for the context
+    neuron_bytes: np.ndarray  # [n_layer] bytes of one neuron (its gate, up, down and predictor rows) in each layer
+    dense_bytes: int  # embedding, attention, norms, predictor inputs, output head: on the accelerator for every token
+    kv_bytes: int  # the KV cache for the context and batch
 
     @property
     def n_layer(self) -> int:
         return len(self.neuron_bytes)
 
 
-def model_costs(gguf, cfg, n_ctx: int, kv_bytes_per_value: int = 4) -> ModelCosts:
-    """Costs from a GGUFFile's tensor table (nothing is loaded)."""
-    neuron = np.zeros(cfg.n_layer, np.int64)
-    dense = 0
-    for name, t in gguf.tensors.items():
-        qtype = GGMLQuantizationType(t.tensor_type)
-        if name == "token_embd.weight":
-            continue
-        parts = name.split(".")
-        if parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down_t"):
-            neuron[int(parts[1])] += row_bytes(qtype, int(t.shape[0]))
-        elif parts[0] == "blk" and parts[2] == "ffn_down":  # [d, n_ff] stored: a neuron is a column, d values
-            neuron[int(parts[1])] += row_bytes(qtype, int(t.shape[0])) * cfg.n_embd // int(t.shape[0])
-        else:
-            dense += int(t.n_bytes)
-    kv = 2 * cfg.n_layer * n_ctx * cfg.n_head_kv * cfg.head_dim * kv_bytes_per_value
-    return ModelCosts(cfg.n_ff, neuron, dense, kv)
+def kv_cache_bytes(cfg: Config, n_ctx: int, batch: int = 1) -> int:
+    """Bytes of model.init_cache(cfg, batch, n_ctx): K and V of every layer, in the cache's element type."""
+    itemsize = np.dtype(CACHE_TYPES[cfg.cache_type]).itemsize
+    return 2 * cfg.n_layer * batch * n_ctx * cfg.n_head_kv * cfg.head_dim * itemsize
 
 
 @dataclasses.dataclass
@@ -79,6 +70,7 @@ class Split:
     ffn_bytes_used: int
     budget_bytes: int
     reused: bool = False  # read from a cached .gpuidx rather than solved
+    rebuilt_because: str | None = None  # why a cached .gpuidx was not reused (None: there was none, or it was)
 
     def hot_share(self, n_ff: int) -> float:
         return sum(len(h) for h in self.hot) / (len(self.hot) * n_ff)
@@ -89,11 +81,23 @@ def ffn_capacity(costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_
     return max(budget_bytes - costs.dense_bytes - costs.kv_bytes - reserve, 0)
 
 
+def no_neurons_reason(costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> str:
+    """Why a budget places no FFN neuron on the accelerator, in the words of the split's summary."""
+    mib = 1 << 20
+    spent = (f"dense weights {costs.dense_bytes / mib:.2f} MiB, KV cache {costs.kv_bytes / mib:.2f} MiB and "
+             f"workspace {reserve / mib:.2f} MiB")
+    capacity = ffn_capacity(costs, budget_bytes, reserve)
+    if capacity == 0:
+        over = costs.dense_bytes + costs.kv_bytes + reserve - budget_bytes
+        return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave nothing for FFN neurons"
+                + (f" ({over / mib:.2f} MiB over the budget)" if over > 0 else ""))
+    return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave {capacity} bytes, less than one FFN neuron "
+            f"({int(costs.neuron_bytes.min())} bytes)")
+
+
 def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> Split:
     """counts [n_layer, n_ff] activation counts -> the hot neurons of each layer (see the module docstring)."""
-    if counts.shape != (costs.n_layer, costs.n_ff):
-        raise JaxinferError(f"activation profile is {counts.shape}, the model has {costs.n_layer} layers of "
-                            f"{costs.n_ff} neurons")
+    check_counts(counts, costs)
     capacity = ffn_capacity(costs, budget_bytes, reserve)
     if capacity == 0:
         return Split([np.zeros(0, np.int64) for _ in range(costs.n_layer)], 0, 0, budget_bytes)
@@ -109,52 +113,82 @@ def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int
     return Split(hot, int(capacity), int(cost[chosen].sum()), budget_bytes)
 
 
+def check_counts(counts: np.ndarray, costs: ModelCosts) -> None:
+    if counts.shape != (costs.n_layer, costs.n_ff):
+        raise JaxinferError(f"activation profile is {counts.shape}, the model has {costs.n_layer} layers of "
+                            f"{costs.n_ff} neurons")
+
+
+def _digest(array: np.ndarray) -> str:
+    array = np.ascontiguousarray(array, np.int64)
+    return hashlib.sha256(str(array.shape).encode() + array.tobytes()).hexdigest()
+
+
+def solve_inputs(counts: np.ndarray, costs: ModelCosts, budget_bytes: int) -> dict[str, int | str]:
+    """What a solve depends on besides the model file, as the .gpuidx records it: a change to any rebuilds it."""
+    return {BUDGET_KEY: budget_bytes, DENSE_KEY: costs.dense_bytes, KV_KEY: costs.kv_bytes,
+            NEURON_COSTS_KEY: _digest(costs.neuron_bytes), PROFILE_KEY: _digest(counts)}
+
+
+# Why an index whose recorded input differs from this run's is not reused: what the user changed to cause it.
+STALE_REASONS = {
+    BUDGET_KEY: "another --vram-budget",
+    DENSE_KEY: "other dense weights on the accelerator (another --sparsity, exactness or kernel layout)",
+    KV_KEY: "another KV cache size (-c, --cache-type or batch)",
+    NEURON_COSTS_KEY: "other per-neuron costs (another --sparsity, --down-t-type or kernel layout)",
+    PROFILE_KEY: "another activation profile",
+}
+
+
 def gpuidx_path(model_path: str, create: bool = False) -> str:
     """`<model>.generated.gpuidx`, beside the model or in its cache folder (sidecar.derived_path)."""
     return sidecar.derived_path(model_path, os.path.basename(model_path) + ".generated.gpuidx", create)
 
 
-def write_gpuidx(path: str, split: Split, n_ff: int, model_path: str) -> None:
+def write_gpuidx(path: str, split: Split, n_ff: int, model_path: str, inputs: dict[str, int | str]) -> None:
+    """The split as PowerInfer's index, with the model's fingerprint and the solve's `inputs` (solve_inputs)."""
     from jaxinfer.powerinfer import PendingTensor, write_gguf
 
     fields = [
         (f"{GPU_INDEX_ARCH}.block_count", len(split.hot), GGUFValueType.UINT32, None),
         ("split.vram_capacity", split.ffn_capacity, GGUFValueType.UINT64, None),
         (FINGERPRINT_KEY, sidecar.model_fingerprint(model_path), GGUFValueType.STRING, None),
-        (BUDGET_KEY, split.budget_bytes, GGUFValueType.UINT64, None),
-    ]
+    ] + [(key, value, GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT64, None)
+         for key, value in inputs.items()]
     tensors = []
     for i, hot in enumerate(split.hot):
         mask = np.zeros(n_ff, np.int32)
         mask[hot] = 1
         tensors.append(PendingTensor(f"blk.{i}.gpu_idx", (n_ff,), GGMLQuantizationType.I32, lambda m=mask: m))
         bucket = hot.astype(np.int32)
-        tensors.append(PendingTensor(f"blk.{i}.gpu_bucket", (len(bucket),), GGMLQuantizationType.I32,
-                                     lambda b=bucket: b))
+        if len(bucket):  # an empty tensor is not valid GGUF (our reader rejects it): no hot neuron, no bucket
+            tensors.append(PendingTensor(f"blk.{i}.gpu_bucket", (len(bucket),), GGMLQuantizationType.I32,
+                                         lambda b=bucket: b))
     write_gguf(path, GPU_INDEX_ARCH, fields, tensors, powerinfer=True)
 
 
 def _hot_ids(g, i: int, n_ff: int, path: str) -> np.ndarray:
-    """Layer i's hot neuron ids from an index, checked: an I32 0/1 mask of n_ff and the sorted ids it marks."""
+    """Layer i's hot neuron ids from an index, checked: an I32 0/1 mask of n_ff and the sorted ids it marks (no
+    bucket where it marks none)."""
     mask, bucket = g.tensors.get(f"blk.{i}.gpu_idx"), g.tensors.get(f"blk.{i}.gpu_bucket")
-    if mask is None or bucket is None:
+    if mask is None:
         raise JaxinferError(f"GPU index {path} lacks layer {i}")
-    if any(t.tensor_type != GGMLQuantizationType.I32 or len(t.shape) != 1 for t in (mask, bucket)):
+    if any(t.tensor_type != GGMLQuantizationType.I32 or len(t.shape) != 1 for t in (mask, bucket) if t is not None):
         raise JaxinferError(f"GPU index {path}: layer {i}'s tensors must be 1-D I32")
     if mask.n_elements != n_ff:
         raise JaxinferError(f"GPU index {path}: layer {i} has {mask.n_elements} neurons, the model {n_ff}")
     flags = np.asarray(mask.data).reshape(-1)
     if not np.all((flags == 0) | (flags == 1)):
         raise JaxinferError(f"GPU index {path}: layer {i}'s gpu_idx holds values other than 0 and 1")
-    ids = np.asarray(bucket.data, np.int64).reshape(-1)
+    ids = np.zeros(0, np.int64) if bucket is None else np.asarray(bucket.data, np.int64).reshape(-1)
     if not np.array_equal(np.flatnonzero(flags), ids):
         raise JaxinferError(f"GPU index {path} is inconsistent in layer {i} (gpu_idx vs gpu_bucket)")
     return ids
 
 
-def read_gpuidx(path: str, model_path: str, budget_bytes: int, costs: ModelCosts) -> Split:
-    """A split from `path`; JaxinferError if it is unreadable, malformed, foreign, stale, made for another budget or
-    places more neurons than the budget buys."""
+def read_gpuidx(path: str, model_path: str, counts: np.ndarray, costs: ModelCosts, budget_bytes: int) -> Split:
+    """A split from `path`; JaxinferError if it is unreadable, malformed, foreign, stale, solved from other inputs
+    (solve_inputs) or places more neurons than the budget buys."""
     from jaxinfer.gguf_io import open_gguf
 
     try:
@@ -162,9 +196,10 @@ def read_gpuidx(path: str, model_path: str, budget_bytes: int, costs: ModelCosts
     except JaxinferError as e:
         raise JaxinferError(f"unusable GPU index {path}: {e}") from None
     if g.metadata.get(FINGERPRINT_KEY) != sidecar.model_fingerprint(model_path):
-        raise JaxinferError(f"GPU index {path} was made for a different model file (use --reset-gpu-index)")
-    if g.metadata.get(BUDGET_KEY) != budget_bytes:
-        raise JaxinferError(f"GPU index {path} was made for another --vram-budget (use --reset-gpu-index)")
+        raise JaxinferError(f"GPU index {path} was made for a different model file")
+    for key, value in solve_inputs(counts, costs, budget_bytes).items():
+        if g.metadata.get(key) != value:
+            raise JaxinferError(f"GPU index {path} was solved for {STALE_REASONS[key]}")
     n_layer, n_ff = costs.n_layer, costs.n_ff
     if g.metadata.get(f"{GPU_INDEX_ARCH}.block_count") != n_layer:
         raise JaxinferError(f"GPU index {path} does not match the model's {n_layer} layers")
@@ -179,14 +214,20 @@ def read_gpuidx(path: str, model_path: str, budget_bytes: int, costs: ModelCosts
     return Split(hot, capacity, used, budget_bytes, reused=True)
 
 
-def load_or_solve(model_path: str, counts_fn, costs: ModelCosts, budget_bytes: int, reset: bool = False) -> Split:
-    """The cached split for this model and budget, or a new one (solved from `counts_fn()`, written atomically)."""
+def load_or_solve(model_path: str, counts: np.ndarray, costs: ModelCosts, budget_bytes: int,
+                  reset: bool = False) -> Split:
+    """The cached split when it was solved from this model, `counts`, `costs` and budget, or a new one (written
+    atomically), whose `rebuilt_because` says why a cached one was not reused."""
+    check_counts(counts, costs)
     path = gpuidx_path(model_path, create=True)
-    if os.path.exists(path) and not reset:
+    reason = None
+    if reset:
+        reason = "--reset-gpu-index"
+    elif os.path.exists(path):
         try:
-            return read_gpuidx(path, model_path, budget_bytes, costs)
-        except JaxinferError:
-            pass  # stale, foreign, malformed or another budget: rebuilt below
-    split = solve(counts_fn(), costs, budget_bytes)
-    write_gpuidx(path, split, costs.n_ff, model_path)
+            return read_gpuidx(path, model_path, counts, costs, budget_bytes)
+        except JaxinferError as e:  # stale, foreign, malformed or solved from other inputs: rebuilt below
+            reason = str(e)
+    split = dataclasses.replace(solve(counts, costs, budget_bytes), rebuilt_because=reason)
+    write_gpuidx(path, split, costs.n_ff, model_path, solve_inputs(counts, costs, budget_bytes))
     return split

@@ -1,8 +1,8 @@
 """python -m jaxinfer.profile: count how often every FFN neuron fires over a text, for placement and research.
 
-Writes, into `activation/` beside the model (where PowerInfer looks for it; in the model's cache folder when the
-model's folder is read-only or an installed package's, see sidecar.derived_path) or `-o DIR`, replacing the folder
-as one unit:
+Writes, into `<model file>.activation/` beside the model (named after it, so that the profiles of models sharing a
+folder stay apart; in the model's cache folder when the model's folder is read-only or an installed package's, see
+sidecar.derived_path) or `-o DIR`, replacing the folder as one unit (PowerInfer's file names inside it):
     activation_{i}.pt   one file per layer i: a 1-D int64 torch tensor of length n_ff, how many of the profiled
                         tokens activated each neuron (PowerInfer's format; read it with torch.load or
                         jaxinfer.torch_format.load_tensor). Layers are numbered in numeric order.
@@ -34,8 +34,9 @@ def profile_counts(m, windows: np.ndarray, n_seq: int = 4) -> np.ndarray:
 
 
 def default_directory(model_path: str, create: bool = False) -> str:
-    """`activation/` beside the model (where PowerInfer looks), or in its cache folder (sidecar.derived_path)."""
-    return sidecar.derived_path(model_path, "activation", create)
+    """`<model file>.activation/` beside the model, or in its cache folder (sidecar.derived_path): one folder per
+    model, where the profile CLI writes and a split reads by default."""
+    return sidecar.derived_path(model_path, os.path.basename(model_path) + ".activation", create)
 
 
 def check_output_directory(directory: str) -> None:
@@ -179,8 +180,8 @@ def main():
     check_range("chunks", 1, sentinel=-1)
     check_range("batch_size", 1)
     flags.DEFINE_string("sparsity", "dense", "what counts as active: dense | predictor | gate:S | hidden:S")
-    flags.DEFINE_string("output", None, "output folder, replaced as a whole (default: activation/ beside the model, "
-                        "or in the model's cache folder when the model's folder is read-only)", short_name="o")
+    flags.DEFINE_string("output", None, "output folder, replaced as a whole (default: MODEL.activation/ beside the "
+                        "model, or in the model's cache folder when the model's folder is read-only)", short_name="o")
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)
 
 

@@ -1,3 +1,4 @@
+import dataclasses
 import itertools
 import os
 
@@ -6,7 +7,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType
 
-from jaxinfer import placement, sidecar
+from jaxinfer import model, placement, sidecar
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import load_config, open_gguf
 from jaxinfer.powerinfer import PendingTensor, write_gguf
@@ -54,64 +55,97 @@ def test_solver_is_within_one_item_of_the_exact_optimum():
         assert best - counts.max() <= value <= best
 
 
-def test_model_costs_count_each_neuron_rows_at_their_types(make_model):
-    g = open_gguf(make_model(n_embd=64, n_ff=128, sparsity=0.8, weight_type=Q.Q8_0))
-    costs = placement.model_costs(g, load_config(g), n_ctx=32)
-    assert costs.neuron_bytes.tolist() == [3 * 64 // 32 * 34] * 2  # gate, up, down_t rows of 64 values in Q8_0
-    assert costs.kv_bytes == 2 * 2 * 32 * 2 * 16 * 4
-    embd = g.tensors["token_embd.weight"].n_bytes
-    ffn = sum(t.n_bytes for n, t in g.tensors.items() if n.split(".")[-2] in ("ffn_gate", "ffn_up", "ffn_down_t"))
-    assert costs.dense_bytes == sum(t.n_bytes for t in g.tensors.values()) - embd - ffn
+def test_kv_cache_bytes_are_those_init_cache_allocates(make_model):
+    cfg = load_config(open_gguf(make_model(n_embd=64, n_ff=128)))
+    for n_ctx, batch, cache_type in [(32, 1, "f32"), (512, 4, "f32"), (64, 2, "f16")]:
+        typed = dataclasses.replace(cfg, cache_type=cache_type)
+        cache = model.init_cache(typed, batch, n_ctx)
+        assert placement.kv_cache_bytes(typed, n_ctx, batch) == cache.k.nbytes + cache.v.nbytes
 
 
-def test_gpuidx_round_trip_and_stale_rejection(make_model, tmp_path):
-    path = make_model(n_embd=64, n_ff=128, sparsity=0.8)
-    g = open_gguf(path)
-    costs = placement.model_costs(g, load_config(g), n_ctx=32)
-    counts = np.random.default_rng(2).integers(0, 100, size=(2, 128))
-    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 60 * int(costs.neuron_bytes[0])
-    split = placement.load_or_solve(path, lambda: counts, costs, budget)
+def test_no_neurons_reason_names_what_took_the_budget():
+    costs = costs_for([300, 200], 64, dense=10 << 20, kv=300 << 20)
+    budget = int(0.3 * placement.GIB)
+    reason = placement.no_neurons_reason(costs, budget)
+    assert reason.startswith("budget 0.30 GiB: dense weights 10.00 MiB, KV cache 300.00 MiB and workspace 256.00 MiB "
+                             "leave nothing for FFN neurons"), reason
+    assert "over the budget" in reason
+    tight = (10 << 20) + (300 << 20) + placement.WORKSPACE_BYTES + 150
+    assert "less than one FFN neuron (200 bytes)" in placement.no_neurons_reason(costs, tight)
+
+
+TEST_COSTS = costs_for([2 * 68 + 34 + 8, 2 * 68 + 34 + 8], 128, dense=5000, kv=2048)
+TEST_COUNTS = np.random.default_rng(2).integers(0, 100, size=(2, 128))
+TEST_BUDGET = 5000 + 2048 + placement.WORKSPACE_BYTES + 60 * int(TEST_COSTS.neuron_bytes[0])  # fits 60 neurons
+
+
+def test_gpuidx_round_trip_and_stale_rejection(make_model):
+    path, costs, counts, budget = make_model(n_embd=64, n_ff=128, sparsity=0.8), TEST_COSTS, TEST_COUNTS, TEST_BUDGET
+    split = placement.load_or_solve(path, counts, costs, budget)
     index = placement.gpuidx_path(path)
     assert open(index, "rb").read(4) == b"PWRI" and sum(len(h) for h in split.hot) == 60
-    again = placement.read_gpuidx(index, path, budget, costs)
+    assert not split.reused and split.rebuilt_because is None
+    again = placement.read_gpuidx(index, path, counts, costs, budget)
     assert all(np.array_equal(a, b) for a, b in zip(again.hot, split.hot))
     assert again.ffn_bytes_used == split.ffn_bytes_used
     with pytest.raises(JaxinferError, match="another --vram-budget"):
-        placement.read_gpuidx(index, path, budget + 1, costs)
+        placement.read_gpuidx(index, path, counts, costs, budget + 1)
     other = make_model(name="other.gguf", n_embd=64, n_ff=128, sparsity=0.8, seed=7)
     with pytest.raises(JaxinferError, match="different model"):
-        placement.read_gpuidx(index, other, budget, costs)
+        placement.read_gpuidx(index, other, counts, costs, budget)
     with open(index, "r+b") as f:  # corrupt it: the cache is rebuilt, never trusted
         f.truncate(100)
-    rebuilt = placement.load_or_solve(path, lambda: counts, costs, budget)
+    rebuilt = placement.load_or_solve(path, counts, costs, budget)
     assert all(np.array_equal(a, b) for a, b in zip(rebuilt.hot, split.hot))
-    assert os.path.getsize(index) > 100
+    assert "unusable GPU index" in rebuilt.rebuilt_because and os.path.getsize(index) > 100
+    assert placement.load_or_solve(path, counts, costs, budget).reused
+    assert placement.load_or_solve(path, counts, costs, budget, reset=True).rebuilt_because == "--reset-gpu-index"
+
+
+@pytest.mark.parametrize("change, reason", [
+    # -c 512 -> 4096 (or another cache type, or batch): the KV cache grows, fewer neurons fit
+    (dict(costs=dataclasses.replace(TEST_COSTS, kv_bytes=8 * 2048)), "another KV cache size"),
+    (dict(costs=dataclasses.replace(TEST_COSTS, dense_bytes=6000)), "other dense weights"),
+    (dict(costs=dataclasses.replace(TEST_COSTS, neuron_bytes=TEST_COSTS.neuron_bytes * 2)), "per-neuron costs"),
+    (dict(counts=TEST_COUNTS[:, ::-1].copy()), "another activation profile"),
+    (dict(budget_bytes=TEST_BUDGET + 4096), "another --vram-budget"),
+])
+def test_an_index_solved_from_other_inputs_is_rebuilt(make_model, change, reason):
+    path = make_model(n_embd=64, n_ff=128, sparsity=0.8)
+    inputs = dict(counts=TEST_COUNTS, costs=TEST_COSTS, budget_bytes=TEST_BUDGET)
+    placement.load_or_solve(path, **inputs)
+    assert placement.load_or_solve(path, **inputs).reused
+    changed = dict(inputs, **change)
+    split = placement.load_or_solve(path, **changed)
+    assert not split.reused and reason in split.rebuilt_because, split.rebuilt_because
+    fresh = placement.solve(changed["counts"], changed["costs"], changed["budget_bytes"])
+    assert all(np.array_equal(a, b) for a, b in zip(split.hot, fresh.hot))
+    assert placement.load_or_solve(path, **changed).reused  # the rebuilt index now serves the changed inputs
 
 
 @pytest.fixture
 def indexed_model(make_model):
     """(model path, costs, budget fitting 60 neurons) of a model whose .gpuidx is to be forged."""
-    path = make_model(n_embd=64, n_ff=128, sparsity=0.8)
-    g = open_gguf(path)
-    costs = placement.model_costs(g, load_config(g), n_ctx=32)
-    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 60 * int(costs.neuron_bytes[0])
-    return path, costs, budget
+    return make_model(n_embd=64, n_ff=128, sparsity=0.8), TEST_COSTS, TEST_BUDGET
 
 
-def forge_gpuidx(path, costs, budget, hot, drop=(), mask_type=Q.I32, mask_value=1, capacity=None, n_layer=2):
+def forge_gpuidx(path, costs, budget, hot, drop=(), mask_type=Q.I32, mask_value=1, capacity=None, n_layer=2,
+                 no_bucket=()):
     capacity = placement.ffn_capacity(costs, budget) if capacity is None else capacity
     fields = [(key, value, vtype, None) for key, value, vtype in [
         (f"{placement.GPU_INDEX_ARCH}.block_count", n_layer, GGUFValueType.UINT32),
         ("split.vram_capacity", capacity, GGUFValueType.UINT64),
         (placement.FINGERPRINT_KEY, sidecar.model_fingerprint(path), GGUFValueType.STRING),
-        (placement.BUDGET_KEY, budget, GGUFValueType.UINT64)] if key not in drop]
+        *((key, value, GGUFValueType.STRING if isinstance(value, str) else GGUFValueType.UINT64)
+          for key, value in placement.solve_inputs(TEST_COUNTS, costs, budget).items())] if key not in drop]
     dtype = {Q.I32: np.int32, Q.F32: np.float32}[mask_type]
     tensors = []
     for i, ids in enumerate(hot):
         mask = np.zeros(costs.n_ff, dtype)
         mask[ids] = mask_value
         tensors.append(PendingTensor(f"blk.{i}.gpu_idx", (costs.n_ff,), mask_type, lambda m=mask: m))
-        tensors.append(PendingTensor(f"blk.{i}.gpu_bucket", (len(ids),), Q.I32, lambda b=ids: b.astype(np.int32)))
+        if len(ids) and i not in no_bucket:  # as write_gpuidx: GGUF has no empty tensors
+            tensors.append(PendingTensor(f"blk.{i}.gpu_bucket", (len(ids),), Q.I32, lambda b=ids: b.astype(np.int32)))
     write_gguf(placement.gpuidx_path(path), placement.GPU_INDEX_ARCH, fields, tensors, powerinfer=True)
 
 
@@ -119,10 +153,12 @@ def forge_gpuidx(path, costs, budget, hot, drop=(), mask_type=Q.I32, mask_value=
     ("over budget", "more than the"),
     ("capacity lie", "vram_capacity"),
     ("no capacity", "vram_capacity"),
+    ("no solve inputs", "another KV cache size"),
     ("no block count", "layers"),
     ("float mask", "1-D I32"),
     ("mask of twos", "other than 0 and 1"),
     ("missing layer", "lacks layer 1"),
+    ("missing bucket", "inconsistent in layer 1"),
     ("other layer count", "2 layers"),
 ])
 def test_forged_gpu_indexes_are_rejected_and_rebuilt(indexed_model, case, message):
@@ -133,22 +169,34 @@ def test_forged_gpu_indexes_are_rejected_and_rebuilt(indexed_model, case, messag
         "over budget": dict(hot=all_hot),
         "capacity lie": dict(hot=all_hot, capacity=10**12),
         "no capacity": dict(hot=few, drop=("split.vram_capacity",)),
+        "no solve inputs": dict(hot=few, drop=(placement.KV_KEY,)),  # an index of an older version
         "no block count": dict(hot=few, drop=(f"{placement.GPU_INDEX_ARCH}.block_count",)),
         "float mask": dict(hot=few, mask_type=Q.F32),
         "mask of twos": dict(hot=few, mask_value=2),
         "missing layer": dict(hot=few[:1]),
+        "missing bucket": dict(hot=few, no_bucket=(1,)),
         "other layer count": dict(hot=few, n_layer=3),
     }[case])
     with pytest.raises(JaxinferError, match=message):
-        placement.read_gpuidx(placement.gpuidx_path(path), path, budget, costs)
-    counts = np.random.default_rng(3).integers(0, 100, size=(2, 128))
-    split = placement.load_or_solve(path, lambda: counts, costs, budget)
-    assert not split.reused and sum(len(h) for h in split.hot) == 60
-    assert placement.load_or_solve(path, lambda: counts, costs, budget).reused
+        placement.read_gpuidx(placement.gpuidx_path(path), path, TEST_COUNTS, costs, budget)
+    split = placement.load_or_solve(path, TEST_COUNTS, costs, budget)
+    assert not split.reused and message in split.rebuilt_because and sum(len(h) for h in split.hot) == 60
+    assert placement.load_or_solve(path, TEST_COUNTS, costs, budget).reused
+
+
+def test_a_split_with_empty_layers_is_reused(make_model):
+    path = make_model(n_embd=64, n_ff=128, sparsity=0.8)
+    counts = TEST_COUNTS.copy()
+    counts[1] = 0  # layer 1 never fires: its neurons are worth nothing, so 60 neurons of layer 0 are hot
+    for budget in (TEST_BUDGET, 0):  # some layers empty; every layer empty (the budget buys nothing)
+        split = placement.load_or_solve(path, counts, TEST_COSTS, budget)
+        assert len(split.hot[1]) == 0 and not split.reused
+        again = placement.load_or_solve(path, counts, TEST_COSTS, budget)
+        assert again.reused and all(np.array_equal(a, b) for a, b in zip(again.hot, split.hot))
 
 
 def test_a_forged_index_within_the_budget_is_used(indexed_model):
     path, costs, budget = indexed_model
     forge_gpuidx(path, costs, budget, hot=[np.arange(30), np.arange(60, 90)])
-    split = placement.read_gpuidx(placement.gpuidx_path(path), path, budget, costs)
+    split = placement.read_gpuidx(placement.gpuidx_path(path), path, TEST_COUNTS, costs, budget)
     assert [h.tolist() for h in split.hot] == [list(range(30)), list(range(60, 90))]
