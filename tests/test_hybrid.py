@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import engine, hybrid, model, perplexity, placement, profile, sparsity
+from jaxinfer.errors import JaxinferError
 
 
 @pytest.fixture
@@ -83,16 +84,79 @@ def test_perplexity_of_a_split_model_equals_the_unsplit_ones(sparse_model, ubatc
 
 
 @pytest.fixture
-def profiled_model(make_model, tmp_path):
+def profiled_model(make_model):
     """(path, budget in GiB) of a predictor model with an activation profile, the budget fitting 100.5 neurons."""
     path = make_model(n_embd=64, n_ff=256, sparsity=0.85, n_ctx=64)
     m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
-    tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
-    counts = profile.profile_counts(m, perplexity.make_windows(tokens, 32, -1, None))
-    profile.write_profile(str(tmp_path / "activation"), path, counts, tokens.size, "predictor")
-    costs = placement.model_costs(m.gguf, m.config, n_ctx=32)
+    write_profile(m)
+    kv = placement.kv_cache_bytes(m.config, 32)
+    costs = hybrid.placement_costs(m.weights, m.config, hybrid.Placement.detect(), kv)
     budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.neuron_bytes[0])
     return path, budget / placement.GIB
+
+
+def write_profile(m):
+    """An activation profile of `m` where a split finds it by default."""
+    tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
+    counts = profile.profile_counts(m, perplexity.make_windows(tokens, 32, -1, None))
+    profile.write_profile(profile.default_directory(m.path), m.path, counts, tokens.size, "predictor")
+
+
+def accelerator_bytes(hw: hybrid.HybridWeights, device) -> int:
+    """Bytes of the distinct arrays of a split's accelerator part, each checked to live on `device`."""
+    arrays = {id(a): a for a in jax.tree.leaves((hw.dense, hw.hot))}
+    assert all(a.devices() == {device} for a in arrays.values())
+    return sum(a.size * a.dtype.itemsize for a in arrays.values())
+
+
+@pytest.mark.parametrize("kind", ["dense Q8_0 SwiGLU (ffn_down decoded to f32 rows)", "predictor Q4_0 (ffn_down_t)"])
+def test_what_is_placed_is_what_was_priced(make_model, kind):
+    if kind.startswith("dense"):
+        m = engine.load_model(make_model(n_embd=64, n_ff=256, weight_type=Q.Q8_0, embedding_type=Q.Q8_0))
+    else:
+        path = make_model(n_embd=64, n_ff=256, sparsity=0.85, weight_type=Q.Q4_0, n_ctx=64)
+        m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
+    write_profile(m)
+    devices = hybrid.Placement.detect()
+    costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, 32))
+    fixed = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES
+    all_neurons = int(costs.neuron_bytes.sum()) * m.config.n_ff
+    for share in (0.1, 0.37, 0.8, 1.0):
+        budget = fixed + int(share * all_neurons)
+        split = engine.split_model(m, budget / placement.GIB, 32, None, reset=False).split
+        assert 0 < split.plan.ffn_bytes_used <= budget - fixed
+        assert hybrid.ffn_bytes(split.weights.hot) == split.plan.ffn_bytes_used, share  # placed == priced
+        placed = accelerator_bytes(split.weights, devices.accelerator)
+        assert placed <= costs.dense_bytes + split.plan.ffn_bytes_used  # fc1 is priced for layers with no hot row
+        assert placed + costs.kv_bytes + placement.WORKSPACE_BYTES <= budget
+        tied = m.weights.output is m.weights.token_embd
+        assert (split.weights.dense.output is split.weights.dense.token_embd) == tied  # a tied head is placed once
+    assert split.plan.ffn_bytes_used == all_neurons and hybrid.ffn_bytes(split.weights.cold) == 0
+
+
+def test_split_summary_says_reused_rebuilt_and_why_nothing_was_offloaded(profiled_model):
+    path, budget = profiled_model
+    m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
+    index = placement.gpuidx_path(path)
+    first = engine.split_model(m, budget, 32, None, reset=False).split.summary
+    assert f"index {index} (solved from the activation profile in {profile.default_directory(path)})" in first
+    assert f"index {index} (reused)" in engine.split_model(m, budget, 32, None, reset=False).split.summary
+    longer = engine.split_model(m, budget, 64, None, reset=False).split  # twice the KV cache: fewer neurons fit
+    assert "(rebuilt from the activation profile in" in longer.summary and "another KV cache size" in longer.summary
+    assert sum(map(len, longer.plan.hot)) < 100
+    # The solve depends on the KV cache's bytes: 2 sequences of 32 positions are 1 of 64 (reused), 2 of 64 are not
+    assert "(reused)" in engine.split_model(m, budget, 32, None, reset=False, batch=2).split.summary
+    batch = engine.split_model(m, budget, 64, None, reset=False, batch=2).split.summary
+    assert "another KV cache size" in batch, batch
+    nothing = engine.split_model(m, budget, 2048, None, reset=False).split.summary  # the KV cache takes it all
+    assert "offloaded 0.00 MiB" in nothing and "leave nothing for FFN neurons" in nothing, nothing
+    assert "KV cache 1.00 MiB" in nothing, nothing  # 2048 positions of 2 layers x 2 heads x 16 x K and V in f32
+
+
+def test_a_split_without_a_profile_is_a_one_line_error(make_model):
+    m = engine.load_model(make_model())
+    with pytest.raises(JaxinferError, match=r"no activation profile in .*tiny\.gguf\.activation: make one with"):
+        engine.split_model(m, 1.0, 32, None, reset=False)
 
 
 def run_cli(module, path, *args):
@@ -117,7 +181,8 @@ def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
     dense = run_cli("jaxinfer.perplexity", path, "-f", str(text), "-ub", "8")
-    split = run_cli("jaxinfer.perplexity", path, "-f", str(text), "-ub", "8", "--vram-budget", f"{budget:.12f}")
+    split = run_cli("jaxinfer.perplexity", path, "-f", str(text), "-ub", "8", "-b", "32",  # one window: the budget's KV
+                    "--vram-budget", f"{budget:.12f}")
     assert split.returncode == 0, split.stderr
     assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
     assert split.stdout.split("|")[0] == dense.stdout.split("|")[0]  # the same PPL line, split or not
