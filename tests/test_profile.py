@@ -74,6 +74,19 @@ def test_a_killed_profile_run_leaves_the_previous_profile_whole(make_model, tmp_
     assert sorted(os.listdir(tmp_path)) == ["activation", "tiny.gguf"]  # no temp left behind
 
 
+def test_profiles_of_models_sharing_a_folder_stay_apart(make_model):
+    first, second = make_model(), make_model(name="other.gguf", seed=3)
+    assert os.path.dirname(first) == os.path.dirname(second)
+    for model, seed in ((first, 0), (second, 1)):
+        profile.write_profile(profile.default_directory(model, create=True), model, counts_for(seed), 1000, "dense")
+    for model, seed in ((first, 0), (second, 1)):
+        directory = profile.default_directory(model)
+        assert os.path.basename(directory) == os.path.basename(model) + ".activation"
+        assert sorted(os.listdir(directory)) == ["activation.png", "activation_0.pt", "activation_1.pt",
+                                                 "profile.json"]  # PowerInfer's names inside
+        np.testing.assert_array_equal(profile.read_profile(directory, model, 2, 64), counts_for(seed))
+
+
 def test_layer_files_of_different_runs_are_rejected(make_model, tmp_path):
     model = make_model()
     first, second = str(tmp_path / "first"), str(tmp_path / "second")

@@ -104,7 +104,7 @@ def test_derived_files_of_a_packaged_model_go_to_its_cache_folder(make_model, tm
     beside = make_model()
     assert sparsity.thresholds_path(beside) == beside + ".sparsity.json"
     assert placement.gpuidx_path(beside) == beside + ".generated.gpuidx"
-    assert profile.default_directory(beside) == os.path.join(os.path.dirname(beside), "activation")
+    assert profile.default_directory(beside) == beside + ".activation"
 
     packaged = tmp_path / "lib" / "site-packages" / "some_model"
     packaged.mkdir(parents=True)
@@ -113,7 +113,7 @@ def test_derived_files_of_a_packaged_model_go_to_its_cache_folder(make_model, tm
     cache = tmp_path / "cache" / "models" / f"tiny.gguf-{sidecar.model_fingerprint(model)[:16]}"
     assert sparsity.thresholds_path(model, create=True) == str(cache / "tiny.gguf.sparsity.json")
     assert placement.gpuidx_path(model) == str(cache / "tiny.gguf.generated.gpuidx")
-    assert profile.default_directory(model) == str(cache / "activation")
+    assert profile.default_directory(model) == str(cache / "tiny.gguf.activation")
     assert cache.is_dir()
     sparsity.save_thresholds(model, "hidden", {0.5: np.ones(2)}, "test")
     assert os.listdir(packaged) == ["tiny.gguf"]

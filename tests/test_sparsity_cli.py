@@ -62,8 +62,8 @@ def test_a_profile_folder_with_other_files_is_not_replaced(make_model, text, tmp
 
 def test_profile_calibrate_and_train_end_to_end(make_model, text, tmp_path):
     sparse_model = make_model(n_ctx=64, n_embd=64, n_ff=128, sparsity=0.8)
-    out = tmp_path / "activation"
-    result = run("jaxinfer.profile", "-m", sparse_model, "-f", text, "-c", "32", "-o", str(out))
+    out = tmp_path / "tiny.gguf.activation"  # by default named after the model, beside it
+    result = run("jaxinfer.profile", "-m", sparse_model, "-f", text, "-c", "32")
     assert result.returncode == 0 and f"the activation profile goes to {out}" in result.stderr, result.stderr
     assert sorted(os.listdir(out)) == ["activation.png", "activation_0.pt", "activation_1.pt", "profile.json"]
     # A model in an installed package (as the default model is): its thresholds go to the cache folder, not beside it.
