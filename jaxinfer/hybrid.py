@@ -23,13 +23,13 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from jaxinfer import model, sparse_ffn
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.placement import ModelCosts
-from jaxinfer.quant import ROW_BLOCKS, QuantArray, dequantize, take_rows, tracing_for
+from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, ROW_BLOCKS, QuantArray, take_rows, tracing_for
 from pallas_kernels import sparse_ffn as pallas_ffn
 
 
@@ -58,22 +58,36 @@ def _rows(w: QuantArray | None, rows: np.ndarray) -> QuantArray | None:
     return dataclasses.replace(w, data=jnp.take(w.data, jnp.asarray(rows), axis=0), shape=(len(rows), w.shape[1]))
 
 
-def transposed_down(layer: model.Layer) -> QuantArray:
-    """The down projection one row per neuron. GGUF's ffn_down [d, n_ff] has neurons as columns, which quantized
-    blocks (running along a row) cannot be sliced by, so a dense model's is decoded once and stored f32 [n_ff, d]
-    (exact); a sparse model prepared by sparsity.apply already has it in its own format, unless packed neuron-major
-    for cpu_ext (whose rows of nibbles share their blocks' scales), which is decoded too. down_row_bytes prices it."""
-    if layer.ffn_down_t is None:
-        source, values = layer.ffn_down, dequantize(layer.ffn_down).T
-    elif _keeps_its_format(layer.ffn_down_t):
-        return layer.ffn_down_t
-    else:
-        source, values = layer.ffn_down_t, dequantize(layer.ffn_down_t)  # already one row per neuron
-    return QuantArray(values, GGMLQuantizationType.F32, tuple(values.shape), source.exact)
+def unit_neurons(layer: model.Layer) -> int:
+    """How many consecutive neurons move together between accelerator and host, so that every part keeps the layer's
+    own down projection bytes: 1 where it has one row per neuron (ffn_down_t, or a float ffn_down, transposed
+    exactly); a quantized ffn_down [d, n_ff] has blocks running across neurons, and a neuron-major packing (quant.py)
+    shares scales among 32 neurons, so their parts hold whole blocks."""
+    if layer.ffn_down_t is not None:
+        return NEURON_MAJOR_BLOCK if layer.ffn_down_t.layout == NEURON_MAJOR else 1
+    return 1 if layer.ffn_down.qtype in FLOAT_TYPES else GGML_QUANT_SIZES[layer.ffn_down.qtype][0]
 
 
-def _keeps_its_format(down_t: QuantArray | None) -> bool:
-    return down_t is not None and down_t.layout == ROW_BLOCKS
+NEURON_MAJOR_BLOCK = 32  # neurons per block of quant.pack_neuron_major
+
+
+def _down_part(layer: model.Layer, rows: np.ndarray) -> dict:
+    """The down projection of neurons `rows` (whole units, see unit_neurons) in the layer's own format and values:
+    {"ffn_down": ...} or {"ffn_down_t": ...} of the part."""
+    down, down_t = layer.ffn_down, layer.ffn_down_t
+    if down_t is not None and down_t.layout == ROW_BLOCKS:
+        return {"ffn_down_t": _rows(down_t, rows)}
+    unit = unit_neurons(layer)
+    if unit == 1:  # a float ffn_down: its transpose is exact, one row per neuron
+        return {"ffn_down_t": _rows(QuantArray(down.data.T, down.qtype, down.shape[::-1], down.exact), rows)}
+    blocks = jnp.asarray(rows[::unit] // unit)
+    if down_t is not None:  # neuron-major: one run of bytes per block of 32 neurons
+        return {"ffn_down_t": dataclasses.replace(down_t, data=jnp.take(down_t.data, blocks, axis=0),
+                                                  shape=(len(rows), down_t.shape[1]))}
+    d, n_ff = down.shape
+    per_block = down.data.reshape(d, n_ff // unit, -1)  # [d, blocks across neurons, block bytes]
+    data = jnp.take(per_block, blocks, axis=1).reshape(d, -1)
+    return {"ffn_down": dataclasses.replace(down, data=data, shape=(d, len(rows)))}
 
 
 def _row_bytes(w: QuantArray) -> int:
@@ -81,37 +95,23 @@ def _row_bytes(w: QuantArray) -> int:
     return w.nbytes // w.shape[0]
 
 
-def down_row_bytes(layer: model.Layer) -> int:
-    """Bytes of one neuron's row of transposed_down(layer), without decoding anything."""
-    if _keeps_its_format(layer.ffn_down_t):
-        return _row_bytes(layer.ffn_down_t)
-    return 4 * layer.ffn_gate.shape[1]  # decoded to f32 [n_ff, d]
+def _down_unit_bytes(layer: model.Layer) -> int:
+    """Bytes of one unit's down projection as _down_part places it."""
+    down = layer.ffn_down if layer.ffn_down_t is None else layer.ffn_down_t
+    n_ff = layer.ffn_gate.shape[0]
+    return down.nbytes // (n_ff // unit_neurons(layer))
 
 
-def _kernel_row_bytes(qtypes: set, d: int) -> int | None:
-    """Bytes of one row of gate, up or down laid out by kernel_part for these weight types; None where it does not
-    take them."""
-    if qtypes == {GGMLQuantizationType.Q8_0}:
-        return d + 4 * (d // pallas_ffn.Q8_0_BLOCK)  # int8 values and an f32 scale per block (repack_q8_0)
-    return None
-
-
-def _down_qtype(layer: model.Layer) -> GGMLQuantizationType:
-    return layer.ffn_down_t.qtype if _keeps_its_format(layer.ffn_down_t) else GGMLQuantizationType.F32
-
-
-def neuron_bytes(layer: model.Layer, kernel: bool = False) -> int:
-    """Bytes one neuron of `layer` takes in a part as split_weights places it: its rows of gate, up and the
-    transposed down projection (laid out for the Pallas kernel with `kernel`, where it takes their types) and of the
-    predictor's output projection."""
-    d = layer.ffn_gate.shape[1]
-    kernel_rows = _kernel_row_bytes({layer.ffn_gate.qtype, layer.ffn_up.qtype, _down_qtype(layer)}, d) if kernel \
-        else None
-    if kernel_rows is not None:
-        ffn = 3 * kernel_rows
-    else:
-        ffn = _row_bytes(layer.ffn_gate) + _row_bytes(layer.ffn_up) + down_row_bytes(layer)
-    return ffn + (0 if layer.fc2 is None else _row_bytes(layer.fc2))
+def unit_bytes(layer: model.Layer, kernel: bool = False) -> int:
+    """Bytes one unit of `layer`'s neurons takes in a part as split_weights places it: the rows of gate, up, the
+    down projection (laid out for the Pallas kernel with `kernel`, where it takes their types, see kernel_part) and
+    the predictor's output projection."""
+    unit = unit_neurons(layer)
+    predictor = 0 if layer.fc2 is None else _row_bytes(layer.fc2)
+    if kernel and _kernel_takes(layer.ffn_gate, layer.ffn_up, layer.ffn_down_t) == "q8_0":
+        d = layer.ffn_gate.shape[1]
+        return 3 * (d + 4 * (d // pallas_ffn.Q8_0_BLOCK)) + predictor  # int8 values and an f32 scale per block
+    return unit * (_row_bytes(layer.ffn_gate) + _row_bytes(layer.ffn_up) + predictor) + _down_unit_bytes(layer)
 
 
 def _uses_kernel(devices: "Placement", cfg: Config | None) -> bool:
@@ -127,21 +127,27 @@ def _nbytes(tree) -> int:
 def placement_costs(weights: model.Weights, cfg: Config, devices: "Placement", kv_bytes: int) -> ModelCosts:
     """What split_weights will place on the accelerator, for placement.solve: the dense part (everything but the
     FFN neurons' rows; each layer's predictor input projection fc1 and threshold, which a hot part carries, are
-    counted for every layer) and each layer's bytes per hot neuron (neuron_bytes)."""
+    counted for every layer) and each layer's units of neurons (unit_neurons, unit_bytes)."""
     shared = [(layer.fc1, layer.ffn_threshold) for layer in weights.layers]
     dense = _nbytes(_without_ffn(weights)) + _nbytes(shared)
     kernel = _uses_kernel(devices, cfg)
-    per_neuron = np.array([neuron_bytes(layer, kernel) for layer in weights.layers], np.int64)
-    return ModelCosts(cfg.n_ff, per_neuron, dense, kv_bytes)
+    per_unit = np.array([unit_bytes(layer, kernel) for layer in weights.layers], np.int64)
+    units = np.array([unit_neurons(layer) for layer in weights.layers], np.int64)
+    return ModelCosts(cfg.n_ff, per_unit, dense, kv_bytes, units)
 
 
 def ffn_part(layer: model.Layer, rows: np.ndarray, device) -> model.Layer | None:
-    """Just the FFN of the layer (and its predictor) restricted to neurons `rows`, on `device`; None for no rows."""
+    """Just the FFN of the layer (and its predictor) restricted to neurons `rows`, whole units of unit_neurons, on
+    `device`; None for no rows."""
     if len(rows) == 0:
         return None
+    unit, starts = unit_neurons(layer), rows[::unit_neurons(layer)]
+    if len(rows) % unit or np.any(starts % unit) or np.any(rows.reshape(-1, unit) != starts[:, None] + np.arange(unit)):
+        raise ValueError(f"a part of this layer holds whole aligned units of {unit} neurons (its down projection's "
+                         f"blocks)")
     no_attention = dict.fromkeys(("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"))
     part = model.Layer(**no_attention, ffn_gate=_rows(layer.ffn_gate, rows), ffn_up=_rows(layer.ffn_up, rows),
-                       ffn_down=None, ffn_down_t=_rows(transposed_down(layer), rows), fc1=layer.fc1,
+                       **{"ffn_down": None, "ffn_down_t": None, **_down_part(layer, rows)}, fc1=layer.fc1,
                        fc2=_rows(layer.fc2, rows), ffn_threshold=layer.ffn_threshold)
     return jax.device_put(part, device)
 
@@ -158,13 +164,23 @@ class KernelPart:
     fc2: QuantArray  # [n_hot, rank]: the predictor rows of this part's neurons
 
 
-def kernel_part(part: model.Layer) -> KernelPart | None:
-    """`part` in the Pallas kernel's layout, or None where the kernel does not take its weight types."""
-    weights = (part.ffn_gate, part.ffn_up, part.ffn_down_t)
-    types = {w.qtype for w in weights}
+def _kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -> str | None:
+    """"q8_0" or "float" where the Pallas kernel takes these weights (rows per neuron in one kind of type), else None."""
+    if down_t is None or down_t.layout != ROW_BLOCKS:
+        return None
+    types = {w.qtype for w in (gate, up, down_t)}
     if types == {GGMLQuantizationType.Q8_0}:
+        return "q8_0"
+    return "float" if types <= {GGMLQuantizationType.F32, GGMLQuantizationType.F16} else None
+
+
+def kernel_part(part: model.Layer) -> KernelPart | None:
+    """`part` in the Pallas kernel's layout, or None where the kernel does not take its weights."""
+    weights = (part.ffn_gate, part.ffn_up, part.ffn_down_t)
+    kind = _kernel_takes(*weights)
+    if kind == "q8_0":
         rows = [pallas_ffn.repack_q8_0(w.data, w.shape[1]) for w in weights]
-    elif types <= {GGMLQuantizationType.F32, GGMLQuantizationType.F16}:
+    elif kind == "float":
         rows = [pallas_ffn.RowWeights(w.data) for w in weights]
     else:
         return None
@@ -214,7 +230,7 @@ def ffn_bytes(parts: list[model.Layer | KernelPart | None]) -> int:
     def rows(p):
         if isinstance(p, KernelPart):
             return p.gate, p.up, p.down_t, p.fc2
-        return p.ffn_gate, p.ffn_up, p.ffn_down_t, p.fc2
+        return p.ffn_gate, p.ffn_up, p.ffn_down, p.ffn_down_t, p.fc2
 
     return sum(a.size * a.dtype.itemsize for p in parts if p is not None for a in jax.tree.leaves(rows(p)))
 

@@ -48,13 +48,20 @@ class ModelCosts:
     """Bytes the placement needs to know, as the split places them (hybrid.placement_costs)."""
 
     n_ff: int
-    neuron_bytes: np.ndarray  # [n_layer] bytes of one neuron (its gate, up, down and predictor rows) in each layer
+    # [n_layer] bytes of one unit of placement in each layer: its neurons' gate, up, down and predictor rows
+    unit_bytes: np.ndarray
     dense_bytes: int  # embedding, attention, norms, predictor inputs, output head: on the accelerator for every token
     kv_bytes: int  # the KV cache for the context and batch
+    # [n_layer] neurons per unit, consecutive and aligned (None: 1): a down projection stored in quantized blocks
+    # across neurons moves a block's neurons together, so that it keeps its bytes and values
+    unit_neurons: np.ndarray | None = None
 
     @property
     def n_layer(self) -> int:
-        return len(self.neuron_bytes)
+        return len(self.unit_bytes)
+
+    def neurons_per_unit(self) -> np.ndarray:
+        return np.ones(self.n_layer, np.int64) if self.unit_neurons is None else np.asarray(self.unit_neurons)
 
 
 def kv_cache_bytes(cfg: Config, n_ctx: int, batch: int = 1) -> int:
@@ -91,8 +98,8 @@ def no_neurons_reason(costs: ModelCosts, budget_bytes: int, reserve: int = WORKS
         over = costs.dense_bytes + costs.kv_bytes + reserve - budget_bytes
         return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave nothing for FFN neurons"
                 + (f" ({over / mib:.2f} MiB over the budget)" if over > 0 else ""))
-    return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave {capacity} bytes, less than one FFN neuron "
-            f"({int(costs.neuron_bytes.min())} bytes)")
+    return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave {capacity} bytes, less than one unit of FFN "
+            f"neurons ({int(costs.unit_bytes.min())} bytes)")
 
 
 def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> Split:
@@ -101,15 +108,18 @@ def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int
     capacity = ffn_capacity(costs, budget_bytes, reserve)
     if capacity == 0:
         return Split([np.zeros(0, np.int64) for _ in range(costs.n_layer)], 0, 0, budget_bytes)
-    cost = np.repeat(costs.neuron_bytes.astype(np.float64), costs.n_ff)
-    value = counts.reshape(-1).astype(np.float64)
-    # Best value per byte first. The arrays are laid out layer by layer, neuron by neuron, so a stable sort breaks
-    # ties by layer, then by neuron id: the result never depends on the sort's whims.
+    group = costs.neurons_per_unit()
+    units = costs.n_ff // group  # per layer
+    cost = np.repeat(costs.unit_bytes.astype(np.float64), units)
+    value = np.concatenate([c.reshape(n, g).sum(axis=1) for c, n, g in zip(counts, units, group)]).astype(np.float64)
+    # Best value per byte first. The arrays are laid out layer by layer, unit by unit, so a stable sort breaks ties
+    # by layer, then by neuron id: the result never depends on the sort's whims.
     order = np.argsort(-(value / cost), kind="stable")
     chosen = order[np.cumsum(cost[order]) <= capacity]
     on_accelerator = np.zeros(len(order), bool)
     on_accelerator[chosen] = True
-    hot = [np.flatnonzero(row) for row in on_accelerator.reshape(costs.n_layer, costs.n_ff)]
+    bounds = np.cumsum(units)[:-1]
+    hot = [np.flatnonzero(np.repeat(flags, g)) for flags, g in zip(np.split(on_accelerator, bounds), group)]
     return Split(hot, int(capacity), int(cost[chosen].sum()), budget_bytes)
 
 
@@ -117,6 +127,8 @@ def check_counts(counts: np.ndarray, costs: ModelCosts) -> None:
     if counts.shape != (costs.n_layer, costs.n_ff):
         raise JaxinferError(f"activation profile is {counts.shape}, the model has {costs.n_layer} layers of "
                             f"{costs.n_ff} neurons")
+    if np.any(costs.n_ff % costs.neurons_per_unit()):
+        raise ValueError(f"units of {costs.neurons_per_unit().tolist()} neurons do not divide {costs.n_ff}")
 
 
 def _digest(array: np.ndarray) -> str:
@@ -127,7 +139,8 @@ def _digest(array: np.ndarray) -> str:
 def solve_inputs(counts: np.ndarray, costs: ModelCosts, budget_bytes: int) -> dict[str, int | str]:
     """What a solve depends on besides the model file, as the .gpuidx records it: a change to any rebuilds it."""
     return {BUDGET_KEY: budget_bytes, DENSE_KEY: costs.dense_bytes, KV_KEY: costs.kv_bytes,
-            NEURON_COSTS_KEY: _digest(costs.neuron_bytes), PROFILE_KEY: _digest(counts)}
+            NEURON_COSTS_KEY: _digest(np.stack([costs.unit_bytes, costs.neurons_per_unit()])),
+            PROFILE_KEY: _digest(counts)}
 
 
 # Why an index whose recorded input differs from this run's is not reused: what the user changed to cause it.
@@ -206,8 +219,15 @@ def read_gpuidx(path: str, model_path: str, counts: np.ndarray, costs: ModelCost
     capacity = ffn_capacity(costs, budget_bytes)
     if g.metadata.get("split.vram_capacity") != capacity:
         raise JaxinferError(f"GPU index {path}: split.vram_capacity is not the {capacity} bytes this budget buys")
+    group = costs.neurons_per_unit()
     hot = [_hot_ids(g, i, n_ff, path) for i in range(n_layer)]
-    used = int(sum(len(ids) * int(costs.neuron_bytes[i]) for i, ids in enumerate(hot)))
+    for i, ids in enumerate(hot):
+        flags = np.zeros(n_ff, bool)
+        flags[ids] = True
+        units = flags.reshape(-1, group[i])
+        if np.any(units.any(axis=1) & ~units.all(axis=1)):
+            raise JaxinferError(f"GPU index {path} splits layer {i}'s units of {group[i]} neurons")
+    used = int(sum(len(ids) // group[i] * int(costs.unit_bytes[i]) for i, ids in enumerate(hot)))
     if used > capacity:
         raise JaxinferError(f"GPU index {path} places {used} bytes of neurons on the accelerator, more than the "
                             f"{capacity} the budget buys")

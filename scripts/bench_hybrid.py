@@ -41,7 +41,7 @@ FLAGS = flags.FLAGS
 def layer_split(costs, capacity: int) -> list[np.ndarray]:
     """Whole layers' FFNs on the accelerator, first layers first, while they fit (llama.cpp's -ngl)."""
     hot, used = [], 0
-    for layer_bytes in costs.neuron_bytes * costs.n_ff:
+    for layer_bytes in costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit()):
         fits = used + layer_bytes <= capacity
         used += layer_bytes if fits else 0
         hot.append(np.arange(costs.n_ff) if fits else np.zeros(0, np.int64))
@@ -72,8 +72,8 @@ def main(argv):
     devices = hybrid.Placement.detect()
     tokens = np.asarray(m.tokenizer.encode(open(FLAGS.file, encoding="utf-8").read()), np.int32)
     counts = profile.profile_counts(m, perplexity.make_windows(tokens, 128, 8, None))
-    costs = placement.model_costs(m.gguf, m.config, FLAGS.ctx_size)
-    ffn_total = int((costs.neuron_bytes * costs.n_ff).sum())
+    costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, FLAGS.ctx_size))
+    ffn_total = int((costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit())).sum())
     capacity = int(FLAGS.ffn_share * ffn_total)
     budget = capacity + costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES
     splits = {"neurons": placement.solve(counts, costs, budget).hot, "layers": layer_split(costs, capacity)}

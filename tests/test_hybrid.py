@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, hybrid, model, perplexity, placement, profile, sparsity
+from jaxinfer import engine, hybrid, model, perplexity, placement, profile, quant, sparsity
 from jaxinfer.errors import JaxinferError
 
 
@@ -56,16 +56,38 @@ def test_hybrid_equals_the_dense_masked_model(sparse_model, hot_share, hot_ffn_k
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
 
 
-def test_swiglu_model_with_ffn_down_splits_too(make_model):
-    m = engine.load_model(make_model())  # ffn_down [d, n_ff]: decoded once to rows per neuron for the split
+@pytest.mark.parametrize("down", ["F32 ffn_down", "Q4_0 ffn_down", "Q4_0 neuron-major ffn_down_t"])
+def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
+    """A dense model's down projection is split in its own format: a float one transposed exactly (any neurons), a
+    quantized one by whole blocks across neurons, a neuron-major packing by whole blocks of 32 neurons."""
+    if down.startswith("F32"):
+        m = engine.load_model(make_model())
+        hot = [np.arange(0, 128, 3), np.arange(5)]
+    else:
+        m = engine.load_model(make_model(weight_type=Q.Q4_0))
+        hot = [np.arange(32, 96), np.arange(0, 32)]
+    if "neuron-major" in down:
+        m = dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=[
+            sparsity.with_transposed_down(layer) for layer in m.weights.layers]))
+        assert m.weights.layers[0].ffn_down_t.layout == quant.NEURON_MAJOR
     placement = hybrid.Placement.detect()
-    hot = [np.arange(0, 128, 3), np.arange(5)]
     hw = hybrid.split_weights(m.weights, hot, placement)
+    original = m.weights.layers[0]
+    for part in hw.hot + hw.cold:  # the stored type (and layout) is kept: no decoding to f32
+        placed = part.ffn_down_t if part.ffn_down is None else part.ffn_down
+        source = original.ffn_down_t if original.ffn_down is None else original.ffn_down
+        assert (placed.qtype, placed.layout) == (source.qtype, source.layout)
+    costs = hybrid.placement_costs(m.weights, m.config, placement, 0)
+    assert hybrid.ffn_bytes(hw.hot) + hybrid.ffn_bytes(hw.cold) == sum(
+        costs.unit_bytes * (m.config.n_ff // costs.neurons_per_unit()))  # as many bytes as the model's FFNs
     tokens = np.random.default_rng(6).integers(0, m.config.n_vocab, size=(2, 8)).astype(np.int32)
     reference, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
     cache = jax.device_put(model.init_cache(m.config, 2, 8), placement.accelerator)
     hidden, _ = hybrid.forward(tokens, hw, m.config, cache, placement)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5, atol=1e-5)
+    if not down.startswith("F32"):  # half a block of neurons cannot move alone
+        with pytest.raises(ValueError, match="whole aligned units"):
+            hybrid.split_weights(m.weights, [np.arange(16, 48), np.arange(0)], placement)
 
 
 @pytest.mark.parametrize("ubatch", [8, 32])
@@ -91,7 +113,7 @@ def profiled_model(make_model):
     write_profile(m)
     kv = placement.kv_cache_bytes(m.config, 32)
     costs = hybrid.placement_costs(m.weights, m.config, hybrid.Placement.detect(), kv)
-    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.neuron_bytes[0])
+    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.unit_bytes[0])
     return path, budget / placement.GIB
 
 
@@ -120,7 +142,7 @@ def test_what_is_placed_is_what_was_priced(make_model, kind):
     devices = hybrid.Placement.detect()
     costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, 32))
     fixed = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES
-    all_neurons = int(costs.neuron_bytes.sum()) * m.config.n_ff
+    all_neurons = int((costs.unit_bytes * (m.config.n_ff // costs.neurons_per_unit())).sum())
     for share in (0.1, 0.37, 0.8, 1.0):
         budget = fixed + int(share * all_neurons)
         split = engine.split_model(m, budget / placement.GIB, 32, None, reset=False).split

@@ -13,8 +13,8 @@ from jaxinfer.gguf_io import load_config, open_gguf
 from jaxinfer.powerinfer import PendingTensor, write_gguf
 
 
-def costs_for(neuron_bytes, n_ff, dense=1000, kv=500):
-    return placement.ModelCosts(n_ff, np.asarray(neuron_bytes, np.int64), dense, kv)
+def costs_for(unit_bytes, n_ff, dense=1000, kv=500):
+    return placement.ModelCosts(n_ff, np.asarray(unit_bytes, np.int64), dense, kv)
 
 
 def test_solver_respects_budget_and_partitions_every_neuron():
@@ -23,12 +23,22 @@ def test_solver_respects_budget_and_partitions_every_neuron():
     counts = rng.integers(0, 50, size=(3, 64))
     for budget in [0, 1500 + placement.WORKSPACE_BYTES + 5000, 10**9]:
         split = placement.solve(counts, costs, budget)
-        used = sum(len(h) * costs.neuron_bytes[i] for i, h in enumerate(split.hot))
+        used = sum(len(h) * costs.unit_bytes[i] for i, h in enumerate(split.hot))
         assert used == split.ffn_bytes_used <= max(split.ffn_capacity, 0)
         for h in split.hot:
             assert len(np.unique(h)) == len(h) and np.all(np.diff(h) > 0) and (len(h) == 0 or h[-1] < 64)
     assert all(len(h) == 64 for h in placement.solve(counts, costs, 10**9).hot)  # everything fits: all hot
     assert all(len(h) == 0 for h in placement.solve(counts, costs, 0).hot)
+
+
+def test_solver_moves_whole_units_of_neurons():
+    counts = np.zeros((2, 16), np.int64)
+    counts[0, 5] = 100  # one hot neuron in the unit 4..7 of layer 0
+    counts[1] = np.arange(16)  # layer 1 (units of 1) rises steadily
+    costs = placement.ModelCosts(16, np.array([4 * 10, 10]), 0, 0, unit_neurons=np.array([4, 1]))
+    split = placement.solve(counts, costs, placement.WORKSPACE_BYTES + 4 * 10 + 3 * 10)
+    assert [h.tolist() for h in split.hot] == [[4, 5, 6, 7], [13, 14, 15]]
+    assert split.ffn_bytes_used == 70
 
 
 def test_solver_is_deterministic_with_ties():
@@ -48,7 +58,7 @@ def test_solver_is_within_one_item_of_the_exact_optimum():
         capacity = int(rng.integers(5, 40))
         split = placement.solve(counts, costs, capacity + placement.WORKSPACE_BYTES)
         value = sum(counts[i, h].sum() for i, h in enumerate(split.hot))
-        items = [(counts[i, j], costs.neuron_bytes[i]) for i in range(2) for j in range(5)]
+        items = [(counts[i, j], costs.unit_bytes[i]) for i in range(2) for j in range(5)]
         best = max(sum(v for (v, _), t in zip(items, take) if t)
                    for take in itertools.product([0, 1], repeat=len(items))
                    if sum(c for (_, c), t in zip(items, take) if t) <= capacity)
@@ -71,12 +81,12 @@ def test_no_neurons_reason_names_what_took_the_budget():
                              "leave nothing for FFN neurons"), reason
     assert "over the budget" in reason
     tight = (10 << 20) + (300 << 20) + placement.WORKSPACE_BYTES + 150
-    assert "less than one FFN neuron (200 bytes)" in placement.no_neurons_reason(costs, tight)
+    assert "less than one unit of FFN neurons (200 bytes)" in placement.no_neurons_reason(costs, tight)
 
 
 TEST_COSTS = costs_for([2 * 68 + 34 + 8, 2 * 68 + 34 + 8], 128, dense=5000, kv=2048)
 TEST_COUNTS = np.random.default_rng(2).integers(0, 100, size=(2, 128))
-TEST_BUDGET = 5000 + 2048 + placement.WORKSPACE_BYTES + 60 * int(TEST_COSTS.neuron_bytes[0])  # fits 60 neurons
+TEST_BUDGET = 5000 + 2048 + placement.WORKSPACE_BYTES + 60 * int(TEST_COSTS.unit_bytes[0])  # fits 60 neurons
 
 
 def test_gpuidx_round_trip_and_stale_rejection(make_model):
@@ -106,7 +116,7 @@ def test_gpuidx_round_trip_and_stale_rejection(make_model):
     # -c 512 -> 4096 (or another cache type, or batch): the KV cache grows, fewer neurons fit
     (dict(costs=dataclasses.replace(TEST_COSTS, kv_bytes=8 * 2048)), "another KV cache size"),
     (dict(costs=dataclasses.replace(TEST_COSTS, dense_bytes=6000)), "other dense weights"),
-    (dict(costs=dataclasses.replace(TEST_COSTS, neuron_bytes=TEST_COSTS.neuron_bytes * 2)), "per-neuron costs"),
+    (dict(costs=dataclasses.replace(TEST_COSTS, unit_bytes=TEST_COSTS.unit_bytes * 2)), "per-neuron costs"),
     (dict(counts=TEST_COUNTS[:, ::-1].copy()), "another activation profile"),
     (dict(budget_bytes=TEST_BUDGET + 4096), "another --vram-budget"),
 ])
@@ -182,6 +192,14 @@ def test_forged_gpu_indexes_are_rejected_and_rebuilt(indexed_model, case, messag
     split = placement.load_or_solve(path, TEST_COUNTS, costs, budget)
     assert not split.reused and message in split.rebuilt_because and sum(len(h) for h in split.hot) == 60
     assert placement.load_or_solve(path, TEST_COUNTS, costs, budget).reused
+
+
+def test_an_index_splitting_a_unit_of_neurons_is_rejected(indexed_model):
+    path, costs, budget = indexed_model
+    in_units = dataclasses.replace(costs, unit_bytes=costs.unit_bytes * 32, unit_neurons=np.array([32, 32]))
+    forge_gpuidx(path, in_units, budget, hot=[np.arange(16, 48), np.arange(0)])
+    with pytest.raises(JaxinferError, match="splits layer 0's units of 32 neurons"):
+        placement.read_gpuidx(placement.gpuidx_path(path), path, TEST_COUNTS, in_units, budget)
 
 
 def test_a_split_with_empty_layers_is_reused(make_model):
