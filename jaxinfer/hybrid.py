@@ -3,9 +3,10 @@
 A split (placement.py) partitions each layer's neurons. The FFN is a sum over neurons,
     out = Σ_j active_j h_j down_j,
 so it is the sum of the same FFN over any partition of its neurons: each part is an ordinary `Layer` whose gate, up,
-down_t and predictor-output rows are that part's rows, run by the unchanged `sparse_ffn.ffn` on the device holding
-them. Everything else (embedding lookup, attention, KV cache, norms, predictor input projection, output head) lives on
-the accelerator.
+down and predictor-output rows are that part's rows, run by the unchanged `sparse_ffn.ffn` on the device holding
+them. Every part keeps the stored format and values of its weights (a down projection quantized across neurons is
+split by whole blocks: unit_neurons), and placement_costs prices exactly what split_weights places. Everything else
+(embedding lookup, attention, KV cache, norms, predictor input projection, output head) lives on the accelerator.
 
 Where things live and which kernels run is decided by one `Placement` (no device branches in model code): on a
 machine with a GPU, the GPU and the host CPU; on a CPU-only machine, two CPU devices (`jax_num_cpu_devices >= 2`),
@@ -165,7 +166,7 @@ class KernelPart:
 
 
 def _kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -> str | None:
-    """"q8_0" or "float" where the Pallas kernel takes these weights (rows per neuron in one kind of type), else None."""
+    """"q8_0" or "float" where the Pallas kernel takes these weights (rows per neuron, one kind of type), else None."""
     if down_t is None or down_t.layout != ROW_BLOCKS:
         return None
     types = {w.qtype for w in (gate, up, down_t)}

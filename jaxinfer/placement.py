@@ -2,23 +2,26 @@
 
 The budget first pays for what every token needs on the accelerator: the weights outside the FFN neurons (embedding,
 attention, norms, predictor input projections, output head), the KV cache and a workspace reserve. What is left
-buys FFN neurons. A neuron costs its rows of gate, up, down and predictor output exactly as hybrid.split_weights
-places them (hybrid.placement_costs prices them from the same layout: what is placed is what was priced); its value
-is how often it fired in the activation profile. Choosing neurons is then a knapsack whose items are tiny
-against the budget: taking them in decreasing fired-count-per-byte order (ties: layer, then neuron id) is optimal up
-to one item's bytes per distinct cost, deterministic, and linear-time after one sort (a 70B model's 2.3M neurons
-solve in well under a second, with no ILP solver or subprocess). PowerInfer's solver instead counts 3 x n_embd x
-bytes for every neuron (31% too much for Bamboo and 70B) and buckets neurons by 256.
+buys FFN neurons, in units: one neuron, or the neurons sharing a quantization block of the down projection, which
+move together so that each part keeps the stored bytes (hybrid.unit_neurons). A unit costs its rows of gate, up,
+down and predictor output exactly as hybrid.split_weights places them (hybrid.placement_costs prices them from the
+same layout: what is placed is what was priced); its value is how often its neurons fired in the activation profile.
+Choosing units is then a knapsack whose items are tiny against the budget: taking them in decreasing
+fired-count-per-byte order (ties: layer, then neuron id) is optimal up to one item's bytes per distinct cost,
+deterministic, and linear-time after one sort (a 70B model's 2.3M neurons solve in well under a second, with no ILP
+solver or subprocess). PowerInfer's solver instead counts 3 x n_embd x bytes for every neuron (31% too much for
+Bamboo and 70B) and buckets neurons by 256.
 
 `.gpuidx` (written as PowerInfer does: a GGUF with `PWRI` magic, architecture "generic.gpu_index"): per layer, in
 order, `blk.N.gpu_idx` (I32 [n_ff], 1 where the neuron lives on the accelerator) and `blk.N.gpu_bucket` (I32, the
-sorted ids of those neurons; left out where there are none, as GGUF has no empty tensors), plus `split.vram_capacity` (u64, bytes of FFN the split may use) and
-`generic.gpu_index.block_count`. jaxinfer adds the model's fingerprint and every input of the solve (SOLVE_KEYS: the
-budget, the bytes of the dense weights and of the KV cache, digests of the per-neuron costs and of the activation
-counts), so an index made for another model, another version of it, another budget, context, cache type, batch,
-sparsity layout or profile is rebuilt, not trusted; so is a malformed one, or one placing more neurons than its
-budget buys. It lives beside the model, or in the model's cache folder when the
-model's folder is read-only or an installed package's (sidecar.derived_path).
+sorted ids of those neurons; left out where there are none, as GGUF has no empty tensors), plus
+`split.vram_capacity` (u64, bytes of FFN the split may use) and `generic.gpu_index.block_count`. jaxinfer adds the
+model's fingerprint and every input of the solve (solve_inputs: the budget, the bytes of the dense weights and of
+the KV cache, digests of the per-unit costs and of the activation counts), so an index made for another model,
+another version of it, another budget, context, cache type, batch, sparsity layout or profile is rebuilt, not
+trusted; so is a malformed one, one splitting a unit, or one placing more neurons than its budget buys. It lives
+beside the model, or in the model's cache folder when the model's folder is read-only or an installed package's
+(sidecar.derived_path).
 """
 
 import dataclasses
