@@ -332,7 +332,6 @@ class Split:
     placement: "hybrid.Placement"
     summary: str
     plan: "placement.Split | None" = None  # what was solved (or reused) and priced
-    costs: "placement.ModelCosts | None" = None  # the prices it was solved with
 
 
 def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool,
@@ -362,4 +361,4 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
              else placement.no_neurons_reason(costs, budget))
     placed = f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} ({share})"
     summary = (f"{placed}, {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} MiB stay on the host {devices.host}; {origin}")
-    return dataclasses.replace(m, split=Split(hw, devices, summary, split, costs))
+    return dataclasses.replace(m, split=Split(hw, devices, summary, split))

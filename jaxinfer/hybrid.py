@@ -59,6 +59,9 @@ def _rows(w: QuantArray | None, rows: np.ndarray) -> QuantArray | None:
     return dataclasses.replace(w, data=jnp.take(w.data, jnp.asarray(rows), axis=0), shape=(len(rows), w.shape[1]))
 
 
+NEURON_MAJOR_BLOCK = 32  # neurons per block of quant.pack_neuron_major
+
+
 def unit_neurons(layer: model.Layer) -> int:
     """How many consecutive neurons move together between accelerator and host, so that every part keeps the layer's
     own down projection bytes: 1 where it has one row per neuron (ffn_down_t, or a float ffn_down, transposed
@@ -67,9 +70,6 @@ def unit_neurons(layer: model.Layer) -> int:
     if layer.ffn_down_t is not None:
         return NEURON_MAJOR_BLOCK if layer.ffn_down_t.layout == NEURON_MAJOR else 1
     return 1 if layer.ffn_down.qtype in FLOAT_TYPES else GGML_QUANT_SIZES[layer.ffn_down.qtype][0]
-
-
-NEURON_MAJOR_BLOCK = 32  # neurons per block of quant.pack_neuron_major
 
 
 def _down_part(layer: model.Layer, rows: np.ndarray) -> dict:
@@ -142,7 +142,8 @@ def ffn_part(layer: model.Layer, rows: np.ndarray, device) -> model.Layer | None
     `device`; None for no rows."""
     if len(rows) == 0:
         return None
-    unit, starts = unit_neurons(layer), rows[::unit_neurons(layer)]
+    unit = unit_neurons(layer)
+    starts = rows[::unit]
     if len(rows) % unit or np.any(starts % unit) or np.any(rows.reshape(-1, unit) != starts[:, None] + np.arange(unit)):
         raise ValueError(f"a part of this layer holds whole aligned units of {unit} neurons (its down projection's "
                          f"blocks)")
