@@ -1,4 +1,5 @@
-"""Loading a model and generating from it: the Python API behind `python -m jaxinfer.generate`."""
+"""Loading a model and generating from it: the Python API behind `python -m jaxinfer.generate`, and `build_model`,
+through which every CLI builds its model."""
 
 import collections
 import dataclasses
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, hybrid, model, quant
+from jaxinfer import attention, hybrid, model, quant, sparsity
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -78,6 +79,21 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
+
+
+def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = sparsity.SparsitySpec(),
+                down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
+                cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
+                activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False) -> LoadedModel:
+    """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
+    (`sparsity.apply`, down projections in `down_t_type`), then, given `vram_budget_gib`, split it between
+    accelerator and host (`split_model`) for a KV cache of `ctx` positions (capped at the training context; None:
+    the training context). Prints nothing: the CLIs print `describe()` and the split's summary."""
+    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type)
+    if vram_budget_gib is not None:
+        n_ctx_train = m.config.n_ctx_train
+        m = split_model(m, vram_budget_gib, min(ctx or n_ctx_train, n_ctx_train), activation_dir, reset_gpu_index)
+    return m
 
 
 def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokenizer) -> str:
@@ -336,13 +352,13 @@ class Split:
 def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool) -> LoadedModel:
     """Place `m`'s FFN neurons under an accelerator memory budget, from its activation profile (the cached
     .gpuidx when it matches the model and budget)."""
-    from jaxinfer import placement, profile
+    from jaxinfer import activation_profile, placement
 
-    directory = activation_dir or profile.default_directory(m.path)
+    directory = activation_dir or activation_profile.default_directory(m.path)
     costs = placement.model_costs(m.gguf, m.config, ctx)
     budget = int(budget_gib * placement.GIB)
-    split = placement.load_or_solve(m.path, lambda: profile.read_profile(directory, m.path, m.config.n_layer,
-                                                                         m.config.n_ff), costs, budget, reset)
+    split = placement.load_or_solve(m.path, lambda: activation_profile.read_profile(
+        directory, m.path, m.config.n_layer, m.config.n_ff), costs, budget, reset)
     devices = hybrid.Placement.detect()
     hw = hybrid.split_weights(m.weights, split.hot, devices, m.config)
     summary = (f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} "

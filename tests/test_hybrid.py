@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, hybrid, model, perplexity, placement, profile, sparsity
+from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, sparsity
 
 
 @pytest.fixture
@@ -73,10 +73,10 @@ def test_perplexity_of_a_split_model_equals_the_unsplit_ones(sparse_model, ubatc
     devices = hybrid.Placement.detect()
     hot = [np.sort(np.random.default_rng(i).permutation(m.config.n_ff)[:77]) for i in range(2)]
     split = engine.Split(hybrid.split_weights(m.weights, hot, devices, m.config), devices, "")
-    windows = perplexity.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
+    windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
     # Micro-batches through the KV cache for both, so that their predictor logits round alike (see above).
-    expected = perplexity.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=8, progress=False)
-    got = perplexity.evaluate_windows(split.weights.dense, m.config, windows, n_seq=2, ubatch=ubatch,
+    expected = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=8, progress=False)
+    got = evaluation.evaluate_windows(split.weights.dense, m.config, windows, n_seq=2, ubatch=ubatch,
                                       progress=False, split=split)
     np.testing.assert_allclose(got.nll, expected.nll, rtol=0, atol=1e-4)
     assert abs(got.ppl - expected.ppl) < 1e-4 * expected.ppl
@@ -88,8 +88,8 @@ def profiled_model(make_model, tmp_path):
     path = make_model(n_embd=64, n_ff=256, sparsity=0.85, n_ctx=64)
     m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
     tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
-    counts = profile.profile_counts(m, perplexity.make_windows(tokens, 32, -1, None))
-    profile.write_profile(str(tmp_path / "activation"), path, counts, tokens.size, "predictor")
+    counts = activation_profile.profile_counts(m, evaluation.make_windows(tokens, 32, -1, None))
+    activation_profile.write_profile(str(tmp_path / "activation"), path, counts, tokens.size, "predictor")
     costs = placement.model_costs(m.gguf, m.config, n_ctx=32)
     budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.neuron_bytes[0])
     return path, budget / placement.GIB
@@ -109,7 +109,7 @@ def test_generate_cli_with_a_vram_budget(profiled_model):
     assert split.stdout == dense.stdout  # the same greedy text, split or not
     assert os.path.exists(placement.gpuidx_path(path))
     assert (f"index {placement.gpuidx_path(path)} (solved from the activation profile in "
-            f"{profile.default_directory(path)})") in split.stderr, split.stderr
+            f"{activation_profile.default_directory(path)})") in split.stderr, split.stderr
 
 
 def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):
