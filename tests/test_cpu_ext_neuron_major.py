@@ -121,7 +121,7 @@ def test_jit_vmap_and_leading_dims():
 def test_bad_input_raises(case, match):
     _, packed = packed_weight(Q.Q4_1, 64, 64, np.random.default_rng(6))
     data, h, mask, rows, cols, qtype = packed.data, np.ones((2, 64), np.float32), np.ones((2, 64), bool), 64, 64, Q.Q4_1
-    span = None
+    span = 64  # quant.neuron_span's for these rows
     if case == "packed_shape":
         data = data[:, :-1]
     elif case == "cols":

@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, sparsity
+from jaxinfer.errors import JaxinferError
 
 
 @pytest.fixture
@@ -93,6 +94,23 @@ def profiled_model(make_model, tmp_path):
     costs = placement.model_costs(m.gguf, m.config, n_ctx=32)
     budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.neuron_bytes[0])
     return path, budget / placement.GIB
+
+
+def test_build_model_loads_applies_the_sparsity_and_splits(profiled_model, tmp_path):
+    """The one sequence every CLI builds its model with: a context beyond the training one is capped for the split's
+    KV cache (-c 4096 on this 64-token model prices the cache of 64, leaving fewer neurons than -c 32)."""
+    path, budget = profiled_model
+    predictor = sparsity.SparsitySpec("predictor")
+    plain = engine.build_model(path, sparsity_spec=predictor)
+    assert plain.split is None and plain.config.ffn_sparsity == "predictor"
+    assert plain.weights.layers[0].ffn_down_t is not None
+    split = engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=32)
+    assert split.config == plain.config and "(19.5% of neurons)" in split.split.summary, split.split.summary
+    capped = engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=4096, reset_gpu_index=True)
+    assert capped.split.summary != split.split.summary and "% of neurons)" in capped.split.summary
+    with pytest.raises(JaxinferError, match="activation profile incomplete"):
+        engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=32,
+                           activation_dir=str(tmp_path / "none"), reset_gpu_index=True)
 
 
 def run_cli(module, path, *args):
