@@ -68,7 +68,7 @@ def test_a_killed_profile_run_leaves_the_previous_profile_whole(make_model, tmp_
     def killed(*args):
         raise KeyboardInterrupt  # after every layer file of the new run was written
 
-    monkeypatch.setattr(profile, "plot", killed)
+    monkeypatch.setattr(activation_profile, "plot", killed)
     with pytest.raises(KeyboardInterrupt):
         activation_profile.write_profile(directory, model, counts_for(1), 1000, "dense")
     np.testing.assert_array_equal(activation_profile.read_profile(directory, model, 2, 64), old)
