@@ -6,7 +6,7 @@ import dataclasses
 import importlib.util
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import jax
@@ -84,12 +84,16 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
 def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = sparsity.SparsitySpec(),
                 down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                 cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
-                activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False) -> LoadedModel:
+                activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False,
+                loaded: Callable[[LoadedModel], None] | None = None) -> LoadedModel:
     """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
     (`sparsity.apply`, down projections in `down_t_type`), then, given `vram_budget_gib`, split it between
     accelerator and host (`split_model`) for a KV cache of `ctx` positions (capped at the training context; None:
-    the training context). Prints nothing: the CLIs print `describe()` and the split's summary."""
+    the training context). Prints nothing: the CLIs print `describe()` (in `loaded`, called before the split, so that
+    the line comes out even when the split fails) and the split's summary."""
     m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type)
+    if loaded is not None:
+        loaded(m)
     if vram_budget_gib is not None:
         n_ctx_train = m.config.n_ctx_train
         m = split_model(m, vram_budget_gib, min(ctx or n_ctx_train, n_ctx_train), activation_dir, reset_gpu_index)

@@ -97,8 +97,8 @@ def main(argv):
     m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
                            attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
                            vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
-                           activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index)
-    print(m.describe(), file=sys.stderr)
+                           activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
+                           loaded=lambda m: print(m.describe(), file=sys.stderr))
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
     if m.split is not None:
         print(m.split.summary, file=sys.stderr)

@@ -47,8 +47,8 @@ def _cli_main(argv):
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
                            vram_budget_gib=f.vram_budget if split else None, ctx=f.ctx_size,
-                           activation_dir=f.activation_dir, reset_gpu_index=f.reset_gpu_index)
-    print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
+                           activation_dir=f.activation_dir, reset_gpu_index=f.reset_gpu_index,
+                           loaded=lambda m: print(m.describe() + f", --sparsity {spec}", file=sys.stderr))
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
     if m.split is not None:
         print(m.split.summary, file=sys.stderr)

@@ -108,9 +108,11 @@ def test_build_model_loads_applies_the_sparsity_and_splits(profiled_model, tmp_p
     assert split.config == plain.config and "(19.5% of neurons)" in split.split.summary, split.split.summary
     capped = engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=4096, reset_gpu_index=True)
     assert capped.split.summary != split.split.summary and "% of neurons)" in capped.split.summary
+    seen = []
     with pytest.raises(JaxinferError, match="activation profile incomplete"):
         engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=32,
-                           activation_dir=str(tmp_path / "none"), reset_gpu_index=True)
+                           activation_dir=str(tmp_path / "none"), reset_gpu_index=True, loaded=seen.append)
+    assert len(seen) == 1 and seen[0].split is None  # `loaded` saw the model before the split failed
 
 
 def run_cli(module, path, *args):
