@@ -11,6 +11,10 @@ down projection stored transposed, one row per neuron; h stays f32, so these mat
 rounding), and `neuron_major_axpy` (a Q4_0/Q4_1/Q8_0 down projection repacked neuron-major without rounding; h in 8
 bits and integer dots, as the dense kernels).
 
+Each kernel has a plain-jnp `*_reference` beside it, the semantics it is tested against. The references take the
+weight already dequantized to f32 (jaxinfer.quant.dequantize reads every format): this package is a leaf that imports
+nothing from jaxinfer, so that jaxinfer can import it.
+
 The shared library is loaded with ctypes and its handler registered with XLA once, at import. It is looked for in
 this package (editable or wheel install) and in cpu_ext/build (`cmake -S cpu_ext -B cpu_ext/build && cmake --build
 cpu_ext/build`, for machines without network access).
@@ -26,14 +30,15 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import quant
-
 _LIBRARY = "libjaxinfer_cpu.so"
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
                  "IQ4_XS")
 )
+# The types neuron_major_axpy reads, packed as jaxinfer.quant.pack_neuron_major lays them out (qmatmul.h,
+# NeuronLayout).
+NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
 
 
 def _find_library() -> pathlib.Path:
@@ -158,10 +163,6 @@ def _index(op: str, index) -> jax.Array:
     return index if index.dtype.itemsize >= 4 else index.astype(jnp.int32)
 
 
-def _dequantize(data, qtype, rows: int, cols: int) -> jax.Array:
-    return quant.dequantize(quant.QuantArray(jnp.asarray(data), GGMLQuantizationType(qtype), (rows, cols)))
-
-
 def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationType, rows: int, cols: int) -> jax.Array:
     """x [..., cols] · Wᵀ -> f32 [..., rows], W given as `QuantArray.data`: uint8 blocks [rows, cols / block_size *
     type_size], or f16/f32 [rows, cols]. Raises on shapes, byte counts or types the kernels do not take."""
@@ -169,9 +170,9 @@ def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationTy
     return _batched_call("quantized_matmul", qtype, int(rows), int(cols))(jnp.asarray(x, jnp.float32), data)
 
 
-def quantized_matmul_reference(x: jax.Array, data: jax.Array, *, qtype, rows: int, cols: int) -> jax.Array:
-    """The same product in plain jnp: dequantize W to f32 with jaxinfer.quant, then x @ W.T."""
-    return jnp.asarray(x, jnp.float32) @ _dequantize(data, qtype, rows, cols).T
+def quantized_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
+    """The same product in plain jnp, W given dequantized (f32 [rows, cols]): x @ W.T."""
+    return jnp.asarray(x, jnp.float32) @ jnp.asarray(w, jnp.float32).T
 
 
 @functools.cache
@@ -208,9 +209,9 @@ def masked_matmul(x: jax.Array, data: jax.Array, mask: jax.Array, *, qtype: GGML
     return call(jnp.asarray(x, jnp.float32), data, _mask("masked_matmul", mask))
 
 
-def masked_matmul_reference(x, data, mask, *, qtype, rows: int, cols: int) -> jax.Array:
-    """where(mask, x @ dequantize(W).T, 0) in plain jnp."""
-    return jnp.where(mask, quantized_matmul_reference(x, data, qtype=qtype, rows=rows, cols=cols), 0.0)
+def masked_matmul_reference(x, w, mask) -> jax.Array:
+    """where(mask, x @ W.T, 0) in plain jnp, W dequantized."""
+    return jnp.where(mask, quantized_matmul_reference(x, w), 0.0)
 
 
 def gather_matmul(x: jax.Array, data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
@@ -222,11 +223,10 @@ def gather_matmul(x: jax.Array, data: jax.Array, index: jax.Array, *, qtype: GGM
     return call(jnp.asarray(x, jnp.float32), data, _index("gather_matmul", index))
 
 
-def gather_matmul_reference(x, data, index, *, qtype, rows: int, cols: int) -> jax.Array:
-    """x @ dequantize(W)[index].T in plain jnp, 0 where index is out of range."""
-    valid = (index >= 0) & (index < rows)
-    w = _dequantize(data, qtype, rows, cols)[jnp.where(valid, index, 0)]
-    return jnp.where(valid, jnp.asarray(x, jnp.float32) @ w.T, 0.0)
+def gather_matmul_reference(x, w, index) -> jax.Array:
+    """x @ W[index].T in plain jnp, W dequantized, 0 where index is out of range."""
+    valid = (index >= 0) & (index < w.shape[0])
+    return jnp.where(valid, quantized_matmul_reference(x, jnp.asarray(w)[jnp.where(valid, index, 0)]), 0.0)
 
 
 def masked_axpy(h: jax.Array, data_t: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
@@ -239,9 +239,9 @@ def masked_axpy(h: jax.Array, data_t: jax.Array, mask: jax.Array, *, qtype: GGML
     return call(jnp.asarray(h, jnp.float32), data_t, _mask("masked_axpy", mask))
 
 
-def masked_axpy_reference(h, data_t, mask, *, qtype, rows: int, cols: int) -> jax.Array:
-    """where(mask, h, 0) @ dequantize(W_t) in plain jnp."""
-    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ _dequantize(data_t, qtype, rows, cols)
+def masked_axpy_reference(h, w_t, mask) -> jax.Array:
+    """where(mask, h, 0) @ W_t in plain jnp, W_t dequantized (also neuron_major_axpy's reference)."""
+    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ jnp.asarray(w_t, jnp.float32)
 
 
 def gather_axpy(h: jax.Array, data_t: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
@@ -253,32 +253,25 @@ def gather_axpy(h: jax.Array, data_t: jax.Array, index: jax.Array, *, qtype: GGM
     return call(jnp.asarray(h, jnp.float32), data_t, _index("gather_axpy", index))
 
 
-def gather_axpy_reference(h, data_t, index, *, qtype, rows: int, cols: int) -> jax.Array:
-    """h @ dequantize(W_t)[index] in plain jnp, out-of-range entries of index left out."""
-    valid = (index >= 0) & (index < rows)
-    w = _dequantize(data_t, qtype, rows, cols)[jnp.where(valid, index, 0)]
-    return jnp.where(valid, jnp.asarray(h, jnp.float32), 0.0) @ w
+def gather_axpy_reference(h, w_t, index) -> jax.Array:
+    """h @ W_t[index] in plain jnp, W_t dequantized, out-of-range entries of index left out."""
+    valid = (index >= 0) & (index < w_t.shape[0])
+    return masked_axpy_reference(h, jnp.asarray(w_t)[jnp.where(valid, index, 0)], valid)
 
 
 def neuron_major_axpy(h: jax.Array, packed: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
-                      cols: int, span: int | None = None) -> jax.Array:
-    """masked_axpy for a Q4_0/Q4_1/Q8_0 W_t [rows = n_ff, cols = d] given as `quant.pack_neuron_major(W, span).data`
-    (W = W_tᵀ in GGUF's layout, repacked without rounding; span defaults to quant.neuron_span's): the q of neurons
-    masked off, or whose h rounds to 0, are not read. h is quantized to 8 bits per 32 neurons and dotted in integers,
-    as `quantized_matmul(where(mask, h, 0), W)` would (about 1e-2 relative difference from the reference on random
-    data)."""
+                      cols: int, span: int) -> jax.Array:
+    """masked_axpy for a Q4_0/Q4_1/Q8_0 W_t [rows = n_ff, cols = d] given as
+    `jaxinfer.quant.pack_neuron_major(W, span).data` (W = W_tᵀ in GGUF's layout, repacked without rounding, in spans
+    of `span` outputs): the q of neurons masked off, or whose h rounds to 0, are not read. h is quantized to 8 bits per
+    32 neurons and dotted in integers, as `quantized_matmul(where(mask, h, 0), W)` would (about 1e-2 relative
+    difference from masked_axpy_reference on random data)."""
     qtype = GGMLQuantizationType(qtype)
-    if qtype not in quant.NEURON_MAJOR_TYPES:
+    if qtype not in NEURON_MAJOR_TYPES:
         raise ValueError(f"cpu_ext.neuron_major_axpy: unsupported type {qtype.name} (Q4_0, Q4_1 or Q8_0)")
-    span = int(span or quant.neuron_span(int(cols), qtype))
-    call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols), span=span)
+    call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols), span=int(span))
     return call(jnp.asarray(h, jnp.float32), packed, _mask("neuron_major_axpy", mask))
 
-
-def neuron_major_axpy_reference(h, packed, mask, *, qtype, rows: int, cols: int, span: int | None = None) -> jax.Array:
-    """where(mask, h, 0) @ W_t in plain jnp, W_t decoded from the packing by jaxinfer.quant."""
-    w_t = quant.QuantArray(jnp.asarray(packed), GGMLQuantizationType(qtype), (rows, cols), layout=quant.NEURON_MAJOR)
-    return jnp.where(mask, jnp.asarray(h, jnp.float32), 0.0) @ quant.dequantize_neuron_major(w_t, span)
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start) -> jax.Array:
@@ -291,9 +284,12 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
 
 
 def cached_attention_reference(q, k_cache, v_cache, layer, start) -> jax.Array:
-    """The same as `jaxinfer.model.attend` (plain jnp, one piece) over that layer's keys at positions <= each
-    query's."""
-    from jaxinfer.model import attend  # here, not at the top: jaxinfer.model reaches this module through quant
-
-    t, max_len = q.shape[1], k_cache.shape[2]
-    return attend(q, k_cache[layer], v_cache[layer], start + jnp.arange(t), jnp.arange(max_len))
+    """Causal GQA softmax attention in plain jnp, one piece (as jaxinfer.model.attend), over that layer's keys at
+    positions <= each query's; query head j uses KV head j // (H / H_kv)."""
+    b, t, h, hd = q.shape
+    k, v = jnp.asarray(k_cache)[layer], jnp.asarray(v_cache)[layer]
+    n_kv = k.shape[2]
+    scores = jnp.einsum("btkgd,bskd->bkgts", jnp.asarray(q, jnp.float32).reshape(b, t, n_kv, h // n_kv, hd), k)
+    causal = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(t))[:, None]
+    probs = jax.nn.softmax(jnp.where(causal, scores / jnp.sqrt(jnp.float32(hd)), -jnp.inf), axis=-1)
+    return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)

@@ -57,7 +57,8 @@ def calibrate(m, windows: np.ndarray, method: str, levels, n_seq: int = 4) -> di
 def _cli_main(argv):
     from absl import flags
 
-    from jaxinfer import cli, engine, perplexity, runtime, sidecar
+    from jaxinfer import cli, engine, runtime, sidecar
+    from jaxinfer.evaluation import make_windows
 
     f = flags.FLAGS
     if len(argv) > 1:
@@ -79,12 +80,12 @@ def _cli_main(argv):
     output = f.output or sparsity.thresholds_path(f.model or engine.default_model_path(), create=True)
     sidecar.check_writable_file(output)  # before calibrating, not after
     runtime.enable_compilation_cache()
-    m = engine.load_model(f.model)
+    m = engine.build_model(f.model)
     print(m.describe(), file=sys.stderr)
     print(f"thresholds go to {output}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
     n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
-    windows = perplexity.make_windows(tokens, n_ctx, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    windows = make_windows(tokens, n_ctx, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     start = time.perf_counter()
     thresholds = calibrate(m, windows, f.method, levels, cli.windows_per_batch(f.batch_size, n_ctx, len(windows)))
     path = sparsity.save_thresholds(m.path, f.method, thresholds, f"{f.file} ({windows.size} tokens)", output)

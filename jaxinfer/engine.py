@@ -1,18 +1,19 @@
-"""Loading a model and generating from it: the Python API behind `python -m jaxinfer.generate`."""
+"""Loading a model and generating from it: the Python API behind `python -m jaxinfer.generate`, and `build_model`,
+through which every CLI builds its model."""
 
 import collections
 import dataclasses
 import importlib.util
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, hybrid, model, quant
+from jaxinfer import attention, hybrid, model, quant, sparsity
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -78,6 +79,25 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
+
+
+def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = sparsity.SparsitySpec(),
+                down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
+                cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
+                activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False,
+                loaded: Callable[[LoadedModel], None] | None = None) -> LoadedModel:
+    """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
+    (`sparsity.apply`, down projections in `down_t_type`), then, given `vram_budget_gib`, split it between
+    accelerator and host (`split_model`) for a KV cache of `ctx` positions (capped at the training context; None:
+    the training context). Prints nothing: the CLIs print `describe()` (in `loaded`, called before the split, so that
+    the line comes out even when the split fails) and the split's summary."""
+    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type)
+    if loaded is not None:
+        loaded(m)
+    if vram_budget_gib is not None:
+        n_ctx_train = m.config.n_ctx_train
+        m = split_model(m, vram_budget_gib, min(ctx or n_ctx_train, n_ctx_train), activation_dir, reset_gpu_index)
+    return m
 
 
 def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokenizer) -> str:
@@ -338,13 +358,13 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
                 batch: int = 1) -> LoadedModel:
     """Place `m`'s FFN neurons under an accelerator memory budget (with a KV cache of `batch` sequences of `ctx`
     positions), from its activation profile; the cached .gpuidx when it was solved from the same inputs."""
-    from jaxinfer import placement, profile
+    from jaxinfer import activation_profile, placement
 
-    directory = activation_dir or profile.default_directory(m.path)
+    directory = activation_dir or activation_profile.default_directory(m.path)
     if not os.path.isdir(directory):
         raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "
                             f"{m.path} -f TEXT, or pass --activation-dir")
-    counts = profile.read_profile(directory, m.path, m.config.n_layer, m.config.n_ff)
+    counts = activation_profile.read_profile(directory, m.path, m.config.n_layer, m.config.n_ff)
     devices = hybrid.Placement.detect()
     costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, ctx, batch))
     budget = int(budget_gib * placement.GIB)

@@ -94,12 +94,13 @@ def main(argv):
 
         jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
-    m = engine.load_model(FLAGS.model, FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type)
-    m = sparsity.apply(m, spec, down_t_type)
-    print(m.describe(), file=sys.stderr)
+    m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
+                           attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
+                           vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
+                           activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
+                           loaded=lambda m: print(m.describe(), file=sys.stderr))
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
-    if split:
-        m = engine.split_model(m, FLAGS.vram_budget, ctx, FLAGS.activation_dir, FLAGS.reset_gpu_index)
+    if m.split is not None:
         print(m.split.summary, file=sys.stderr)
     prompt = text
     if FLAGS.chat:

@@ -385,7 +385,7 @@ CPU_KERNEL_MAX_TOKENS = 128
 def cpu_kernels():
     """The cpu_ext module, or None (warned once) if its library is not built."""
     try:
-        import cpu_ext  # imported here, not at the top: cpu_ext imports this module for its reference path
+        import cpu_ext  # here, not at the top: loading its library may fail, and this module works without it
     except ImportError as e:
         logging.warning("cpu_ext kernels unavailable, quantized matmuls dequantize to f32 instead: %s", e)
         return None

@@ -152,7 +152,8 @@ def export(m, predictors: list[Predictor], path: str, threshold: float, predicto
 def _cli_main(argv):
     from absl import flags
 
-    from jaxinfer import cli, engine, perplexity, runtime, sidecar
+    from jaxinfer import cli, engine, runtime, sidecar
+    from jaxinfer.evaluation import make_windows
 
     f = flags.FLAGS
     if len(argv) > 1:
@@ -169,11 +170,11 @@ def _cli_main(argv):
     if f.output:
         sidecar.check_writable_file(f.output)  # before training, not after
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(f.model), spec)
+    m = engine.build_model(f.model, sparsity_spec=spec)
     print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
     n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
-    windows = perplexity.make_windows(tokens, n_ctx, -1, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
+    windows = make_windows(tokens, n_ctx, -1, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     if len(windows) < f.train_chunks + f.heldout_chunks:
         raise JaxinferError(f"{f.file} has {len(windows)} windows of {n_ctx} tokens; need "
                             f"{f.train_chunks + f.heldout_chunks}")

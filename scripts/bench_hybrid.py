@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags, logging  # noqa: E402
 
-from jaxinfer import engine, hybrid, model, perplexity, placement, profile, runtime, sparsity  # noqa: E402
+from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, runtime, sparsity  # noqa: E402
 from jaxinfer.cli import parse_flags  # noqa: E402
 from jaxinfer.errors import JaxinferError, exit_on_error  # noqa: E402
 
@@ -71,7 +71,7 @@ def main(argv):
     print(m.describe(), file=sys.stderr)
     devices = hybrid.Placement.detect()
     tokens = np.asarray(m.tokenizer.encode(open(FLAGS.file, encoding="utf-8").read()), np.int32)
-    counts = profile.profile_counts(m, perplexity.make_windows(tokens, 128, 8, None))
+    counts = activation_profile.profile_counts(m, evaluation.make_windows(tokens, 128, 8, None))
     costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, FLAGS.ctx_size))
     ffn_total = int((costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit())).sum())
     capacity = int(FLAGS.ffn_share * ffn_total)

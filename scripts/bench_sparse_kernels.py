@@ -128,7 +128,8 @@ def main(_):
         dense_down = looped(lambda h, w: cpu_ext.quantized_matmul(h, w, **down), n_calls)
         masked_mm = looped(lambda x, w, mask: cpu_ext.masked_matmul(x, w, mask, **up), n_calls)
         masked_axpy = looped(lambda h, w, mask: cpu_ext.masked_axpy(h, w, mask, **up), n_calls)
-        nm_axpy = looped(lambda h, w, mask: cpu_ext.neuron_major_axpy(h, w, mask, **up), n_calls)
+        nm_axpy = looped(lambda h, w, mask: cpu_ext.neuron_major_axpy(h, w, mask, **up,
+                                                                      span=quant.neuron_span(d, qtype)), n_calls)
         for m in map(int, FLAGS.tokens):
             x = jnp.asarray(rng.normal(size=(m, d)).astype(np.float32))
             h = jnp.asarray(rng.normal(size=(m, n_ff)).astype(np.float32))

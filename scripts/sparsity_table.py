@@ -16,7 +16,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from jaxinfer import calibrate, engine, perplexity, profile, runtime, sparsity, train_predictor
+from jaxinfer import activation_profile, calibrate, engine, evaluation, runtime, sparsity, train_predictor
 from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
@@ -69,7 +69,7 @@ def main(argv):
     base = engine.load_model(FLAGS.model)
     print(base.describe(), file=sys.stderr)
     tokens = np.asarray(base.tokenizer.encode(open(FLAGS.file, encoding="utf-8").read()), np.int32)
-    all_windows = perplexity.make_windows(tokens, N_CTX, -1, base.tokenizer.bos_id if base.tokenizer.add_bos else None)
+    all_windows = evaluation.make_windows(tokens, N_CTX, -1, base.tokenizer.bos_id if base.tokenizer.add_bos else None)
     evaluated = all_windows[:FLAGS.chunks]
     calibration = all_windows[-FLAGS.calibration_chunks:]
     training = all_windows[-FLAGS.train_chunks - FLAGS.calibration_chunks:-FLAGS.calibration_chunks]
@@ -78,8 +78,8 @@ def main(argv):
 
     def measure(label, m, mode):
         start = time.perf_counter()
-        result = perplexity.evaluate_windows(m.weights, m.config, evaluated, progress=False)
-        active = float(profile.profile_counts(m, evaluated[:4]).sum() / (evaluated[:4].size * m.config.n_ff
+        result = evaluation.evaluate_windows(m.weights, m.config, evaluated, progress=False)
+        active = float(activation_profile.profile_counts(m, evaluated[:4]).sum() / (evaluated[:4].size * m.config.n_ff
                                                                           * m.config.n_layer))
         ratio = bytes_ratio(mode, active, ffn_bytes(m), reference_bytes)
         rows.append((label, 1 - active, result.ppl, result.error, ratio))

@@ -48,6 +48,10 @@ def random_weight(qtype, rows, cols, rng):
     return encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), qtype, rng)
 
 
+def dequantized(data, qtype, rows, cols):
+    return quant.dequantize(quant.QuantArray(jnp.asarray(data), qtype, (rows, cols)))
+
+
 def rel_error(y, y_ref, x, w):
     """||y - y_ref|| over the typical size of an output, ||x|| ||W|| / sqrt(cols) (= ||y_ref|| for random x and W;
     unlike ||y_ref|| itself it does not shrink when a one-element output happens to be near zero)."""
@@ -57,8 +61,8 @@ def rel_error(y, y_ref, x, w):
 
 def check(x, data, qtype, rows, cols, y):
     """Compare y with the reference product; returns the relative error."""
-    w = quant.dequantize(quant.QuantArray(jnp.asarray(data), qtype, (rows, cols)))
-    y_ref = cpu_ext.quantized_matmul_reference(x, data, qtype=qtype, rows=rows, cols=cols)
+    w = dequantized(data, qtype, rows, cols)
+    y_ref = cpu_ext.quantized_matmul_reference(x, w)
     assert y.shape == y_ref.shape and y.dtype == jnp.float32
     error = rel_error(y, y_ref, x, w)
     assert error < REL_ERROR[qtype], (qtype.name, x.shape, rows, cols, error)
@@ -221,6 +225,7 @@ def test_bad_input_raises(case, match):
 
 def test_every_type_the_model_sends_to_the_kernels_has_them():
     assert quant.CPU_KERNEL_TYPES <= cpu_ext.SUPPORTED_TYPES
+    assert quant.NEURON_MAJOR_TYPES == cpu_ext.NEURON_MAJOR_TYPES  # what quant packs is what the kernel reads
 
 
 def test_unsupported_type_raises():
@@ -257,12 +262,12 @@ def sparse_ops(x, h, data, data_masked, data_gathered, mask, index, h_index, *, 
 
 
 def sparse_references(x, h, data, data_masked, data_gathered, mask, index, h_index, *, qtype, rows, cols):
-    kw = dict(qtype=qtype, rows=rows, cols=cols)
+    w = dequantized(data, qtype, rows, cols)
     return (
-        cpu_ext.masked_matmul_reference(x, data, mask, **kw),
-        cpu_ext.gather_matmul_reference(x, data, index, **kw),
-        cpu_ext.masked_axpy_reference(h, data, mask, **kw),
-        cpu_ext.gather_axpy_reference(h_index, data, index, **kw),
+        cpu_ext.masked_matmul_reference(x, w, mask),
+        cpu_ext.gather_matmul_reference(x, w, index),
+        cpu_ext.masked_axpy_reference(h, w, mask),
+        cpu_ext.gather_axpy_reference(h_index, w, index),
     )
 
 
@@ -304,7 +309,7 @@ def sparse_case(qtype, rows, cols, batch, rng):
 def check_sparse(case, outputs, references, qtype, rows, cols):
     """Compare the four kernels' outputs with their references; returns the relative errors."""
     index_valid = (case["index"] >= 0) & (case["index"] < rows)
-    w = quant.dequantize(quant.QuantArray(jnp.asarray(case["data"]), qtype, (rows, cols)))
+    w = dequantized(case["data"], qtype, rows, cols)
     scales = [  # the typical size of an output, as in rel_error
         (case["x"], w),
         (case["x"], w[np.clip(case["index"], 0, rows - 1)[index_valid]]),
@@ -378,9 +383,8 @@ def test_sparse_edge_sets(isa):
     np.testing.assert_array_equal(y["mm_every"], y["dense"])
     np.testing.assert_array_equal(y["gm_all"], y["dense"])
     np.testing.assert_array_equal(y["ax_every"], y["ga_all"])  # same rows in the same order
-    reference = cpu_ext.masked_axpy_reference(h, data, every, **kw)
-    assert rel_error(y["ax_every"], reference, h, quant.dequantize(quant.from_gguf_data(data, Q.Q4_1, (rows, cols)))) \
-        < AXPY_REL_ERROR
+    w = dequantized(data, Q.Q4_1, rows, cols)
+    assert rel_error(y["ax_every"], cpu_ext.masked_axpy_reference(h, w, every), h, w) < AXPY_REL_ERROR
 
 
 def test_axpy_results_do_not_depend_on_thread_timing():
@@ -429,13 +433,13 @@ def test_sparse_jit_vmap_and_leading_dims():
             y = jax.jit(jax.vmap(f, in_axes=in_axes))(*args)
             for i in range(2):
                 a_i, data_i, b_i = (v[i] if axis == 0 else v for v, axis in zip(args, in_axes))
-                y_ref = reference(a_i, data_i, b_i, **kw)
+                y_ref = reference(a_i, dequantized(data_i, **kw), b_i)
                 assert y[i].shape == y_ref.shape, (name, in_axes)
                 scale = float(jnp.linalg.norm(y_ref)) or 1.0
                 assert float(jnp.linalg.norm(y[i] - y_ref)) / scale < 5 * bound, (name, in_axes)
         # Two leading dims at once, under jit.
         b = b if name.startswith("masked") else b[0]
-        y, y_ref = jax.jit(f)(a, data[0], b), reference(a, data[0], b, **kw)
+        y, y_ref = jax.jit(f)(a, data[0], b), reference(a, dequantized(data[0], **kw), b)
         assert y.shape == y_ref.shape and float(jnp.linalg.norm(y - y_ref) / jnp.linalg.norm(y_ref)) < 5 * bound, name
 
 

@@ -30,7 +30,8 @@ def packed_weight(qtype, d, n_ff, rng, span=None) -> tuple[quant.QuantArray, qua
 
 def run(h, packed: quant.QuantArray, mask, span=None):
     n_ff, d = packed.shape
-    return cpu_ext.neuron_major_axpy(h, packed.data, mask, qtype=packed.qtype, rows=n_ff, cols=d, span=span)
+    return cpu_ext.neuron_major_axpy(h, packed.data, mask, qtype=packed.qtype, rows=n_ff, cols=d,
+                                     span=span or quant.neuron_span(d, packed.qtype))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
@@ -43,8 +44,7 @@ def test_matches_reference_and_dense_kernel(qtype, isa):
             h = rng.normal(size=(batch, n_ff)).astype(np.float32)
             mask = rng.random((batch, n_ff)) < 0.5
             y = run(h, packed, mask, span)
-            y_ref = cpu_ext.neuron_major_axpy_reference(h, packed.data, mask, qtype=qtype, rows=n_ff, cols=d,
-                                                        span=span)
+            y_ref = cpu_ext.masked_axpy_reference(h, quant.dequantize_neuron_major(packed, span), mask)
             assert y.shape == (batch, d) and y.dtype == jnp.float32
             masked = np.where(mask, h, 0).astype(np.float32)
             assert rel_error(y, y_ref, masked, quant.dequantize(w)) < REL_ERROR[qtype], (d, n_ff, span, batch)
@@ -89,7 +89,7 @@ def test_jit_vmap_and_leading_dims():
     d, n_ff = 64, 64
     packs = [packed_weight(Q.Q4_1, d, n_ff, rng)[1] for _ in range(2)]
     data = jnp.stack([p.data for p in packs])
-    kw = dict(qtype=Q.Q4_1, rows=n_ff, cols=d)
+    kw = dict(qtype=Q.Q4_1, rows=n_ff, cols=d, span=quant.neuron_span(d, Q.Q4_1))
     h = rng.normal(size=(2, 3, n_ff)).astype(np.float32)
     mask = rng.random((2, 3, n_ff)) < 0.5
 
@@ -121,7 +121,7 @@ def test_jit_vmap_and_leading_dims():
 def test_bad_input_raises(case, match):
     _, packed = packed_weight(Q.Q4_1, 64, 64, np.random.default_rng(6))
     data, h, mask, rows, cols, qtype = packed.data, np.ones((2, 64), np.float32), np.ones((2, 64), bool), 64, 64, Q.Q4_1
-    span = None
+    span = 64  # quant.neuron_span's for these rows
     if case == "packed_shape":
         data = data[:, :-1]
     elif case == "cols":
@@ -145,10 +145,10 @@ def test_bad_input_raises(case, match):
 def test_python_checks_raise():
     with pytest.raises(ValueError, match="unsupported type Q4_K"):
         cpu_ext.neuron_major_axpy(np.ones((1, 32), np.float32), np.zeros((1, 64), np.uint8), np.ones((1, 32), bool),
-                                  qtype=Q.Q4_K, rows=32, cols=64)
+                                  qtype=Q.Q4_K, rows=32, cols=64, span=64)
     with pytest.raises(ValueError, match="mask must be bool"):
         cpu_ext.neuron_major_axpy(np.ones((1, 32), np.float32), np.zeros((1, 1280), np.uint8),
-                                  np.ones((1, 32), np.int8), qtype=Q.Q4_1, rows=32, cols=64)
+                                  np.ones((1, 32), np.int8), qtype=Q.Q4_1, rows=32, cols=64, span=64)
 
 
 def test_fast_kernel_is_reported(isa):

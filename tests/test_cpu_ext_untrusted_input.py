@@ -54,7 +54,8 @@ for tokens in (1, 3):  # one token reads the mask directly, several OR its rows 
         cpu_ext.masked_axpy(h[:tokens], w, mask[:tokens], **kw)))
 packed = quant.pack_neuron_major(quant.QuantArray(jnp.asarray(w), Q.Q8_0, (rows, cols)))
 case("neuron_major_axpy", lambda: np.array_equal(
-    cpu_ext.neuron_major_axpy(h, packed.data, odd_mask, **kw), cpu_ext.neuron_major_axpy(h, packed.data, mask, **kw)))
+    cpu_ext.neuron_major_axpy(h, packed.data, odd_mask, **kw, span=quant.neuron_span(cols, Q.Q8_0)),
+    cpu_ext.neuron_major_axpy(h, packed.data, mask, **kw, span=quant.neuron_span(cols, Q.Q8_0))))
 
 k = np.zeros((2, 1, 8, 1, 16), np.float32)
 q = np.zeros((1, 2, 2, 16), np.float32)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, hybrid, model, perplexity, placement, profile, quant, sparsity
+from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, quant, sparsity
 from jaxinfer.errors import JaxinferError
 
 
@@ -96,10 +96,10 @@ def test_perplexity_of_a_split_model_equals_the_unsplit_ones(sparse_model, ubatc
     devices = hybrid.Placement.detect()
     hot = [np.sort(np.random.default_rng(i).permutation(m.config.n_ff)[:77]) for i in range(2)]
     split = engine.Split(hybrid.split_weights(m.weights, hot, devices, m.config), devices, "")
-    windows = perplexity.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
+    windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
     # Micro-batches through the KV cache for both, so that their predictor logits round alike (see above).
-    expected = perplexity.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=8, progress=False)
-    got = perplexity.evaluate_windows(split.weights.dense, m.config, windows, n_seq=2, ubatch=ubatch,
+    expected = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=8, progress=False)
+    got = evaluation.evaluate_windows(split.weights.dense, m.config, windows, n_seq=2, ubatch=ubatch,
                                       progress=False, split=split)
     np.testing.assert_allclose(got.nll, expected.nll, rtol=0, atol=1e-4)
     assert abs(got.ppl - expected.ppl) < 1e-4 * expected.ppl
@@ -120,8 +120,8 @@ def profiled_model(make_model):
 def write_profile(m):
     """An activation profile of `m` where a split finds it by default."""
     tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
-    counts = profile.profile_counts(m, perplexity.make_windows(tokens, 32, -1, None))
-    profile.write_profile(profile.default_directory(m.path), m.path, counts, tokens.size, "predictor")
+    counts = activation_profile.profile_counts(m, evaluation.make_windows(tokens, 32, -1, None))
+    activation_profile.write_profile(activation_profile.default_directory(m.path), m.path, counts, tokens.size, "predictor")
 
 
 def accelerator_bytes(hw: hybrid.HybridWeights, device) -> int:
@@ -161,7 +161,7 @@ def test_split_summary_says_reused_rebuilt_and_why_nothing_was_offloaded(profile
     m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
     index = placement.gpuidx_path(path)
     first = engine.split_model(m, budget, 32, None, reset=False).split.summary
-    assert f"index {index} (solved from the activation profile in {profile.default_directory(path)})" in first
+    assert f"index {index} (solved from the activation profile in {activation_profile.default_directory(path)})" in first
     assert f"index {index} (reused)" in engine.split_model(m, budget, 32, None, reset=False).split.summary
     longer = engine.split_model(m, budget, 64, None, reset=False).split  # twice the KV cache: fewer neurons fit
     assert "(rebuilt from the activation profile in" in longer.summary and "another KV cache size" in longer.summary
@@ -181,6 +181,25 @@ def test_a_split_without_a_profile_is_a_one_line_error(make_model):
         engine.split_model(m, 1.0, 32, None, reset=False)
 
 
+def test_build_model_loads_applies_the_sparsity_and_splits(profiled_model, tmp_path):
+    """The one sequence every CLI builds its model with: a context beyond the training one is capped for the split's
+    KV cache (-c 4096 on this 64-token model prices the cache of 64, leaving fewer neurons than -c 32)."""
+    path, budget = profiled_model
+    predictor = sparsity.SparsitySpec("predictor")
+    plain = engine.build_model(path, sparsity_spec=predictor)
+    assert plain.split is None and plain.config.ffn_sparsity == "predictor"
+    assert plain.weights.layers[0].ffn_down_t is not None
+    split = engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=32)
+    assert split.config == plain.config and "(19.5% of neurons)" in split.split.summary, split.split.summary
+    capped = engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=4096, reset_gpu_index=True)
+    assert capped.split.summary != split.split.summary and "% of neurons)" in capped.split.summary
+    seen = []
+    with pytest.raises(JaxinferError, match="no activation profile in .*none: make one"):
+        engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=32,
+                           activation_dir=str(tmp_path / "none"), reset_gpu_index=True, loaded=seen.append)
+    assert len(seen) == 1 and seen[0].split is None  # `loaded` saw the model before the split failed
+
+
 def run_cli(module, path, *args):
     return subprocess.run([sys.executable, "-m", module, "-m", path, "--sparsity", "predictor", "-c", "32", *args],
                           capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
@@ -195,7 +214,7 @@ def test_generate_cli_with_a_vram_budget(profiled_model):
     assert split.stdout == dense.stdout  # the same greedy text, split or not
     assert os.path.exists(placement.gpuidx_path(path))
     assert (f"index {placement.gpuidx_path(path)} (solved from the activation profile in "
-            f"{profile.default_directory(path)})") in split.stderr, split.stderr
+            f"{activation_profile.default_directory(path)})") in split.stderr, split.stderr
 
 
 def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import engine, model, perplexity
+from jaxinfer import engine, evaluation, model
 from jaxinfer.errors import JaxinferError
 
 # The first 49.5 kB of WikiText-2's wiki.test.raw (CC BY-SA 3.0, tests/data/README.md): 11,833 tokens, the same first
@@ -39,20 +39,20 @@ def direct_nll(m, windows):
 
 def test_windows_follow_llama_perplexity():
     tokens = np.arange(100, 150)
-    windows = perplexity.make_windows(tokens, 16, -1, bos_id=7)
+    windows = evaluation.make_windows(tokens, 16, -1, bos_id=7)
     assert windows.shape == (3, 16)  # the tail of 2 tokens is dropped
     assert windows[:, 0].tolist() == [7, 7, 7] and windows[1, 1:].tolist() == list(range(117, 132))
-    assert perplexity.make_windows(tokens, 16, 2, bos_id=None)[1, 0] == 116
-    assert perplexity.scored_positions(512) == (256, 255)
+    assert evaluation.make_windows(tokens, 16, 2, bos_id=None)[1, 0] == 116
+    assert evaluation.scored_positions(512) == (256, 255)
     with pytest.raises(JaxinferError, match="needs at least 64"):
-        perplexity.make_windows(tokens[:40], 32, -1, bos_id=None)
+        evaluation.make_windows(tokens[:40], 32, -1, bos_id=None)
 
 
 def test_batched_evaluation_equals_window_by_window_and_direct_reference(tiny):
     tokens = np.random.default_rng(0).integers(0, tiny.config.n_vocab, size=5 * 32 + 3)
-    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
-    batched = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=3, progress=False)
-    single = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=1, progress=False)
+    windows = evaluation.make_windows(tokens, 32, -1, bos_id=None)
+    batched = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=3, progress=False)
+    single = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=1, progress=False)
     assert batched.n_scored == single.n_scored == 5 * 15
     np.testing.assert_allclose(batched.nll, single.nll, rtol=1e-5, atol=1e-5)
     assert batched.ppl == pytest.approx(single.ppl, rel=1e-6)
@@ -63,16 +63,16 @@ def test_batched_evaluation_equals_window_by_window_and_direct_reference(tiny):
 
 def test_logits_file_round_trip_and_self_kl_divergence(tiny, tmp_path):
     tokens = np.random.default_rng(1).integers(0, tiny.config.n_vocab, size=4 * 32)
-    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
+    windows = evaluation.make_windows(tokens, 32, -1, bos_id=None)
     path = tmp_path / "base.kld"
     with open(path, "wb") as f:
-        perplexity.write_logits_header(f, 32, tiny.config.n_vocab, tokens)
-        saved = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, save_logits=f,
+        evaluation.write_logits_header(f, 32, tiny.config.n_vocab, tokens)
+        saved = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, save_logits=f,
                                             progress=False)
-    base = perplexity.read_logits_file(str(path))
+    base = evaluation.read_logits_file(str(path))
     assert (base.n_ctx, base.n_vocab, base.n_chunk) == (32, tiny.config.n_vocab, 4)
     np.testing.assert_array_equal(base.tokens, tokens)
-    again = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, base=base, progress=False)
+    again = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, base=base, progress=False)
     assert again.kl.same_top == 1.0
     assert abs(again.kl.mean) < 1e-6  # only the 16-bit quantization of the base separates the two
     assert again.kl.base_ppl == pytest.approx(saved.ppl, rel=1e-4)
@@ -80,7 +80,7 @@ def test_logits_file_round_trip_and_self_kl_divergence(tiny, tmp_path):
 
 def test_quantized_log_probs_decode_to_log_softmax():
     logits = np.random.default_rng(2).normal(scale=4, size=(3, 101)).astype(np.float32)
-    records = perplexity.quantize_log_probs(logits)
+    records = evaluation.quantize_log_probs(logits)
     assert records.shape == (3, 2 * 51 + 4)
     scale, min_log_prob = records[:, 0:4].copy().view(np.float32).T
     decoded = min_log_prob[:, None] + scale[:, None] * records[:, 4:105]
@@ -92,7 +92,7 @@ def test_quantized_log_probs_decode_to_log_softmax():
 
 def test_default_model_matches_llama_cpp_perplexity(default_model):
     tokens = default_model.tokenizer.encode(WIKITEXT.read_text(encoding="utf-8"))
-    result = perplexity.evaluate(default_model, tokens, n_ctx=512, n_chunks=20)
+    result = evaluation.evaluate(default_model, tokens, n_ctx=512, n_chunks=20)
     assert result.n_scored == 5100
     assert result.ppl == pytest.approx(LLAMA_CPP_F32_PPL, rel=0.01)
 
@@ -162,7 +162,7 @@ def write_base(path, n_ctx=8, n_vocab=5, n_chunk=1, tokens=np.zeros(8), records=
         records = np.zeros((1, 3, 10), np.uint16)
         records[..., 0:4] = np.array([0.01, -5.0], np.float32).view(np.uint16)
     with open(path, "wb") as f:
-        f.write(perplexity.LOGITS_MAGIC + np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes())
+        f.write(evaluation.LOGITS_MAGIC + np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes())
         f.write(np.asarray(tokens, np.int32).tobytes() + records.tobytes() + extra)
     return str(path)
 
@@ -185,20 +185,20 @@ def nan_records():
 def test_bad_logits_files_are_one_line_errors(tmp_path, case, kwargs, message):
     path = write_base(tmp_path / "base.kld", **kwargs)
     with pytest.raises(JaxinferError, match=message):
-        perplexity.read_logits_file(path)
+        evaluation.read_logits_file(path)
 
 
 def test_a_well_formed_logits_file_is_read(tmp_path):
-    base = perplexity.read_logits_file(write_base(tmp_path / "base.kld"))
+    base = evaluation.read_logits_file(write_base(tmp_path / "base.kld"))
     assert (base.n_ctx, base.n_vocab, base.n_chunk, base.records.shape) == (8, 5, 1, (1, 3, 10))
 
 
 def test_micro_batches_give_the_same_scores(tiny):
     tokens = np.random.default_rng(3).integers(0, tiny.config.n_vocab, size=3 * 32)
-    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
-    whole = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, progress=False)
+    windows = evaluation.make_windows(tokens, 32, -1, bos_id=None)
+    whole = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, progress=False)
     for ubatch in (5, 8, 16):  # 5 leaves a short last micro-batch
-        chunked = perplexity.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, ubatch=ubatch,
+        chunked = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, ubatch=ubatch,
                                               progress=False)
         np.testing.assert_allclose(chunked.nll, whole.nll, rtol=1e-5, atol=1e-5)
 
@@ -209,6 +209,6 @@ def test_nonfinite_logits_stop_with_an_error(make_model):
     m = engine.load_model(make_model(n_ctx=64, tied_output=False))
     out = m.weights.output
     weights = dataclasses.replace(m.weights, output=dataclasses.replace(out, data=out.data.at[5, 0].set(-jnp.inf)))
-    windows = perplexity.make_windows(np.arange(10, 10 + 4 * 16), 16, -1, bos_id=None)
+    windows = evaluation.make_windows(np.arange(10, 10 + 4 * 16), 16, -1, bos_id=None)
     with pytest.raises(JaxinferError, match="logits are NaN or infinite in chunk 1"):
-        perplexity.evaluate_windows(weights, m.config, windows, n_seq=2, progress=False)
+        evaluation.evaluate_windows(weights, m.config, windows, n_seq=2, progress=False)

@@ -8,15 +8,15 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import calibrate, engine, model, perplexity, profile, sidecar, sparsity, torch_format
+from jaxinfer import activation_profile, calibrate, engine, evaluation, model, sidecar, sparsity, torch_format
 from jaxinfer.errors import JaxinferError
 
 
 def test_profile_counts_equal_a_direct_count(make_model, tmp_path):
     m = engine.load_model(make_model(n_layer=12, n_embd=64, n_ff=128, sparsity=0.8))
     tokens = np.random.default_rng(0).integers(3, 259, size=5 * 32)
-    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
-    counts = profile.profile_counts(m, windows, n_seq=2)  # 3 batches, the last padded
+    windows = evaluation.make_windows(tokens, 32, -1, bos_id=None)
+    counts = activation_profile.profile_counts(m, windows, n_seq=2)  # 3 batches, the last padded
 
     def hidden(index, trace):
         return trace.hidden
@@ -26,10 +26,10 @@ def test_profile_counts_equal_a_direct_count(make_model, tmp_path):
     np.testing.assert_array_equal(counts, expected)
 
     directory = str(tmp_path / "activation")
-    summary = profile.write_profile(directory, m.path, counts, windows.size, "dense")
+    summary = activation_profile.write_profile(directory, m.path, counts, windows.size, "dense")
     # Layer files are numbered, not sorted as strings: activation_10.pt is layer 10 (PowerInfer's export bug).
     np.testing.assert_array_equal(torch_format.load_tensor(os.path.join(directory, "activation_10.pt")), counts[10])
-    np.testing.assert_array_equal(profile.read_profile(directory, m.path, 12, 128), counts)
+    np.testing.assert_array_equal(activation_profile.read_profile(directory, m.path, 12, 128), counts)
     assert os.path.getsize(os.path.join(directory, "activation.png")) > 1000
     assert summary["layers"][3]["mean_active"] == pytest.approx(counts[3].sum() / (windows.size * 128))
     saved = json.load(open(os.path.join(directory, "profile.json")))
@@ -45,12 +45,13 @@ def test_coverage():
 def test_calibrated_thresholds_reach_the_target_sparsity(make_model, method):
     m = engine.load_model(make_model())
     tokens = np.random.default_rng(1).integers(0, m.config.n_vocab, size=8 * 32)
-    windows = perplexity.make_windows(tokens, 32, -1, bos_id=None)
+    windows = evaluation.make_windows(tokens, 32, -1, bos_id=None)
     thresholds = calibrate.calibrate(m, windows, method, [0.3, 0.7], n_seq=4)
     for level, values in thresholds.items():
         sparsity.save_thresholds(m.path, method, {level: values}, "test")
         sparse = sparsity.apply(m, sparsity.SparsitySpec(method, level))
-        active = profile.profile_counts(sparse, windows, n_seq=4).sum(axis=1) / (windows.size * m.config.n_ff)
+        counts = activation_profile.profile_counts(sparse, windows, n_seq=4)
+        active = counts.sum(axis=1) / (windows.size * m.config.n_ff)
         np.testing.assert_allclose(1 - active, level, atol=0.02)
 
 
@@ -62,15 +63,15 @@ def test_a_killed_profile_run_leaves_the_previous_profile_whole(make_model, tmp_
     model = make_model()
     directory = str(tmp_path / "activation")
     old = counts_for(0)
-    profile.write_profile(directory, model, old, 1000, "dense")
+    activation_profile.write_profile(directory, model, old, 1000, "dense")
 
     def killed(*args):
         raise KeyboardInterrupt  # after every layer file of the new run was written
 
-    monkeypatch.setattr(profile, "plot", killed)
+    monkeypatch.setattr(activation_profile, "plot", killed)
     with pytest.raises(KeyboardInterrupt):
-        profile.write_profile(directory, model, counts_for(1), 1000, "dense")
-    np.testing.assert_array_equal(profile.read_profile(directory, model, 2, 64), old)
+        activation_profile.write_profile(directory, model, counts_for(1), 1000, "dense")
+    np.testing.assert_array_equal(activation_profile.read_profile(directory, model, 2, 64), old)
     assert sorted(os.listdir(tmp_path)) == ["activation", "tiny.gguf"]  # no temp left behind
 
 
@@ -78,23 +79,23 @@ def test_profiles_of_models_sharing_a_folder_stay_apart(make_model):
     first, second = make_model(), make_model(name="other.gguf", seed=3)
     assert os.path.dirname(first) == os.path.dirname(second)
     for model, seed in ((first, 0), (second, 1)):
-        profile.write_profile(profile.default_directory(model, create=True), model, counts_for(seed), 1000, "dense")
+        activation_profile.write_profile(activation_profile.default_directory(model, create=True), model, counts_for(seed), 1000, "dense")
     for model, seed in ((first, 0), (second, 1)):
-        directory = profile.default_directory(model)
+        directory = activation_profile.default_directory(model)
         assert os.path.basename(directory) == os.path.basename(model) + ".activation"
         assert sorted(os.listdir(directory)) == ["activation.png", "activation_0.pt", "activation_1.pt",
                                                  "profile.json"]  # PowerInfer's names inside
-        np.testing.assert_array_equal(profile.read_profile(directory, model, 2, 64), counts_for(seed))
+        np.testing.assert_array_equal(activation_profile.read_profile(directory, model, 2, 64), counts_for(seed))
 
 
 def test_layer_files_of_different_runs_are_rejected(make_model, tmp_path):
     model = make_model()
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    profile.write_profile(first, model, counts_for(0), 1000, "dense")
-    profile.write_profile(second, model, counts_for(1), 1000, "dense")
+    activation_profile.write_profile(first, model, counts_for(0), 1000, "dense")
+    activation_profile.write_profile(second, model, counts_for(1), 1000, "dense")
     shutil.copy(os.path.join(second, "activation_1.pt"), first)
     with pytest.raises(JaxinferError, match="mix of profiling runs"):
-        profile.read_profile(first, model, 2, 64)
+        activation_profile.read_profile(first, model, 2, 64)
 
 
 def forged_tensor(path, pickle_bytes, storage=b"\0" * 512):
@@ -139,7 +140,7 @@ def test_bad_activation_files_are_one_line_errors(make_model, tmp_path, case):
     elif case == "too many":  # refused before its storage is read
         torch_format.save_tensor(str(path), np.zeros(1 << 16, np.int64))
     with pytest.raises(JaxinferError) as error:
-        profile.read_profile(str(directory), model, 2, 64)
+        activation_profile.read_profile(str(directory), model, 2, 64)
     assert "activation_1.pt" in str(error.value) and "\n" not in str(error.value)
 
 

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from jaxinfer import engine, placement, profile, runtime, sidecar, sparsity
+from jaxinfer import activation_profile, engine, placement, runtime, sidecar, sparsity
 from jaxinfer.errors import JaxinferError
 
 
@@ -104,7 +104,7 @@ def test_derived_files_of_a_packaged_model_go_to_its_cache_folder(make_model, tm
     beside = make_model()
     assert sparsity.thresholds_path(beside) == beside + ".sparsity.json"
     assert placement.gpuidx_path(beside) == beside + ".generated.gpuidx"
-    assert profile.default_directory(beside) == beside + ".activation"
+    assert activation_profile.default_directory(beside) == beside + ".activation"
 
     packaged = tmp_path / "lib" / "site-packages" / "some_model"
     packaged.mkdir(parents=True)
@@ -113,7 +113,7 @@ def test_derived_files_of_a_packaged_model_go_to_its_cache_folder(make_model, tm
     cache = tmp_path / "cache" / "models" / f"tiny.gguf-{sidecar.model_fingerprint(model)[:16]}"
     assert sparsity.thresholds_path(model, create=True) == str(cache / "tiny.gguf.sparsity.json")
     assert placement.gpuidx_path(model) == str(cache / "tiny.gguf.generated.gpuidx")
-    assert profile.default_directory(model) == str(cache / "tiny.gguf.activation")
+    assert activation_profile.default_directory(model) == str(cache / "tiny.gguf.activation")
     assert cache.is_dir()
     sparsity.save_thresholds(model, "hidden", {0.5: np.ones(2)}, "test")
     assert os.listdir(packaged) == ["tiny.gguf"]
@@ -127,7 +127,8 @@ def test_a_missing_model_is_reported_as_such(tmp_path):
 
 def test_the_default_models_derived_files_stay_out_of_site_packages():
     path = engine.default_model_path()
-    for derived in (sparsity.thresholds_path(path), placement.gpuidx_path(path), profile.default_directory(path)):
+    for derived in (sparsity.thresholds_path(path), placement.gpuidx_path(path),
+                    activation_profile.default_directory(path)):
         assert derived.startswith(runtime.CACHE_DIR) and "site-packages" not in derived, derived
 
 

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import engine, perplexity, sparsity
+from jaxinfer import engine, evaluation, sparsity
 from jaxinfer.errors import JaxinferError
 
 
@@ -16,7 +16,7 @@ def test_nonfinite_activations_stop_profiling_calibration_and_training(make_mode
     layers = list(m.weights.layers)
     layers[1] = dataclasses.replace(layers[1], ffn_up=dataclasses.replace(up, data=up.data.at[3, 0].set(jnp.nan)))
     broken = dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=layers))
-    windows = perplexity.make_windows(np.arange(10, 10 + 5 * 16), 16, -1, bos_id=None)
+    windows = evaluation.make_windows(np.arange(10, 10 + 5 * 16), 16, -1, bos_id=None)
     assert sparsity.reduce_over_windows(m, windows, sparsity.count_active, n_seq=2)[0].shape == (m.config.n_ff,)
     with pytest.raises(JaxinferError, match=r"activations are NaN or infinite in windows 0\.\.1"):
         sparsity.reduce_over_windows(broken, windows, sparsity.count_active, n_seq=2)

@@ -4,13 +4,13 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, model, perplexity, quant, sparsity, train_predictor
+from jaxinfer import engine, evaluation, model, quant, sparsity, train_predictor
 from jaxinfer.gguf_io import open_gguf
 
 
 def windows_for(m, n, n_ctx=32, seed=0):
     tokens = np.random.default_rng(seed).integers(3, 259, size=n * n_ctx)
-    return perplexity.make_windows(tokens, n_ctx, -1, bos_id=None)
+    return evaluation.make_windows(tokens, n_ctx, -1, bos_id=None)
 
 
 def test_predictor_trained_on_a_relu_model_recalls_held_out_activity(make_model):

@@ -1,0 +1,323 @@
+"""Perplexity and KL divergence of a loaded model over a text, evaluated in jitted batches of windows: the library
+behind `python -m jaxinfer.perplexity`, whose docstring states the convention (llama-perplexity's) and the
+logits file format.
+"""
+
+import dataclasses
+import math
+import os
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from jaxinfer import hybrid, model
+from jaxinfer.config import Config
+from jaxinfer.errors import JaxinferError
+
+LOGITS_MAGIC = b"_logits_"
+KL_LOG_PROB_FLOOR = -16.0  # llama.cpp ignores base probabilities below e^-16 in the KL sum
+MIN_LOGITS_CTX = 8  # as -c/--ctx_size
+
+
+def scored_positions(n_ctx: int) -> tuple[int, int]:
+    """(first, count): logits at positions first .. first+count-1 predict the next token."""
+    first = n_ctx // 2
+    return first, n_ctx - first - 1
+
+
+def make_windows(tokens: np.ndarray, n_ctx: int, n_chunks: int, bos_id: int | None) -> np.ndarray:
+    """Non-overlapping windows [n_chunk, n_ctx]; the first token of each replaced by BOS when given."""
+    if len(tokens) < 2 * n_ctx:
+        raise JaxinferError(f"the text has {len(tokens)} tokens; perplexity with a context of {n_ctx} needs at "
+                            f"least {2 * n_ctx}")
+    n_max = len(tokens) // n_ctx
+    n = n_max if n_chunks < 0 else min(n_chunks, n_max)
+    if n < 1:
+        raise JaxinferError(f"--chunks must be >= 1 or -1 for all, got {n_chunks}")
+    windows = np.asarray(tokens[: n * n_ctx], np.int32).reshape(n, n_ctx).copy()
+    if bos_id is not None:
+        windows[:, 0] = bos_id
+    return windows
+
+
+def _window_hidden(windows, weights, cfg: Config, ubatch: int):
+    """Final hidden states [B, n_ctx, d]; with ubatch < n_ctx the window goes through the model in micro-batches of
+    ubatch tokens that attend to the earlier ones through a KV cache (bounded activation and attention memory)."""
+    b, n_ctx = windows.shape
+    if ubatch >= n_ctx:
+        return model.forward(windows, weights, cfg)[0]
+    cache = model.init_cache(cfg, b, n_ctx)
+    pieces = []
+    for start in range(0, n_ctx, ubatch):
+        hidden, cache, _ = model.forward(windows[:, start:start + ubatch], weights, cfg, cache)
+        cache = dataclasses.replace(cache, length=cache.length + hidden.shape[1])
+        pieces.append(hidden)
+    return jnp.concatenate(pieces, axis=1)
+
+
+def _split_window_hidden(windows, split, cfg: Config, ubatch: int):
+    """_window_hidden for a model split between accelerator and host (engine.Split): the window goes through
+    hybrid.forward in micro-batches through a KV cache on the accelerator, each layer's pieces placed as in decoding."""
+    b, n_ctx = windows.shape
+    cache = jax.device_put(model.init_cache(cfg, b, n_ctx), split.placement.accelerator)
+    pieces = []
+    for start in range(0, n_ctx, ubatch):
+        hidden, cache = hybrid.forward(windows[:, start:start + ubatch], split.weights, cfg, cache, split.placement)
+        cache = dataclasses.replace(cache, length=cache.length + hidden.shape[1])
+        pieces.append(hidden)
+    return jnp.concatenate(pieces, axis=1)
+
+
+def _log_probs_and_nll(hidden, windows, weights):
+    """(logits, log-probs, nll of the next token) at the scored positions of windows [B, n_ctx], from their final
+    hidden states [B, n_ctx, d]: the scorers below all start here."""
+    first, count = scored_positions(windows.shape[1])
+    logits = model.logits(hidden[:, first:first + count], weights)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(log_probs, windows[:, first + 1:, None], axis=-1)[..., 0]
+    # A NaN or infinite logit anywhere in a row (corrupt weights) makes its nll NaN, which evaluate_windows stops on:
+    # one reduction in the compiled call, no logits copied to the host.
+    return logits, log_probs, jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), nll, jnp.nan)
+
+
+def hidden_nll(hidden, windows, weights):
+    """Negative log-likelihood of each scored token: [B, count] f32."""
+    return _log_probs_and_nll(hidden, windows, weights)[2]
+
+
+def hidden_logits(hidden, windows, weights):
+    """(logits [B, count, V], nll [B, count]) of the scored tokens, for saving a KL-divergence base."""
+    logits, _, nll = _log_probs_and_nll(hidden, windows, weights)
+    return logits, nll
+
+
+def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights):
+    """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
+    targets = windows[:, scored_positions(windows.shape[1])[0] + 1:]
+    logits, log_probs, nll = _log_probs_and_nll(hidden, windows, weights)
+    base_log_probs = base_min[..., None] + base_scale[..., None] * base_q.astype(jnp.float32)
+    base_nll = -jnp.take_along_axis(base_log_probs, targets[..., None], axis=-1)[..., 0]
+    terms = jnp.exp(base_log_probs) * (base_log_probs - log_probs)
+    kl = jnp.sum(jnp.where(base_log_probs > KL_LOG_PROB_FLOOR, terms, 0.0), axis=-1)
+    same_top = jnp.argmax(logits, axis=-1) == jnp.argmax(base_log_probs, axis=-1)
+    return nll, base_nll, kl, same_top
+
+
+@partial(jax.jit, static_argnames=("score", "ubatch"))
+def window_scores(windows, base: tuple, weights, cfg: Config, score, ubatch: int):
+    """score(final hidden states, windows, *base, weights) of windows [B, n_ctx], in one compiled call."""
+    return score(_window_hidden(windows, weights, cfg, ubatch), windows, *base, weights)
+
+
+def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
+    """logits [N, V] f32 -> llama.cpp's uint16 records [N, nv] (see the module docstring)."""
+    logits = logits.astype(np.float32)
+    n, vocab = logits.shape
+    nv = 2 * ((vocab + 1) // 2) + 4
+    max_logit = logits.max(axis=1, keepdims=True)
+    min_logit = np.maximum(logits.min(axis=1, keepdims=True), max_logit - np.float32(16))
+    log_sum_exp = np.log(np.exp((logits - max_logit).astype(np.float64)).sum(axis=1, keepdims=True))
+    min_log_prob = (min_logit - max_logit - log_sum_exp.astype(np.float32)).astype(np.float32)
+    scale = ((max_logit - min_logit) / np.float32(65535)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(logits > min_logit, np.rint((logits - min_logit) * (1 / scale)), 0)
+    q = np.where(scale > 0, q, 0)
+    records = np.zeros((n, nv), np.uint16)
+    records[:, 0:4] = np.concatenate([scale, min_log_prob], axis=1).view(np.uint16)
+    records[:, 4:4 + vocab] = q.astype(np.uint16)
+    return records
+
+
+def write_logits_header(f, n_ctx: int, n_vocab: int, tokens: np.ndarray):
+    """`tokens` are the original text tokens of all evaluated windows (BOS substitution is not stored)."""
+    n_chunk = len(tokens) // n_ctx
+    f.write(LOGITS_MAGIC)
+    f.write(np.array([n_ctx, n_vocab, n_chunk], np.int32).tobytes())
+    f.write(np.asarray(tokens[: n_chunk * n_ctx], np.int32).tobytes())
+
+
+@dataclasses.dataclass
+class LogitsFile:
+    n_ctx: int
+    n_vocab: int
+    tokens: np.ndarray  # [n_chunk * n_ctx] int32
+    records: np.ndarray  # [n_chunk, count, nv] uint16, memory-mapped
+
+    @property
+    def n_chunk(self) -> int:
+        return len(self.tokens) // self.n_ctx
+
+
+def read_logits_file(path: str) -> LogitsFile:
+    """A llama.cpp logits file, checked: its header, its exact size, its tokens within the vocabulary and each
+    record's scale and minimum log-probability (the quantized values themselves are any uint16)."""
+    if not os.path.isfile(path):
+        raise JaxinferError(f"KL-divergence base file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(8)
+        header = np.frombuffer(f.read(12), np.int32)
+    if magic != LOGITS_MAGIC or len(header) != 3:
+        raise JaxinferError(f"{path} is not a llama.cpp logits file (magic {magic!r})")
+    n_ctx, n_vocab, n_chunk = (int(v) for v in header)
+    if n_ctx < MIN_LOGITS_CTX or n_vocab < 1 or n_chunk < 1:
+        raise JaxinferError(f"{path} has an impossible header: n_ctx {n_ctx}, n_vocab {n_vocab}, n_chunk {n_chunk}")
+    _, count = scored_positions(n_ctx)
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    tokens_end = 20 + 4 * n_ctx * n_chunk
+    expected = tokens_end + 2 * n_chunk * count * nv
+    size = os.path.getsize(path)
+    if size != expected:
+        raise JaxinferError(f"{path} is {'truncated' if size < expected else 'too long'}: {size} bytes, expected "
+                            f"{expected} for {n_chunk} chunks of {n_ctx} tokens over {n_vocab}")
+    tokens = np.fromfile(path, np.int32, count=n_ctx * n_chunk, offset=20)
+    if tokens.min() < 0 or tokens.max() >= n_vocab:
+        raise JaxinferError(f"{path} holds a token outside its vocabulary of {n_vocab}")
+    records = np.memmap(path, np.uint16, "r", offset=tokens_end, shape=(n_chunk, count, nv))
+    scale, min_log_prob = np.ascontiguousarray(records[..., 0:4]).view(np.float32).reshape(-1, 2).T
+    if not (np.all(np.isfinite(scale) & (scale >= 0)) and np.all(np.isfinite(min_log_prob) & (min_log_prob <= 0))):
+        raise JaxinferError(f"{path} holds a record whose scale or minimum log-probability is impossible")
+    return LogitsFile(n_ctx, n_vocab, tokens, records)
+
+
+@dataclasses.dataclass
+class KLDivergence:
+    mean: float
+    error: float
+    same_top: float  # share of tokens whose top-1 agrees with the base run
+    base_ppl: float
+
+
+@dataclasses.dataclass
+class PerplexityResult:
+    ppl: float
+    error: float
+    n_chunks: int
+    n_ctx: int
+    nll: np.ndarray  # [n_scored] float64, per scored token in window order
+    seconds: float  # evaluation, compile excluded (included for a split model, whose pieces compile as they run)
+    compile_seconds: float | None
+    kl: KLDivergence | None = None
+
+    @property
+    def n_scored(self) -> int:
+        return len(self.nll)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.n_chunks * self.n_ctx / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> str:
+        compile = "compiled as it ran" if self.compile_seconds is None else f"+{self.compile_seconds:.1f} s compile"
+        line = (f"PPL = {self.ppl:.4f} +/- {self.error:.5f} | {self.n_scored} tokens scored in {self.n_chunks} "
+                f"chunks of {self.n_ctx} | {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s ({compile})")
+        if self.kl:
+            line += (f" | KL-divergence {self.kl.mean:.6f} +/- {self.kl.error:.6f}, same top-1 "
+                     f"{100 * self.kl.same_top:.2f}%, base PPL {self.kl.base_ppl:.4f}")
+        return line
+
+
+def ppl_with_error(nll: np.ndarray) -> tuple[float, float]:
+    mean = float(nll.mean())
+    ppl = math.exp(mean)
+    variance = float((nll * nll).mean()) - mean * mean
+    return ppl, ppl * math.sqrt(max(variance, 0.0) / max(len(nll) - 1, 1))
+
+
+def _batches(windows: np.ndarray, n_seq: int):
+    """Yield (start, batch) with every batch exactly n_seq windows (the last padded by repeating its final window),
+    so a single compiled program serves the whole run."""
+    for start in range(0, len(windows), n_seq):
+        batch = windows[start:start + n_seq]
+        if len(batch) < n_seq:
+            batch = np.concatenate([batch, np.repeat(batch[-1:], n_seq - len(batch), axis=0)])
+        yield start, batch
+
+
+def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *, n_seq: int = 4, ubatch: int = 512,
+                     base: LogitsFile | None = None, save_logits=None, progress: bool = True,
+                     split=None) -> PerplexityResult:
+    """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows. With `base`, also
+    KL divergence against it; with `save_logits` (an open binary file, header written), append llama.cpp records.
+    With `split` (engine.Split, `weights` then its accelerator part's dense weights) the windows run through the
+    hybrid model, whose pieces compile on first use (counted in the evaluation time, as in generate)."""
+    n_chunk, n_ctx = windows.shape
+    _, count = scored_positions(n_ctx)
+    nll = np.zeros((n_chunk, count), np.float64)
+    kl_parts = {"base_nll": np.zeros_like(nll), "kl": np.zeros_like(nll), "same_top": np.zeros_like(nll)}
+
+    def base_inputs(rows, n_real):
+        records = np.asarray(base.records[rows])
+        records = np.concatenate([records, np.repeat(records[-1:], n_seq - n_real, axis=0)])
+        header = records[..., 0:4].copy().view(np.float32)
+        return records[..., 4:4 + cfg.n_vocab], header[..., 0], header[..., 1]
+
+    score = hidden_kl if base is not None else hidden_logits if save_logits is not None else hidden_nll
+    compile_seconds = None
+    if split is None:
+        start_time = time.perf_counter()
+        first_inputs = base_inputs(slice(0, 1), 1) if base is not None else ()
+        compiled = window_scores.lower(windows[:1].repeat(n_seq, axis=0), first_inputs, weights, cfg, score=score,
+                                       ubatch=ubatch).compile()
+        compile_seconds = time.perf_counter() - start_time
+
+        def step(batch, *inputs):
+            return compiled(batch, inputs, weights, cfg)
+    else:
+        scores = jax.jit(score)
+
+        def step(batch, *inputs):
+            return scores(_split_window_hidden(batch, split, cfg, ubatch), batch, *inputs, weights)
+
+    start_time = time.perf_counter()
+    bar = tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity")
+    for start, batch in _batches(windows, n_seq):
+        n_real = min(n_seq, n_chunk - start)
+        rows = slice(start, start + n_real)
+        if base is not None:
+            out = step(batch, *base_inputs(rows, n_real))
+            batch_nll, base_nll, kl, same_top = (np.asarray(a)[:n_real] for a in out)
+            kl_parts["base_nll"][rows], kl_parts["kl"][rows], kl_parts["same_top"][rows] = base_nll, kl, same_top
+        elif save_logits is not None:
+            logits, batch_nll = (np.asarray(a)[:n_real] for a in step(batch))
+            save_logits.write(quantize_log_probs(logits.reshape(-1, logits.shape[-1])).tobytes())
+        else:
+            batch_nll = np.asarray(step(batch))[:n_real]
+        if not np.isfinite(batch_nll).all():
+            bar.close()
+            chunk = start + 1 + int(np.argwhere(~np.isfinite(batch_nll))[0, 0])
+            raise JaxinferError(f"the model's logits are NaN or infinite in chunk {chunk} (corrupt weights?)")
+        nll[rows] = batch_nll
+        bar.update(n_real)
+        bar.set_postfix(ppl=f"{math.exp(nll[: start + n_real].mean()):.4f}")
+    bar.close()
+    seconds = time.perf_counter() - start_time
+    flat = nll.reshape(-1)
+    ppl, error = ppl_with_error(flat)
+    kl = None
+    if base is not None:
+        kl_values = kl_parts["kl"].reshape(-1)
+        kl = KLDivergence(
+            mean=float(kl_values.mean()),
+            error=float(kl_values.std() / math.sqrt(max(len(kl_values) - 1, 1))),
+            same_top=float(kl_parts["same_top"].mean()),
+            base_ppl=math.exp(float(kl_parts["base_nll"].mean())),
+        )
+    return PerplexityResult(ppl, error, n_chunk, n_ctx, flat, seconds, compile_seconds, kl)
+
+
+def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4, progress: bool = False,
+             **kwargs) -> PerplexityResult:
+    """Perplexity of a loaded model (`engine.LoadedModel`, split between accelerator and host or not) over a token
+    sequence, llama-perplexity style."""
+    if n_ctx > m.config.n_ctx_train:
+        raise JaxinferError(f"-c {n_ctx} exceeds the model's training context {m.config.n_ctx_train}")
+    bos = m.tokenizer.bos_id if m.tokenizer.add_bos else None
+    windows = make_windows(np.asarray(tokens), n_ctx, n_chunks, bos)
+    if m.split is not None:
+        return evaluate_windows(m.split.weights.dense, m.config, windows, n_seq=n_seq, progress=progress,
+                                split=m.split, **kwargs)
+    return evaluate_windows(m.weights, m.config, windows, n_seq=n_seq, progress=progress, **kwargs)
