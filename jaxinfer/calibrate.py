@@ -110,7 +110,8 @@ def main():
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
     flags.DEFINE_string("output", None, "thresholds file to merge into (default: MODEL.sparsity.json, where --sparsity "
                         "gate:S / hidden:S look for them: beside the model, or in the model's cache folder when the "
-                        "model's folder is read-only or an installed package's)", short_name="o")
+                        "model's folder is read-only or an installed package's; another file is used with --thresholds FILE)",
+                        short_name="o")
     check_range("ctx_size", MIN_WINDOW)
     check_range("chunks", 1, sentinel=-1)
     check_range("batch_size", 1)

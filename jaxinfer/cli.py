@@ -14,6 +14,8 @@ MIN_WINDOW = 8  # least -c of the CLIs that cut a text into windows (perplexity 
 HELP_ARGS = ("-h", "-?", "--help", "--helpshort", "--helpfull")
 
 # Help of the flags that more than one CLI defines.
+THRESHOLDS_HELP = ("calibrated thresholds file for --sparsity gate:S / hidden:S, as calibrate -o wrote it (default: "
+                   "MODEL.sparsity.json, where calibrate writes without -o)")
 DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --sparsity (one row per neuron, so inactive "
                     "rows are skipped): same (the model's own; a second rounding), q8_0 (near-lossless, 1.7x the "
                     "bytes of Q4_1), q4_0, q4_1, q5_0 or q5_1")

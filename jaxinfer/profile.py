@@ -39,7 +39,7 @@ def _cli_main(argv):
     directory = f.output or default_directory(f.model or engine.default_model_path(), create=True)
     check_output_directory(directory)
     runtime.enable_compilation_cache()
-    m = engine.build_model(f.model, sparsity_spec=spec)
+    m = engine.build_model(f.model, sparsity_spec=spec, thresholds_file=f.thresholds)
     print(m.describe(), file=sys.stderr)
     print(f"the activation profile goes to {directory}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(open(f.file, encoding="utf-8", errors="replace").read()), np.int32)
@@ -61,7 +61,7 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import MIN_WINDOW, check_range, parse_flags
+    from jaxinfer.cli import MIN_WINDOW, THRESHOLDS_HELP, check_range, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "text to profile on", short_name="f")
@@ -73,6 +73,7 @@ def main():
     check_range("chunks", 1, sentinel=-1)
     check_range("batch_size", 1)
     flags.DEFINE_string("sparsity", "dense", "what counts as active: dense | predictor | gate:S | hidden:S")
+    flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
     flags.DEFINE_string("output", None, "output folder, replaced as a whole (default: MODEL.activation/ beside the "
                         "model, or in the model's cache folder when the model's folder is read-only)", short_name="o")
     app.run(exit_on_error(_cli_main), flags_parser=parse_flags)

@@ -119,10 +119,13 @@ def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.nda
     return path
 
 
-def apply(m, spec: SparsitySpec, down_t_type=None):
+def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None = None):
     """A copy of the loaded model (`engine.LoadedModel`) that runs its FFNs with `spec`. Unless dense, its down
     projections are stored one row per neuron, quantized to `down_t_type` (default: each one's own type; see
-    quant.transpose)."""
+    quant.transpose). gate:S / hidden:S read their thresholds from `thresholds_file` (calibrate -o), by default
+    from the model's sidecar."""
+    if thresholds_file is not None and spec.mode not in THRESHOLD_METHODS:
+        raise JaxinferError(f"--thresholds is for --sparsity gate:S or hidden:S, not {spec}")
     cfg = dataclasses.replace(m.config, ffn_sparsity=spec.mode)
     layers = m.weights.layers
     if spec.mode == "predictor":
@@ -132,8 +135,8 @@ def apply(m, spec: SparsitySpec, down_t_type=None):
         if spec.level is not None:
             cfg = dataclasses.replace(cfg, sparse_threshold=spec.level)
     elif spec.mode in THRESHOLD_METHODS:
-        values = load_thresholds(m.path, spec.mode, spec.level, len(layers))
-        m = dataclasses.replace(m, thresholds_path=thresholds_path(m.path))
+        values = load_thresholds(m.path, spec.mode, spec.level, len(layers), thresholds_file)
+        m = dataclasses.replace(m, thresholds_path=thresholds_file or thresholds_path(m.path))
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
         layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec)) for layer in layers]

@@ -170,7 +170,7 @@ def _cli_main(argv):
     if f.output:
         sidecar.check_writable_file(f.output)  # before training, not after
     runtime.enable_compilation_cache()
-    m = engine.build_model(f.model, sparsity_spec=spec)
+    m = engine.build_model(f.model, sparsity_spec=spec, thresholds_file=f.thresholds)
     print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
     n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
@@ -207,11 +207,12 @@ def _cli_main(argv):
 def main():
     from absl import app, flags
 
-    from jaxinfer.cli import MIN_WINDOW, check_range, parse_flags
+    from jaxinfer.cli import MIN_WINDOW, THRESHOLDS_HELP, check_range, parse_flags
 
     flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
     flags.DEFINE_string("file", None, "training text; the last --heldout_chunks windows are held out", short_name="f")
     flags.DEFINE_string("sparsity", "dense", "labels: dense (ReLU models) | gate:S | hidden:S (calibrated)")
+    flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
     flags.DEFINE_string("output", None, "write the model with these predictors to this PowerInfer GGUF",
                         short_name="o")
     flags.DEFINE_float("budget", 0.1, "predictor parameters as a share of the FFN parameters")

@@ -20,3 +20,16 @@ def test_nonfinite_activations_stop_profiling_calibration_and_training(make_mode
     assert sparsity.reduce_over_windows(m, windows, sparsity.count_active, n_seq=2)[0].shape == (m.config.n_ff,)
     with pytest.raises(JaxinferError, match=r"activations are NaN or infinite in windows 0\.\.1"):
         sparsity.reduce_over_windows(broken, windows, sparsity.count_active, n_seq=2)
+
+
+def test_thresholds_from_a_file_calibrate_wrote_with_o(make_model, tmp_path):
+    m = engine.load_model(make_model())
+    elsewhere = str(tmp_path / "elsewhere.json")
+    sparsity.save_thresholds(m.path, "hidden", {0.5: np.array([0.25, 0.75])}, "test", elsewhere)
+    with pytest.raises(JaxinferError, match="no calibrated hidden:0.5 thresholds"):  # not in the default sidecar
+        sparsity.apply(m, sparsity.SparsitySpec("hidden", 0.5))
+    applied = sparsity.apply(m, sparsity.SparsitySpec("hidden", 0.5), thresholds_file=elsewhere)
+    assert [float(layer.ffn_threshold) for layer in applied.weights.layers] == [0.25, 0.75]
+    assert applied.thresholds_path == elsewhere
+    with pytest.raises(JaxinferError, match="--thresholds is for --sparsity gate:S or hidden:S, not predictor"):
+        sparsity.apply(m, sparsity.SparsitySpec("predictor"), thresholds_file=elsewhere)

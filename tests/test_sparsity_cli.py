@@ -87,3 +87,12 @@ def test_profile_calibrate_and_train_end_to_end(make_model, text, tmp_path):
     assert result.returncode == 0 and "recall" in result.stdout, result.stderr
     result = run("jaxinfer.generate", "-m", str(trained), "--sparsity", "predictor", "-n", "4", "-c", "32")
     assert result.returncode == 0, result.stderr
+
+
+def test_thresholds_calibrated_to_another_file_are_used_with_thresholds(make_model, text, tmp_path):
+    model, thresholds = make_model(n_ctx=64), str(tmp_path / "hidden.json")
+    result = run("jaxinfer.calibrate", "-m", model, "-f", text, "-c", "32", "--levels", "0.5", "-o", thresholds)
+    assert result.returncode == 0 and os.path.isfile(thresholds), result.stderr
+    result = run("jaxinfer.generate", "-m", model, "--sparsity", "hidden:0.5", "--thresholds", thresholds, "-n", "2",
+                 "-c", "32")
+    assert result.returncode == 0 and f"thresholds from {thresholds}" in result.stderr, result.stderr
