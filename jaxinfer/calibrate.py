@@ -6,8 +6,8 @@ Per layer, a threshold t is set so that a target share S of neurons is inactive 
 Magnitudes are accumulated in a log-spaced histogram inside the compiled forward (4096 bins over 1e-8..1e4, so a
 threshold is resolved to 0.7%), then the S-quantile of each layer becomes its threshold. The thresholds go into
 `<model>.sparsity.json` (sparsity.thresholds_path: beside the model, or in its cache folder when the model's folder is
-read-only or an installed package's) or `-o FILE`; `--sparsity gate:S` / `hidden:S` on generate, perplexity and
-profile apply the ones in `<model>.sparsity.json`.
+read-only or an installed package's) or `-o FILE`; `--sparsity gate:S` / `hidden:S` on generate, perplexity,
+profile and train_predictor apply the ones in `<model>.sparsity.json`, or with `--thresholds FILE` those of FILE.
 """
 
 import sys
@@ -110,8 +110,8 @@ def main():
     flags.DEFINE_integer("batch_size", 2048, "tokens per compiled call", short_name="b")
     flags.DEFINE_string("output", None, "thresholds file to merge into (default: MODEL.sparsity.json, where --sparsity "
                         "gate:S / hidden:S look for them: beside the model, or in the model's cache folder when the "
-                        "model's folder is read-only or an installed package's; another file is used with --thresholds FILE)",
-                        short_name="o")
+                        "model's folder is read-only or an installed package's; another file is used with "
+                        "--thresholds FILE)", short_name="o")
     check_range("ctx_size", MIN_WINDOW)
     check_range("chunks", 1, sentinel=-1)
     check_range("batch_size", 1)

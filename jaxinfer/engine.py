@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, hybrid, model, quant, sparsity
+from jaxinfer import activation_profile, attention, hybrid, model, placement, quant, sparsity
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -47,8 +47,7 @@ class LoadedModel:
 
     def describe(self) -> str:
         c = self.config
-        arrays = {id(leaf): leaf for leaf in jax.tree.leaves(self.weights)}  # a tied output shares the embedding
-        n_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in arrays.values())
+        n_bytes = quant.tree_nbytes(self.weights)
         types = sorted({t.tensor_type.name for t in self.gguf.reader.tensors})
         down_t = self.weights.layers[0].ffn_down_t if self.weights.layers else None
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
@@ -90,8 +89,9 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
     (`sparsity.apply`, down projections in `down_t_type`, gate/hidden thresholds from `thresholds_file`, by default
     the model's sidecar), then, given `vram_budget_gib`, split it between accelerator and host (`split_model`) for a
-    KV cache of `ctx` positions (capped at the training context; None: the training context). Prints nothing: the CLIs print `describe()` (in `loaded`, called before the split, so that
-    the line comes out even when the split fails) and the split's summary."""
+    KV cache of `ctx` positions (capped at the training context; None: the training context). Prints nothing: the
+    CLIs print `describe()` (in `loaded`, called before the split, so that the line comes out even when the split
+    fails) and the split's summary."""
     m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type,
                        thresholds_file)
     if loaded is not None:
@@ -353,15 +353,13 @@ class Split:
     weights: "hybrid.HybridWeights"
     placement: "hybrid.Placement"
     summary: str
-    plan: "placement.Split | None" = None  # what was solved (or reused) and priced
+    plan: placement.Split | None = None  # what was solved (or reused) and priced
 
 
 def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool,
                 batch: int = 1) -> LoadedModel:
     """Place `m`'s FFN neurons under an accelerator memory budget (with a KV cache of `batch` sequences of `ctx`
     positions), from its activation profile; the cached .gpuidx when it was solved from the same inputs."""
-    from jaxinfer import activation_profile, placement
-
     directory = activation_dir or activation_profile.default_directory(m.path)
     if not os.path.isdir(directory):
         raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "

@@ -15,12 +15,12 @@ import numpy as np
 from tqdm import tqdm
 
 from jaxinfer import hybrid, model
+from jaxinfer.cli import MIN_WINDOW  # the least -c a logits file can have been written with
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 
 LOGITS_MAGIC = b"_logits_"
 KL_LOG_PROB_FLOOR = -16.0  # llama.cpp ignores base probabilities below e^-16 in the KL sum
-MIN_LOGITS_CTX = 8  # as -c/--ctx_size
 
 
 def scored_positions(n_ctx: int) -> tuple[int, int]:
@@ -163,7 +163,7 @@ def read_logits_file(path: str) -> LogitsFile:
     if magic != LOGITS_MAGIC or len(header) != 3:
         raise JaxinferError(f"{path} is not a llama.cpp logits file (magic {magic!r})")
     n_ctx, n_vocab, n_chunk = (int(v) for v in header)
-    if n_ctx < MIN_LOGITS_CTX or n_vocab < 1 or n_chunk < 1:
+    if n_ctx < MIN_WINDOW or n_vocab < 1 or n_chunk < 1:
         raise JaxinferError(f"{path} has an impossible header: n_ctx {n_ctx}, n_vocab {n_vocab}, n_chunk {n_chunk}")
     _, count = scored_positions(n_ctx)
     nv = 2 * ((n_vocab + 1) // 2) + 4

@@ -30,7 +30,7 @@ from jaxinfer import model, sparse_ffn
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.placement import ModelCosts
-from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, ROW_BLOCKS, QuantArray, take_rows, tracing_for
+from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, ROW_BLOCKS, QuantArray, take_rows, tracing_for, tree_nbytes
 from pallas_kernels import sparse_ffn as pallas_ffn
 
 
@@ -119,18 +119,12 @@ def _uses_kernel(devices: "Placement", cfg: Config | None) -> bool:
     return cfg is not None and cfg.ffn_sparsity == "predictor" and devices.hot_ffn_kernel != "xla"
 
 
-def _nbytes(tree) -> int:
-    """Bytes of the arrays of `tree`, each counted once (a tied output head is the embedding)."""
-    arrays = {id(leaf): leaf for leaf in jax.tree.leaves(tree)}
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in arrays.values())
-
-
 def placement_costs(weights: model.Weights, cfg: Config, devices: "Placement", kv_bytes: int) -> ModelCosts:
     """What split_weights will place on the accelerator, for placement.solve: the dense part (everything but the
     FFN neurons' rows; each layer's predictor input projection fc1 and threshold, which a hot part carries, are
     counted for every layer) and each layer's units of neurons (unit_neurons, unit_bytes)."""
     shared = [(layer.fc1, layer.ffn_threshold) for layer in weights.layers]
-    dense = _nbytes(_without_ffn(weights)) + _nbytes(shared)
+    dense = tree_nbytes(_without_ffn(weights)) + tree_nbytes(shared)
     kernel = _uses_kernel(devices, cfg)
     per_unit = np.array([unit_bytes(layer, kernel) for layer in weights.layers], np.int64)
     units = np.array([unit_neurons(layer) for layer in weights.layers], np.int64)

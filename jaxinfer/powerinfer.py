@@ -15,7 +15,6 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
-from jaxinfer.config import SPARSE_THRESHOLD_KEY  # noqa: F401 (writers of PowerInfer files import it from here)
 from jaxinfer.gguf_io import POWERINFER_MAGIC, GGUFFile
 from jaxinfer.sidecar import atomic_write
 

@@ -240,6 +240,12 @@ class QuantArray:
         return self.data.size * self.data.dtype.itemsize
 
 
+def tree_nbytes(tree) -> int:
+    """Bytes of the arrays of a weights pytree, each counted once (a tied output head is the embedding)."""
+    arrays = {id(leaf): leaf for leaf in jax.tree.leaves(tree)}
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in arrays.values())
+
+
 def from_gguf_data(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantArray:
     """Wrap a tensor as gguf-py's reader returns it (numpy, byte shape for block types) without copying."""
     if qtype in FLOAT_TYPES:

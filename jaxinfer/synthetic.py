@@ -24,7 +24,8 @@ import numpy as np
 import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from jaxinfer.powerinfer import SPARSE_THRESHOLD_KEY, PendingTensor, write_gguf
+from jaxinfer.config import SPARSE_THRESHOLD_KEY
+from jaxinfer.powerinfer import PendingTensor, write_gguf
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"

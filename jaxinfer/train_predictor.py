@@ -27,7 +27,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from tqdm import tqdm
 
 from jaxinfer import powerinfer, quant, sparsity
-from jaxinfer.config import GATE_ACTIVATION_KEY
+from jaxinfer.config import GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.gguf_io import load_matrix
 from jaxinfer.powerinfer import PendingTensor
@@ -128,9 +128,8 @@ def export(m, predictors: list[Predictor], path: str, threshold: float, predicto
     """Write the model with its predictors as a PowerInfer file: fc1/fc2 added (replacing any), the down projection
     stored transposed (ffn_down_t, F16, as PowerInfer's axpy kernels read it), the threshold in the metadata."""
     g = m.gguf
-    fields = [f for f in powerinfer.metadata_fields(g) if f[0] not in (powerinfer.SPARSE_THRESHOLD_KEY,
-                                                                       GATE_ACTIVATION_KEY)]
-    fields.append((powerinfer.SPARSE_THRESHOLD_KEY, threshold, GGUFValueType.FLOAT32, None))
+    fields = [f for f in powerinfer.metadata_fields(g) if f[0] not in (SPARSE_THRESHOLD_KEY, GATE_ACTIVATION_KEY)]
+    fields.append((SPARSE_THRESHOLD_KEY, threshold, GGUFValueType.FLOAT32, None))
     if m.config.gate_activation != "relu":  # PowerInfer reads a PWRI file as ReLU-gated; keep this model's gate
         fields.append((GATE_ACTIVATION_KEY, m.config.gate_activation, GGUFValueType.STRING, None))
     replaced = {f"blk.{i}.{name}.weight" for i in range(len(predictors)) for name in ("fc1", "fc2", "ffn_down")}

@@ -83,7 +83,10 @@ def check_vocabulary(gguf, cfg: Config) -> None:
     tokens = gguf.metadata.get(VOCABULARY_KEY)
     if tokens is None:
         return  # reported by the tokenizer, which needs it
-    length = tokens.length if isinstance(tokens, metadata.LongArray) else len(tokens) if isinstance(tokens, list) else None
+    if isinstance(tokens, metadata.LongArray):
+        length = tokens.length
+    else:
+        length = len(tokens) if isinstance(tokens, list) else None
     if length != n_vocab:
         found = "not an array" if length is None else f"{length} tokens"
         raise JaxinferError(f"{gguf.path}: {VOCABULARY_KEY} has {found}, token_embd.weight has {n_vocab} rows")

@@ -121,7 +121,8 @@ def write_profile(m):
     """An activation profile of `m` where a split finds it by default."""
     tokens = np.random.default_rng(1).integers(3, 259, size=4 * 32)
     counts = activation_profile.profile_counts(m, evaluation.make_windows(tokens, 32, -1, None))
-    activation_profile.write_profile(activation_profile.default_directory(m.path), m.path, counts, tokens.size, "predictor")
+    directory = activation_profile.default_directory(m.path)
+    activation_profile.write_profile(directory, m.path, counts, tokens.size, "predictor")
 
 
 def accelerator_bytes(hw: hybrid.HybridWeights, device) -> int:
@@ -161,7 +162,8 @@ def test_split_summary_says_reused_rebuilt_and_why_nothing_was_offloaded(profile
     m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
     index = placement.gpuidx_path(path)
     first = engine.split_model(m, budget, 32, None, reset=False).split.summary
-    assert f"index {index} (solved from the activation profile in {activation_profile.default_directory(path)})" in first
+    directory = activation_profile.default_directory(path)
+    assert f"index {index} (solved from the activation profile in {directory})" in first
     assert f"index {index} (reused)" in engine.split_model(m, budget, 32, None, reset=False).split.summary
     longer = engine.split_model(m, budget, 64, None, reset=False).split  # twice the KV cache: fewer neurons fit
     assert "(rebuilt from the activation profile in" in longer.summary and "another KV cache size" in longer.summary

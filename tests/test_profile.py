@@ -78,14 +78,15 @@ def test_a_killed_profile_run_leaves_the_previous_profile_whole(make_model, tmp_
 def test_profiles_of_models_sharing_a_folder_stay_apart(make_model):
     first, second = make_model(), make_model(name="other.gguf", seed=3)
     assert os.path.dirname(first) == os.path.dirname(second)
-    for model, seed in ((first, 0), (second, 1)):
-        activation_profile.write_profile(activation_profile.default_directory(model, create=True), model, counts_for(seed), 1000, "dense")
-    for model, seed in ((first, 0), (second, 1)):
-        directory = activation_profile.default_directory(model)
-        assert os.path.basename(directory) == os.path.basename(model) + ".activation"
+    for path, seed in ((first, 0), (second, 1)):
+        directory = activation_profile.default_directory(path, create=True)
+        activation_profile.write_profile(directory, path, counts_for(seed), 1000, "dense")
+    for path, seed in ((first, 0), (second, 1)):
+        directory = activation_profile.default_directory(path)
+        assert os.path.basename(directory) == os.path.basename(path) + ".activation"
         assert sorted(os.listdir(directory)) == ["activation.png", "activation_0.pt", "activation_1.pt",
                                                  "profile.json"]  # PowerInfer's names inside
-        np.testing.assert_array_equal(activation_profile.read_profile(directory, model, 2, 64), counts_for(seed))
+        np.testing.assert_array_equal(activation_profile.read_profile(directory, path, 2, 64), counts_for(seed))
 
 
 def test_layer_files_of_different_runs_are_rejected(make_model, tmp_path):
