@@ -67,11 +67,18 @@ _OPS = {
     "gather_axpy": ("GatherAxpy", (True, False, False), lambda rows, cols, h, data_t, index: cols),
     "neuron_major_axpy": ("NeuronMajorAxpy", (True, False, True), lambda rows, cols, h, packed, mask: cols),
 }
-for _op, (_symbol, _, _) in _OPS.items():
-    jax.ffi.register_ffi_target(f"jaxinfer_{_op}", jax.ffi.pycapsule(getattr(_lib, _symbol)), platform="cpu")
-jax.ffi.register_ffi_target("jaxinfer_quantized_matmul_group", jax.ffi.pycapsule(_lib.QuantizedMatmulGroup),
-                            platform="cpu")
-jax.ffi.register_ffi_target("jaxinfer_cached_attention", jax.ffi.pycapsule(_lib.CachedAttention), platform="cpu")
+
+
+def handlers() -> dict[str, int]:
+    """{FFI target name: address of its handler}: what a PJRT plugin needs to run these kernels in its own host
+    programs (jaxinfer.jax_compat.register_host_handlers, for the host part of a GPU program)."""
+    symbols = {f"jaxinfer_{op}": symbol for op, (symbol, _, _) in _OPS.items()}
+    symbols |= {"jaxinfer_quantized_matmul_group": "QuantizedMatmulGroup", "jaxinfer_cached_attention": "CachedAttention"}
+    return {name: ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value for name, symbol in symbols.items()}
+
+
+for _name, _address in handlers().items():
+    jax.ffi.register_ffi_target(_name, jax.ffi.pycapsule(ctypes.cast(_address, ctypes.c_void_p)), platform="cpu")
 
 
 def isa() -> str:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 
 from jaxinfer import metadata
 from jaxinfer.errors import JaxinferError
+from jaxinfer.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +56,8 @@ class Config:
     # Activation sparsity (see sparse_ffn.py): which FFN neurons run for a token.
     ffn_sparsity: str = "dense"  # one of SPARSITY_MODES
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
-    # Attention (model.attend): "xla" computes softmax(K·Q)V in head groups whose scores stay under
-    # attn_max_batch_mib MiB (None: unbounded); "pallas" runs pallas_kernels' flash kernels (GPU);
-    # "pallas_interpret" the same kernels interpreted, for tests on a CPU; "cpu_ext" the XLA path, except that
-    # decode-sized steps against the KV cache run cpu_ext's attention kernel.
-    attention_kernel: str = "xla"
-    attn_max_batch_mib: float | None = None
+    # How it runs on this machine: kernels and placement, decided once at load (plan.py).
+    plan: Plan = Plan()
     # The KV cache's element type, one of CACHE_TYPES: "f16" halves its memory and the bytes a decode step reads
     # deep into a context (llama.cpp's default); attention math stays f32.
     cache_type: str = "f32"

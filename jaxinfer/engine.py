@@ -17,6 +17,7 @@ from jaxinfer import activation_profile, attention, hybrid, model, placement, qu
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
+from jaxinfer.plan import make_plan
 from jaxinfer.sampling import SamplingParams, sample
 from jaxinfer.tokenizer import GGUFTokenizer, load_tokenizer
 
@@ -60,21 +61,16 @@ class LoadedModel:
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                exact: bool = False, cache_type: str = "f32") -> LoadedModel:
-    """Load a GGUF model. Kernels are chosen here, once: flash attention kernels on a GPU, otherwise XLA attention
-    computed in head groups whose K·Q scores stay under `attn_max_batch_mib` MiB (None: unbounded); quantized
-    matmuls through cpu_ext's 8-bit-activation kernels on the CPU unless `exact` (f32 products with the dequantized
-    weights, as an F32 model computes). `cache_type` ("f32", "f16") is the KV cache's element type."""
+    """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
+    attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
+    products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
+    kernels. `cache_type` ("f32", "f16") is the KV cache's element type."""
     if cache_type not in CACHE_TYPES:
         raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
-    if jax.default_backend() == "gpu":
-        attention_kernel = "pallas"
-    else:
-        attention_kernel = "cpu_ext" if quant.cpu_kernels() is not None else "xla"
-    cfg = dataclasses.replace(load_config(gguf), attn_max_batch_mib=attn_max_batch_mib,
-                              attention_kernel=attention_kernel, cache_type=cache_type)
+    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib), cache_type=cache_type)
     weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
@@ -300,60 +296,35 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
 
 def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: SamplingParams, stop_ids: np.ndarray):
     """(prefill(tokens, n_valid, recent, key, cache) -> (token [1], cache), decode(state, n_steps, cache) -> (tokens
-    [DECODE_CHUNK, 1], state, cache), empty cache): the one place that picks how steps run. Dense models compile
-    each (sampling included) ahead of time; a model split between accelerator and host runs hybrid.prefill and
-    decode_step, whose pieces compile on first use, one step per call."""
+    [DECODE_CHUNK, 1], state, cache), empty cache): both programs compiled ahead of time (sampling included), for
+    split and unsplit models alike."""
     cache = model.init_cache(m.config, 1, ctx)
-    if m.split is None:
-        compiled_prefill = _prefill_and_sample.lower(padded, jnp.int32(1), recent, key, m.weights, cache, m.config,
-                                                     params).compile()
-        state = DecodeState(np.zeros(1, np.int32), recent, key, np.zeros((), bool))
-        compiled_decode = decode_chunk.lower(state, jnp.int32(1), stop_ids, m.weights, cache, m.config, params,
-                                             DECODE_CHUNK).compile()
+    compiled_prefill = _prefill_and_sample.lower(padded, jnp.int32(1), recent, key, m.weights, cache, m.config,
+                                                 params).compile()
+    state = DecodeState(np.zeros(1, np.int32), recent, key, np.zeros((), bool))
+    compiled_decode = decode_chunk.lower(state, jnp.int32(1), stop_ids, m.weights, cache, m.config, params,
+                                         DECODE_CHUNK).compile()
 
-        def prefill(tokens, n_valid, recent, key, cache):
-            return compiled_prefill(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
+    def prefill(tokens, n_valid, recent, key, cache):
+        return compiled_prefill(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
 
-        def decode(state, n_steps, cache):
-            return compiled_decode(state, jnp.int32(n_steps), stop_ids, m.weights, cache, m.config, params)
+    def decode(state, n_steps, cache):
+        return compiled_decode(state, jnp.int32(n_steps), stop_ids, m.weights, cache, m.config, params)
 
-        # Warm-up, as llama.cpp does: the first run of each executable costs ~0.1 s more than later ones (measured
-        # 164 vs 56-74 ms for a 5-token prompt), which would otherwise be reported as prompt and generation time.
-        # The cache goes back to empty; what the warm-up wrote sits past its length and is overwritten.
-        token, cache = prefill(padded, jnp.int32(1), recent, key, cache)
-        _, _, cache = decode(dataclasses.replace(state, token=token), 1, cache)
-        return prefill, decode, jax.block_until_ready(dataclasses.replace(cache, length=jnp.zeros((), jnp.int32)))
-    hw, placement = m.split.weights, m.split.placement
-
-    def hybrid_prefill(tokens, n_valid, recent, key, cache):
-        logits, cache = hybrid.prefill(tokens, n_valid, hw, cache, m.config, placement)
-        return _sample(logits, recent, key, params), cache
-
-    def hybrid_decode(state, n_steps, cache):
-        tokens = np.full((DECODE_CHUNK, 1), -1, np.int32)
-        for step in range(n_steps):
-            logits, cache = hybrid.decode_step(state.token, hw, cache, m.config, placement)
-            state = _sample_next(state, logits, stop_ids, params)
-            tokens[step] = np.asarray(state.token)
-            if state.stopped:
-                break
-        return tokens, state, cache
-
-    return hybrid_prefill, hybrid_decode, jax.device_put(cache, placement.accelerator)
-
-
-_sample = jax.jit(sample_finite)
-_sample_next = jax.jit(sample_next)
+    # Warm-up, as llama.cpp does: the first run of each executable costs ~0.1 s more than later ones (measured
+    # 164 vs 56-74 ms for a 5-token prompt), which would otherwise be reported as prompt and generation time.
+    # The cache goes back to empty; what the warm-up wrote sits past its length and is overwritten.
+    token, cache = prefill(padded, jnp.int32(1), recent, key, cache)
+    _, _, cache = decode(dataclasses.replace(state, token=token), 1, cache)
+    return prefill, decode, jax.block_until_ready(dataclasses.replace(cache, length=jnp.zeros((), jnp.int32)))
 
 
 @dataclasses.dataclass
 class Split:
-    """A model placed across accelerator and host (see hybrid.py and placement.py)."""
+    """How a model's FFN neurons were split between device and host memory (see hybrid.py and placement.py)."""
 
-    weights: "hybrid.HybridWeights"
-    placement: "hybrid.Placement"
     summary: str
-    plan: placement.Split | None = None  # what was solved (or reused) and priced
+    plan: placement.Split  # what was solved (or reused) and priced
 
 
 def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str | None, reset: bool,
@@ -365,11 +336,10 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
         raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "
                             f"{m.path} -f TEXT, or pass --activation-dir")
     counts = activation_profile.read_profile(directory, m.path, m.config.n_layer, m.config.n_ff)
-    devices = hybrid.Placement.detect()
-    costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, ctx, batch))
+    costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, ctx, batch))
     budget = int(budget_gib * placement.GIB)
     split = placement.load_or_solve(m.path, counts, costs, budget, reset)
-    hw = hybrid.split_weights(m.weights, split.hot, devices, m.config)
+    weights = hybrid.split_weights(m.weights, split.hot, m.config)
     index = placement.gpuidx_path(m.path)
     if split.reused:
         origin = f"index {index} (reused)"
@@ -379,6 +349,9 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
         origin = f"index {index} (solved from the activation profile in {directory})"
     share = (f"{100 * split.hot_share(m.config.n_ff):.1f}% of neurons" if any(len(h) for h in split.hot)
              else placement.no_neurons_reason(costs, budget))
-    placed = f"offloaded {hybrid.ffn_bytes(hw.hot) / 2**20:.2f} MiB of FFN weights to {devices.accelerator} ({share})"
-    summary = (f"{placed}, {hybrid.ffn_bytes(hw.cold) / 2**20:.2f} MiB stay on the host {devices.host}; {origin}")
-    return dataclasses.replace(m, split=Split(hw, devices, summary, split))
+    device = jax.devices()[0]
+    placed = (f"offloaded {hybrid.ffn_bytes(weights, on_host=False) / 2**20:.2f} MiB of FFN weights to {device} "
+              f"memory ({share})")
+    summary = (f"{placed}, {hybrid.ffn_bytes(weights, on_host=True) / 2**20:.2f} MiB stay in its "
+               f"{m.config.plan.host_memory_kind} memory for the host; {origin}")
+    return dataclasses.replace(m, weights=weights, split=Split(summary, split))

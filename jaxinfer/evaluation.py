@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from jaxinfer import hybrid, model
+from jaxinfer import model
 from jaxinfer.cli import MIN_WINDOW  # the least -c a logits file can have been written with
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
@@ -59,24 +59,11 @@ def _window_hidden(windows, weights, cfg: Config, ubatch: int):
     return jnp.concatenate(pieces, axis=1)
 
 
-def _split_window_hidden(windows, split, cfg: Config, ubatch: int):
-    """_window_hidden for a model split between accelerator and host (engine.Split): the window goes through
-    hybrid.forward in micro-batches through a KV cache on the accelerator, each layer's pieces placed as in decoding."""
-    b, n_ctx = windows.shape
-    cache = jax.device_put(model.init_cache(cfg, b, n_ctx), split.placement.accelerator)
-    pieces = []
-    for start in range(0, n_ctx, ubatch):
-        hidden, cache = hybrid.forward(windows[:, start:start + ubatch], split.weights, cfg, cache, split.placement)
-        cache = dataclasses.replace(cache, length=cache.length + hidden.shape[1])
-        pieces.append(hidden)
-    return jnp.concatenate(pieces, axis=1)
-
-
-def _log_probs_and_nll(hidden, windows, weights):
+def _log_probs_and_nll(hidden, windows, weights, cfg: Config):
     """(logits, log-probs, nll of the next token) at the scored positions of windows [B, n_ctx], from their final
     hidden states [B, n_ctx, d]: the scorers below all start here."""
     first, count = scored_positions(windows.shape[1])
-    logits = model.logits(hidden[:, first:first + count], weights)
+    logits = model.logits(hidden[:, first:first + count], weights, cfg)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(log_probs, windows[:, first + 1:, None], axis=-1)[..., 0]
     # A NaN or infinite logit anywhere in a row (corrupt weights) makes its nll NaN, which evaluate_windows stops on:
@@ -84,21 +71,21 @@ def _log_probs_and_nll(hidden, windows, weights):
     return logits, log_probs, jnp.where(jnp.all(jnp.isfinite(logits), axis=-1), nll, jnp.nan)
 
 
-def hidden_nll(hidden, windows, weights):
+def hidden_nll(hidden, windows, weights, cfg: Config):
     """Negative log-likelihood of each scored token: [B, count] f32."""
-    return _log_probs_and_nll(hidden, windows, weights)[2]
+    return _log_probs_and_nll(hidden, windows, weights, cfg)[2]
 
 
-def hidden_logits(hidden, windows, weights):
+def hidden_logits(hidden, windows, weights, cfg: Config):
     """(logits [B, count, V], nll [B, count]) of the scored tokens, for saving a KL-divergence base."""
-    logits, _, nll = _log_probs_and_nll(hidden, windows, weights)
+    logits, _, nll = _log_probs_and_nll(hidden, windows, weights, cfg)
     return logits, nll
 
 
-def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights):
+def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights, cfg: Config):
     """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
     targets = windows[:, scored_positions(windows.shape[1])[0] + 1:]
-    logits, log_probs, nll = _log_probs_and_nll(hidden, windows, weights)
+    logits, log_probs, nll = _log_probs_and_nll(hidden, windows, weights, cfg)
     base_log_probs = base_min[..., None] + base_scale[..., None] * base_q.astype(jnp.float32)
     base_nll = -jnp.take_along_axis(base_log_probs, targets[..., None], axis=-1)[..., 0]
     terms = jnp.exp(base_log_probs) * (base_log_probs - log_probs)
@@ -109,8 +96,8 @@ def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights):
 
 @partial(jax.jit, static_argnames=("score", "ubatch"))
 def window_scores(windows, base: tuple, weights, cfg: Config, score, ubatch: int):
-    """score(final hidden states, windows, *base, weights) of windows [B, n_ctx], in one compiled call."""
-    return score(_window_hidden(windows, weights, cfg, ubatch), windows, *base, weights)
+    """score(final hidden states, windows, *base, weights, cfg) of windows [B, n_ctx], in one compiled call."""
+    return score(_window_hidden(windows, weights, cfg, ubatch), windows, *base, weights, cfg)
 
 
 def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
@@ -198,8 +185,8 @@ class PerplexityResult:
     n_chunks: int
     n_ctx: int
     nll: np.ndarray  # [n_scored] float64, per scored token in window order
-    seconds: float  # evaluation, compile excluded (included for a split model, whose pieces compile as they run)
-    compile_seconds: float | None
+    seconds: float  # evaluation, compile excluded
+    compile_seconds: float
     kl: KLDivergence | None = None
 
     @property
@@ -211,9 +198,9 @@ class PerplexityResult:
         return self.n_chunks * self.n_ctx / self.seconds if self.seconds else 0.0
 
     def summary(self) -> str:
-        compile = "compiled as it ran" if self.compile_seconds is None else f"+{self.compile_seconds:.1f} s compile"
         line = (f"PPL = {self.ppl:.4f} +/- {self.error:.5f} | {self.n_scored} tokens scored in {self.n_chunks} "
-                f"chunks of {self.n_ctx} | {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s ({compile})")
+                f"chunks of {self.n_ctx} | {self.seconds:.1f} s, {self.tokens_per_second:.1f} tokens/s "
+                f"(+{self.compile_seconds:.1f} s compile)")
         if self.kl:
             line += (f" | KL-divergence {self.kl.mean:.6f} +/- {self.kl.error:.6f}, same top-1 "
                      f"{100 * self.kl.same_top:.2f}%, base PPL {self.kl.base_ppl:.4f}")
@@ -238,12 +225,10 @@ def _batches(windows: np.ndarray, n_seq: int):
 
 
 def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *, n_seq: int = 4, ubatch: int = 512,
-                     base: LogitsFile | None = None, save_logits=None, progress: bool = True,
-                     split=None) -> PerplexityResult:
-    """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows. With `base`, also
-    KL divergence against it; with `save_logits` (an open binary file, header written), append llama.cpp records.
-    With `split` (engine.Split, `weights` then its accelerator part's dense weights) the windows run through the
-    hybrid model, whose pieces compile on first use (counted in the evaluation time, as in generate)."""
+                     base: LogitsFile | None = None, save_logits=None, progress: bool = True) -> PerplexityResult:
+    """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows, split between
+    device and host memory or not (the one forward). With `base`, also KL divergence against it; with `save_logits`
+    (an open binary file, header written), append llama.cpp records."""
     n_chunk, n_ctx = windows.shape
     _, count = scored_positions(n_ctx)
     nll = np.zeros((n_chunk, count), np.float64)
@@ -256,21 +241,14 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
         return records[..., 4:4 + cfg.n_vocab], header[..., 0], header[..., 1]
 
     score = hidden_kl if base is not None else hidden_logits if save_logits is not None else hidden_nll
-    compile_seconds = None
-    if split is None:
-        start_time = time.perf_counter()
-        first_inputs = base_inputs(slice(0, 1), 1) if base is not None else ()
-        compiled = window_scores.lower(windows[:1].repeat(n_seq, axis=0), first_inputs, weights, cfg, score=score,
-                                       ubatch=ubatch).compile()
-        compile_seconds = time.perf_counter() - start_time
+    start_time = time.perf_counter()
+    first_inputs = base_inputs(slice(0, 1), 1) if base is not None else ()
+    compiled = window_scores.lower(windows[:1].repeat(n_seq, axis=0), first_inputs, weights, cfg, score=score,
+                                   ubatch=ubatch).compile()
+    compile_seconds = time.perf_counter() - start_time
 
-        def step(batch, *inputs):
-            return compiled(batch, inputs, weights, cfg)
-    else:
-        scores = jax.jit(score)
-
-        def step(batch, *inputs):
-            return scores(_split_window_hidden(batch, split, cfg, ubatch), batch, *inputs, weights)
+    def step(batch, *inputs):
+        return compiled(batch, inputs, weights, cfg)
 
     start_time = time.perf_counter()
     bar = tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity")
@@ -317,7 +295,4 @@ def evaluate(m, tokens, *, n_ctx: int = 512, n_chunks: int = -1, n_seq: int = 4,
         raise JaxinferError(f"-c {n_ctx} exceeds the model's training context {m.config.n_ctx_train}")
     bos = m.tokenizer.bos_id if m.tokenizer.add_bos else None
     windows = make_windows(np.asarray(tokens), n_ctx, n_chunks, bos)
-    if m.split is not None:
-        return evaluate_windows(m.split.weights.dense, m.config, windows, n_seq=n_seq, progress=progress,
-                                split=m.split, **kwargs)
     return evaluate_windows(m.weights, m.config, windows, n_seq=n_seq, progress=progress, **kwargs)

@@ -90,10 +90,6 @@ def main(argv):
     spec = sparsity.parse_spec(FLAGS.sparsity)
     down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
     split = cli.split_requested()
-    if split:
-        import jax
-
-        jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
     m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
                            attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,

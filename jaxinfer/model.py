@@ -4,6 +4,7 @@
                                    rms_norm -> gated FFN (sparse_ffn.py)        -> +residual ] -> rms_norm -> logits
 
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
+How it runs here (which kernels, where a split's parts live) is `cfg.plan`, decided once at load (plan.py).
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 from jaxinfer import attention, sparse_ffn
 from jaxinfer.config import CACHE_TYPES, Config
 from pallas_kernels import attention as flash_attention
-from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, take_rows
+from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products, take_rows
 
 
 @jax.tree_util.register_dataclass
@@ -34,6 +35,9 @@ class Layer:
     fc1: QuantArray | None = None  # [rank, d] activation predictor (PowerInfer), when the file has one
     fc2: QuantArray | None = None  # [n_ff, rank]
     ffn_threshold: jax.Array | None = None  # f32 []: calibrated sparsity threshold (sparse_ffn "gate"/"hidden")
+    # A split model's FFN neurons in parts, hot in device memory and cold in host memory (sparse_ffn.FFNPart,
+    # hybrid.py); ffn_gate, ffn_up, ffn_down and ffn_down_t are then None, and fc2's rows come part after part.
+    ffn_parts: list | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -100,21 +104,22 @@ CPU_ATTENTION_MAX_QUERIES = 8
 
 
 def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None):
-    """The one place that picks how attention runs (see Config.attention_kernel); all give `attend`'s result.
-    keys/values are the T new tokens' own [B, T, H_kv, hd] (no cache), or, with `layer`, the whole KV caches
-    [n_layer, B, max_len, H_kv, hd], filled up to q_pos[-1]."""
-    if cfg.attention_kernel in ("pallas", "pallas_interpret"):
-        interpret = cfg.attention_kernel == "pallas_interpret"
+    """Attention as the plan says (Plan.attention); all give `attend`'s result. keys/values are the T new tokens' own
+    [B, T, H_kv, hd] (no cache), or, with `layer`, the whole KV caches [n_layer, B, max_len, H_kv, hd], filled up to
+    q_pos[-1]."""
+    plan = cfg.plan
+    if plan.attention in ("pallas", "pallas_interpret"):
+        interpret = plan.attention == "pallas_interpret"
         if layer is not None:
             keys, values = keys[layer], values[layer]
         if q.shape[1] == 1:
             return flash_attention.decode_attention(q[:, 0], keys, values, q_pos[0], interpret=interpret)[:, None]
         return flash_attention.attention(q, keys, values, q_pos[0], interpret=interpret)
-    if layer is not None and cfg.attention_kernel == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
+    if layer is not None and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
         return cpu_kernels().cached_attention(q, keys, values, layer, q_pos[0])
     if layer is not None:
-        return attention.cached_attention(q, keys, values, layer, q_pos, max_batch_mib=cfg.attn_max_batch_mib)
-    return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=cfg.attn_max_batch_mib)
+        return attention.cached_attention(q, keys, values, layer, q_pos, max_batch_mib=plan.attn_max_batch_mib)
+    return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=plan.attn_max_batch_mib)
 
 
 def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config):
@@ -145,6 +150,11 @@ def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None,
     which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths).
     `observe(layer_index, sparse_ffn.FFNTrace) -> pytree`, if given, is called in every layer and `observed` is the
     list of its results: profiling and calibration see exactly what inference computes."""
+    with products(cfg.plan.products):
+        return _forward(tokens, weights, cfg, cache, observe)
+
+
+def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, observe):
     start = jnp.int32(0) if cache is None else cache.length
     positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
     x = take_rows(weights.token_embd, tokens)
@@ -154,16 +164,18 @@ def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None,
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
                                               cache, cfg)
             x = x + attn_out
-            ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg)
+            ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
+                                            trace=observe is not None)
             x = x + ffn_out
             if observe is not None:
                 observed.append(observe(index, trace))
     return rms_norm(x, weights.output_norm, cfg.rms_eps), cache, observed
 
 
-def logits(hidden, weights: Weights):
+def logits(hidden, weights: Weights, cfg: Config):
     """Final-normed hidden [..., d] -> logits [..., n_vocab]."""
-    return matmul(hidden, weights.output)
+    with products(cfg.plan.products):
+        return matmul(hidden, weights.output)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -172,11 +184,11 @@ def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config):
     Padding positions write K/V past the new length; they are masked and overwritten by later steps."""
     hidden, cache, _ = forward(tokens, weights, cfg, cache)
     last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=1, keepdims=False)
-    return logits(last, weights), dataclasses.replace(cache, length=cache.length + n_valid)
+    return logits(last, weights, cfg), dataclasses.replace(cache, length=cache.length + n_valid)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
 def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config):
     """tokens [B] -> (logits [B, n_vocab] for the next position, cache advanced by one)."""
     hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache)
-    return logits(hidden[:, 0], weights), dataclasses.replace(cache, length=cache.length + 1)
+    return logits(hidden[:, 0], weights, cfg), dataclasses.replace(cache, length=cache.length + 1)

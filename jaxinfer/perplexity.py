@@ -18,7 +18,6 @@ import os
 import sys
 import time
 
-import jax
 import numpy as np
 
 from jaxinfer.errors import JaxinferError, exit_on_error
@@ -41,8 +40,6 @@ def _cli_main(argv):
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     spec = sparsity.parse_spec(f.sparsity)
     split = cli.split_requested()
-    if split:
-        jax.config.update("jax_num_cpu_devices", 2)  # without a GPU the "accelerator" part runs on a 2nd CPU device
     runtime.enable_compilation_cache()
     # The split comes below, once the windows per batch are known: it is priced for the KV cache they allocate.
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),

@@ -19,6 +19,8 @@ from absl import logging
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from jaxinfer.jax_compat import where_zero
+
 QK_K = 256
 FLOAT_TYPES = {
     GGMLQuantizationType.F32: np.dtype(np.float32),
@@ -314,13 +316,6 @@ def can_pack_neuron_major(w: QuantArray) -> bool:
     return w.layout == ROW_BLOCKS and w.qtype in NEURON_MAJOR_TYPES and not w.exact and w.shape[0] % 64 == 0
 
 
-def neuron_major_pays() -> bool:
-    """Whether a neuron-major down projection would run fast here: on the CPU backend, with cpu_ext's SIMD kernel for
-    it (elsewhere a transposed one serves as well or better)."""
-    kernels = cpu_kernels()
-    return kernels is not None and jax.default_backend() == "cpu" and kernels.fast_neuron_major()
-
-
 def neuron_row_bytes(w: QuantArray) -> int:
     """Bytes of a NEURON_MAJOR weight that belong to single neurons (their q, not the shared scales)."""
     return w.nbytes * _q_bytes(w.qtype) // GGML_QUANT_SIZES[w.qtype][1]
@@ -398,30 +393,31 @@ def cpu_kernels():
     return cpu_ext
 
 
-_TRACE_PLATFORM = contextvars.ContextVar("jaxinfer_trace_platform", default=None)
+_PRODUCTS = contextvars.ContextVar("jaxinfer_products", default="xla")
 
 
 @contextlib.contextmanager
-def tracing_for(platform: str):
-    """Trace the matmuls inside for `platform` ("cpu", "gpu") rather than the default backend: for a jit placed on
-    a device of another kind (hybrid.py's host part on a GPU machine), which must be a static argument of that jit
-    so that its traces for different platforms stay apart."""
-    token = _TRACE_PLATFORM.set(platform)
+def products(kind: str):
+    """Trace the products inside with `kind`'s kernels: "cpu_ext" (where `_kernels` allows) or "xla". Set from the
+    Plan (plan.py) by model.forward for device memory and by sparse_ffn for host parts; the Plan is a static argument
+    of every program that traces a model, so traces for different kinds never mix. Unset: "xla"."""
+    token = _PRODUCTS.set(kind)
     try:
         yield
     finally:
-        _TRACE_PLATFORM.reset(token)
+        _PRODUCTS.reset(token)
 
 
 def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
-    """The cpu_ext module where it should multiply x by w, else None: on the CPU, for up to CPU_KERNEL_MAX_TOKENS
-    rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact, in `layout`."""
+    """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for up to
+    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact,
+    in `layout`."""
     use_kernels = (
         w.layout == layout
         and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
         and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
-        and (_TRACE_PLATFORM.get() or jax.default_backend()) == "cpu"
+        and _PRODUCTS.get() == "cpu_ext"
     )
     return cpu_kernels() if use_kernels else None
 
@@ -456,7 +452,7 @@ def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
     kernels = _kernels(x, w)
     if kernels is not None:
         return kernels.masked_matmul(x, w.data, mask, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1])
-    return jnp.where(mask, matmul(x, w), 0.0)
+    return where_zero(mask, matmul(x, w))
 
 
 def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
@@ -469,7 +465,7 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
                                          span=neuron_span(w_t.shape[1], w_t.qtype))
     if (kernels := _kernels(h, w_t)) is not None:
         return kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
-    return jnp.einsum("...f,fd->...d", jnp.where(mask, h, 0.0), dequantize(w_t))
+    return jnp.einsum("...f,fd->...d", where_zero(mask, h), dequantize(w_t))
 
 
 # Types gguf-py can quantize to, so a transposed copy keeps its source's bytes per value; others become Q8_0.

@@ -11,16 +11,27 @@
     hidden     |h| > t_layer: gate and up are dense, only down rows are skipped (cheapest in quality)
 Thresholds t_layer are calibrated per layer (jaxinfer.calibrate). Products with a mask go through quant.masked_matmul
 and masked_axpy: off the CPU kernels they multiply the mask into dense results (the reference); cpu_ext's row-
-skipping kernels (and pallas_kernels' in hybrid.py) read only the active rows and agree with it.
+skipping kernels read only the active rows and agree with it.
+
+The FFN is a sum over its neurons, so it is the sum of the same FFN over any partition of them. A split model
+(hybrid.py) holds each layer's neurons in parts, `Layer.ffn_parts`: the hot ones in device memory, the cold ones in
+host memory, each in the layer's stored formats. `ffn` sums over the parts inside the one compiled program: a cold
+part's inputs move to host memory, it runs under compute_on("device_host") with the Plan's host products (cpu_ext's
+row-sparse kernels), and its output moves back. A hot part of a predictor model on a GPU runs the Pallas masked
+sparse FFN (KernelPart). The predictor's input projection fc1 and the thresholds are shared by all parts.
 """
 
 import dataclasses
+import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import jax_compat, quant
 from jaxinfer.config import Config
 from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, matmul, matmuls
+from pallas_kernels import sparse_ffn as pallas_ffn
 
 ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v}
 
@@ -28,7 +39,8 @@ ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class FFNTrace:
-    """What one FFN call did, for profiling, calibration and predictor training (see model.forward's `observe`)."""
+    """What one FFN call did, for profiling, calibration and predictor training (see model.forward's `observe`).
+    For a split model the neurons come part after part (Layer.ffn_parts), not in the layer's order."""
 
     ffn_inp: jax.Array  # [..., d] pre-norm residual: the predictor's input
     gate: jax.Array  # [..., n_ff] gate_act(gate projection)
@@ -36,37 +48,125 @@ class FFNTrace:
     active: jax.Array  # [..., n_ff] bool
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class FFNPart:
+    """Some of a layer's FFN neurons: their rows of gate and up and their down projection, each in the layer's stored
+    format (hybrid.ffn_part)."""
+
+    ffn_gate: QuantArray  # [n, d]
+    ffn_up: QuantArray  # [n, d]
+    ffn_down: QuantArray | None  # [d, n]
+    ffn_down_t: QuantArray | None  # [n, d], one row per neuron
+    on_host: bool = dataclasses.field(default=False, metadata=dict(static=True))  # in host memory (see above)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KernelPart:
+    """A hot part laid out for the Pallas masked sparse FFN: neuron-major rows, Q8_0 (repacked) or float."""
+
+    gate: pallas_ffn.RowWeights
+    up: pallas_ffn.RowWeights
+    down_t: pallas_ffn.RowWeights
+
+
 def predictor_logits(ffn_inp, fc1: QuantArray, fc2: QuantArray):
     """PowerInfer's predictor: fc2(relu(fc1 x)), no biases. [..., d] -> [..., n_ff]."""
     return matmul(jax.nn.relu(matmul(ffn_inp, fc1)), fc2)
 
 
-def down_projection(h, active, layer):
+def down_projection(h, active, part):
     """Σ over active neurons of h · down -> [..., d]. From PowerInfer's transposed ffn_down_t [n_ff, d] (one row per
     neuron, so the rows of inactive neurons are never read) or from ffn_down [d, n_ff] (all of it is read)."""
-    if layer.ffn_down_t is not None:
-        return masked_axpy(h, layer.ffn_down_t, active)
-    return matmul(jnp.where(active, h, 0.0), layer.ffn_down)
+    if part.ffn_down_t is not None:
+        return masked_axpy(h, part.ffn_down_t, active)
+    return matmul(jax_compat.where_zero(active, h), part.ffn_down)
 
 
-def ffn(x, ffn_inp, layer, cfg: Config):
-    """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace).
+def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
+    """One part's neurons: x [..., d] normed input; `decider` is what decides `active` beside x: the predicted
+    `active` [..., n] itself for a predictor, the layer's threshold for gate/hidden, None for dense.
+    -> out [..., d], and (gate, hidden, active) with `trace`.
 
     Each mode computes only what decides `active` densely, and the rest for active neurons only (masked kernels):
-    in predictor mode the trace's gate and hidden are therefore 0 for inactive neurons."""
+    in predictor mode gate and hidden are therefore 0 for inactive neurons."""
     gate_act, up_act = ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
     if cfg.ffn_sparsity == "predictor":
-        active = predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold
-        gate = gate_act(masked_matmul(x, layer.ffn_gate, active))
-        hidden = gate * up_act(masked_matmul(x, layer.ffn_up, active))
+        active = decider
+        gate = gate_act(masked_matmul(x, part.ffn_gate, active))
+        hidden = gate * up_act(masked_matmul(x, part.ffn_up, active))
     elif cfg.ffn_sparsity == "gate":
-        gate = gate_act(matmul(x, layer.ffn_gate))
-        active = jnp.abs(gate) > layer.ffn_threshold
-        hidden = gate * up_act(masked_matmul(x, layer.ffn_up, active))
+        gate = gate_act(matmul(x, part.ffn_gate))
+        active = jnp.abs(gate) > decider
+        hidden = gate * up_act(masked_matmul(x, part.ffn_up, active))
     else:
-        gate, up = matmuls(x, (layer.ffn_gate, layer.ffn_up))
+        gate, up = matmuls(x, (part.ffn_gate, part.ffn_up))
         gate = gate_act(gate)
         hidden = gate * up_act(up)
-        active = jnp.abs(hidden) > layer.ffn_threshold if cfg.ffn_sparsity == "hidden" else hidden != 0
-    out = down_projection(hidden, active, layer)
+        active = jnp.abs(hidden) > decider if cfg.ffn_sparsity == "hidden" else hidden != 0
+    out = down_projection(hidden, active, part)
+    return (out, gate, hidden, active) if trace else (out,)
+
+
+def _host_part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
+    """_part_ffn traced for the host: its products are the Plan's host products."""
+    with quant.products(cfg.plan.host_products):
+        return _part_ffn(x, decider, part, cfg, trace)
+
+
+def _kernel_part_ffn(x, active, part: KernelPart, cfg: Config):
+    """The predicted neurons of a hot part through the Pallas kernel. The kernel takes one neuron list for all
+    tokens of a call: the union of their predictions (a decode step's own; a prefill computes, for each token, a few
+    neurons predicted only for others, whose ReLU output is then mostly zero anyway)."""
+    d = x.shape[-1]
+    active = jnp.any(active.reshape(-1, active.shape[-1]), axis=0)
+    blocks = pallas_ffn.BlockSizes(block_d=math.gcd(d, pallas_ffn.BlockSizes.block_d))
+    padded = -(-active.shape[0] // blocks.block_k) * blocks.block_k
+    idx = jnp.nonzero(active, size=padded, fill_value=-1)[0].astype(jnp.int32)
+    out = pallas_ffn.sparse_ffn(x.reshape(-1, d), idx, part.gate, part.up, part.down_t,
+                                gate_act=cfg.gate_activation, up_act=cfg.up_activation, block_sizes=blocks,
+                                interpret=cfg.plan.hot_ffn == "pallas_interpret")
+    return out.reshape(x.shape)
+
+
+def layer_parts(layer) -> list:
+    """The parts a layer's FFN neurons are held in: its `ffn_parts` when split, else one part of all of them."""
+    if layer.ffn_parts is not None:
+        return layer.ffn_parts
+    return [FFNPart(layer.ffn_gate, layer.ffn_up, layer.ffn_down, layer.ffn_down_t)]
+
+
+def _neurons(part) -> int:
+    return part.gate.values.shape[0] if isinstance(part, KernelPart) else part.ffn_gate.shape[0]
+
+
+def ffn(x, ffn_inp, layer, cfg: Config, trace: bool = True):
+    """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace or None), summed
+    over the layer's parts; without `trace` the trace is None (a split's host parts then send back only their
+    output)."""
+    if cfg.ffn_sparsity == "predictor":
+        predicted = predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold  # rows part by part
+    threshold = layer.ffn_threshold if cfg.ffn_sparsity in ("gate", "hidden") else None
+    outs, traces, first = [], [], 0
+    for part in layer_parts(layer):
+        n = _neurons(part)
+        decider = predicted[..., first:first + n] if cfg.ffn_sparsity == "predictor" else threshold
+        first += n
+        if isinstance(part, KernelPart):
+            if trace:
+                raise ValueError("a Pallas kernel part computes no FFN trace: observe an unsplit model")
+            outs.append(_kernel_part_ffn(x, decider, part, cfg))
+            continue
+        if part.on_host:
+            run = jax_compat.on_host(partial(_host_part_ffn, cfg=cfg, trace=trace))
+            out, *traced = run(*jax_compat.to_host((x, decider)), part)
+        else:
+            out, *traced = _part_ffn(x, decider, part, cfg, trace)
+        outs.append(out)
+        traces.append(traced)
+    out = outs[0] if len(outs) == 1 else sum(outs[1:], outs[0])
+    if not trace:
+        return out, None
+    gate, hidden, active = (jnp.concatenate(pieces, axis=-1) for pieces in zip(*traces))
     return out, FFNTrace(ffn_inp, gate, hidden, active)

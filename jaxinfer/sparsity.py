@@ -22,6 +22,7 @@ from tqdm import tqdm
 from jaxinfer import model, quant, sidecar
 from jaxinfer.config import SPARSITY_MODES
 from jaxinfer.errors import JaxinferError
+from jaxinfer.plan import Plan
 
 THRESHOLD_METHODS = ("gate", "hidden")
 # Up to this share of inactive neurons the down projection is packed neuron-major (quant.pack_neuron_major: integer
@@ -139,16 +140,16 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
         m = dataclasses.replace(m, thresholds_path=thresholds_file or thresholds_path(m.path))
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
-        layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec)) for layer in layers]
+        layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec, cfg.plan)) for layer in layers]
     weights = dataclasses.replace(m.weights, layers=layers)
     return dataclasses.replace(m, config=cfg, weights=weights)
 
 
-def packs_neuron_major(spec: SparsitySpec) -> bool:
+def packs_neuron_major(spec: SparsitySpec, plan: Plan) -> bool:
     """Whether `apply` packs down projections neuron-major for `spec`: calibrated sparsity up to
-    NEURON_MAJOR_MAX_SPARSITY (predictor models are the sparse ReLU kind, and transposed), where its kernel runs
-    fast (quant.neuron_major_pays)."""
-    return spec.mode in THRESHOLD_METHODS and spec.level <= NEURON_MAJOR_MAX_SPARSITY and quant.neuron_major_pays()
+    NEURON_MAJOR_MAX_SPARSITY (predictor models are the sparse ReLU kind, and transposed), where the plan says its
+    kernel runs fast."""
+    return spec.mode in THRESHOLD_METHODS and spec.level <= NEURON_MAJOR_MAX_SPARSITY and plan.neuron_major
 
 
 def with_transposed_down(layer, qtype=None, pack: bool = True):

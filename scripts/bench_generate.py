@@ -4,6 +4,7 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
 
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--depth 0] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
+        [--vram-budget GIB [--activation-dir DIR]]
         [--llama_bench path/to/llama-bench [--threads 2]]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
@@ -13,7 +14,9 @@ numbers on shared machines are noisy, ratios measured in one run much less so. W
 dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of weight
 bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp and tg
 run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed deep
-into a long context, where attention reads the cache.
+into a long context, where attention reads the cache. With --vram-budget the model is also split between device
+and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and tg of
+the unsplit and the split model are timed alternately and compared.
 """
 
 import json
@@ -28,6 +31,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxinfer import engine, model, quant, runtime, sparsity
+from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.sampling import SamplingParams
 
@@ -45,6 +49,9 @@ flags.DEFINE_string("llama_bench", None, "path to llama.cpp's llama-bench: run i
 flags.DEFINE_integer("threads", 2, "llama-bench threads (-t)")
 flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense and the sparse model alternately "
                   "(--repetitions each) and compare the speed-up with the share of weight bytes not read")
+flags.DEFINE_float("vram_budget", None, "also split the model under this device memory budget (GiB), as generate "
+                   "--vram-budget, and compare its tg with the unsplit model's")
+flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budget (default: beside the model)")
 FLAGS = flags.FLAGS
 
 
@@ -157,6 +164,24 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
             "active_share": active}
 
 
+def compare_with_split(m) -> dict[str, float]:
+    """tg of the unsplit model and of the model split under --vram-budget, timed alternately."""
+    split = engine.split_model(m, FLAGS.vram_budget, min(FLAGS.ctx_size, m.config.n_ctx_train), FLAGS.activation_dir,
+                               reset=False)
+    print(split.split.summary, file=sys.stderr)
+    n = FLAGS.tg
+    unsplit_rates, split_rates = [], []
+    for _ in range(FLAGS.repetitions):
+        unsplit_rates += decode_rates(m, n, 1)[0]
+        split_rates += decode_rates(split, n, 1)[0]
+    unsplit_tg, split_tg = float(np.median(unsplit_rates)), float(np.median(split_rates))
+    print(f"tg{n}: unsplit {unsplit_tg:.2f} / split under {FLAGS.vram_budget:g} GiB {split_tg:.2f} tokens/s (medians "
+          f"of {len(split_rates)} alternating runs) = {split_tg / unsplit_tg:.3f}x", flush=True)
+    return {"unsplit_generation_tokens_per_s": unsplit_tg, "split_generation_tokens_per_s": split_tg,
+            "split_speed_ratio": split_tg / unsplit_tg,
+            "split_hot_neuron_share": split.split.plan.hot_share(m.config.n_ff)}
+
+
 def run_llama_bench(path, pp, tg) -> dict[str, float]:
     """llama-bench's best repetition of each test, in tokens/s, keyed like ours (pp128, tg64)."""
     command = [FLAGS.llama_bench, "-m", path, "-t", str(FLAGS.threads), "-p", ",".join(pp), "-n", str(tg), "-r",
@@ -195,6 +220,8 @@ def main(argv):
     results[f"tg{FLAGS.tg}"] = max(decode_rates(m, FLAGS.tg, FLAGS.repetitions)[0])
     print(f"tg{FLAGS.tg}: {results[f'tg{FLAGS.tg}']:.2f} tokens/s", flush=True)
     comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
+    if FLAGS.vram_budget is not None:
+        comparison |= compare_with_split(m)
     if FLAGS.llama_bench:
         llama = run_llama_bench(m.path, FLAGS.pp, FLAGS.tg)
         for test, ours in results.items():
@@ -202,7 +229,7 @@ def main(argv):
                 print(f"{test}: jaxinfer {ours:.1f} / llama.cpp {llama[test]:.1f} tokens/s = {ours / llama[test]:.2f}x")
     if FLAGS.json:
         largest_pp = max(int(p) for p in FLAGS.pp)
-        print(json.dumps({"model": m.path, "backend": jax.default_backend(),
+        print(json.dumps({"model": m.path, "backend": m.config.plan.backend,
                           "prompt_tokens_per_s": round(results[f"pp{largest_pp}"], 2),
                           "generation_tokens_per_s": round(results[f"tg{FLAGS.tg}"], 2), **{
                               k: round(v, 2) for k, v in results.items()},
@@ -210,4 +237,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

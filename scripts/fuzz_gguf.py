@@ -430,7 +430,7 @@ def _forward_logits(tokens, weights, cfg):
     from jaxinfer import model
 
     hidden, _, _ = model.forward(tokens, weights, cfg)
-    return model.logits(hidden, weights)
+    return model.logits(hidden, weights, cfg)
 
 
 _prompt_logits_jit = None

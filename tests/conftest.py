@@ -5,8 +5,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 2)  # hybrid tests place "accelerator" and host parts on two CPU devices
-
 from jaxinfer import runtime  # noqa: E402
 from jaxinfer.synthetic import SyntheticSpec, write_model  # noqa: E402
 

@@ -132,16 +132,20 @@ def test_vmap_over_x_weights_and_both():
     check(x[:, :, None], data[0], Q.Q8_0, rows, cols, nested)
 
 
-def test_quant_matmul_uses_kernels_on_cpu_unless_exact():
+def test_quant_matmul_uses_kernels_where_the_plan_says_unless_exact():
+    """Under products("cpu_ext") (a CPU plan's), quant.matmul runs the kernel; exact weights and the default
+    products ("xla") multiply with the dequantized weight."""
     rng = np.random.default_rng(2)
     w = quant.from_gguf_data(random_weight(Q.Q4_1, 8, 64, rng), Q.Q4_1, (8, 64))
     x = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
     exact = x @ quant.dequantize(w).T
-    fast = quant.matmul(x, w)
+    with quant.products("cpu_ext"):
+        fast = quant.matmul(x, w)
+        exact_w = jax.jit(quant.matmul)(x, dataclasses.replace(w, exact=True))
     assert not np.allclose(fast, exact, rtol=1e-5, atol=1e-5)  # the 8-bit activation path ran
     check(x, w.data, Q.Q4_1, 8, 64, fast)
-    exact_w = dataclasses.replace(w, exact=True)
-    np.testing.assert_allclose(jax.jit(quant.matmul)(x, exact_w), exact, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(exact_w, exact, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(quant.matmul(x, w), exact, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
@@ -190,10 +194,11 @@ def test_quant_matmuls_groups_only_what_the_kernels_take():
     x = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
     q4 = [quant.from_gguf_data(random_weight(Q.Q4_1, r, 64, rng), Q.Q4_1, (r, 64)) for r in (8, 4)]
     q8 = quant.from_gguf_data(random_weight(Q.Q8_0, 6, 64, rng), Q.Q8_0, (6, 64))
-    for ws in (q4, [q4[0], q8], [dataclasses.replace(w, exact=True) for w in q4]):
-        got = jax.jit(quant.matmuls)(x, ws)
-        for y, w in zip(got, ws):
-            np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(quant.matmul)(x, w)))
+    with quant.products("cpu_ext"):
+        for ws in (q4, [q4[0], q8], [dataclasses.replace(w, exact=True) for w in q4]):
+            got = jax.jit(quant.matmuls)(x, ws)
+            for y, w in zip(got, ws):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(quant.matmul)(x, w)))
 
 
 @pytest.mark.parametrize(

@@ -9,51 +9,104 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, quant, sparsity
+from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, quant, sparse_ffn, sparsity
 from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import SamplingParams
 
 
-@pytest.fixture
-def sparse_model(make_model):
-    # Exact products: the Pallas kernel multiplies in f32, so the reference must too (cpu_ext's 8-bit activations
-    # differ by ~1e-2; those kernels are compared with their references in test_cpu_ext).
-    m = engine.load_model(make_model(n_embd=64, n_ff=256, sparsity=0.85, weight_type=Q.Q8_0, n_ctx=64), exact=True)
-    return sparsity.apply(m, sparsity.SparsitySpec("predictor"))
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """The three ways a model's FFN decides its neurons, on tiny Q8_0 models: dense (SwiGLU), hidden:S (a threshold,
+    the down projection one row per neuron) and predictor (a PowerInfer file)."""
+    from jaxinfer.synthetic import SyntheticSpec, write_model
+
+    folder = tmp_path_factory.mktemp("split")
+    dense_path, predictor_path = str(folder / "dense.gguf"), str(folder / "predictor.gguf")
+    write_model(dense_path, SyntheticSpec(n_embd=64, n_ff=256, weight_type=Q.Q8_0, sparsity=0.0, n_ctx=64))
+    write_model(predictor_path, SyntheticSpec(n_embd=64, n_ff=256, weight_type=Q.Q8_0, sparsity=0.85, n_ctx=64))
+    dense = engine.load_model(dense_path)
+    hidden = dataclasses.replace(dense, config=dataclasses.replace(dense.config, ffn_sparsity="hidden"),
+                                 weights=dataclasses.replace(dense.weights, layers=[
+                                     sparsity.with_transposed_down(dataclasses.replace(
+                                         layer, ffn_threshold=jnp.float32(0.02))) for layer in dense.weights.layers]))
+    predictor = sparsity.apply(engine.load_model(predictor_path), sparsity.SparsitySpec("predictor"))
+    return {"dense": dense, "hidden": hidden, "predictor": predictor}
 
 
-@pytest.mark.parametrize("hot_share, hot_ffn_kernel", [(0.0, "xla"), (0.3, "xla"), (1.0, "xla"),
-                                                     (0.3, "pallas_interpret")])
-def test_hybrid_equals_the_dense_masked_model(sparse_model, hot_share, hot_ffn_kernel):
-    m = sparse_model
-    placement = dataclasses.replace(hybrid.Placement.detect(), hot_ffn_kernel=hot_ffn_kernel)
-    assert placement.accelerator != placement.host
-    n_ff = m.config.n_ff
-    hot = [np.sort(np.random.default_rng(i).permutation(n_ff)[:int(hot_share * n_ff)]) for i in range(2)]
-    hw = hybrid.split_weights(m.weights, hot, placement, m.config)
-    assert all(isinstance(p, hybrid.KernelPart) == (hot_ffn_kernel != "xla") for p in hw.hot if p is not None)
-    assert (hybrid.ffn_bytes(hw.hot) > 0) == (hot_share > 0) and (hybrid.ffn_bytes(hw.cold) > 0) == (hot_share < 1)
-    assert all(p is None or p.ffn_gate.data.devices() == {placement.host} for p in hw.cold)
+def split_at(m, hot_share: float, seed: int = 0):
+    """`m` with a random `hot_share` of each layer's neurons (whole units) in device memory, the rest in host memory."""
+    hot = []
+    for i, layer in enumerate(m.weights.layers):
+        unit = hybrid.unit_neurons(layer)
+        n_units = m.config.n_ff // unit
+        units = np.sort(np.random.default_rng(seed + i).permutation(n_units)[:round(hot_share * n_units)])
+        hot.append((units[:, None] * unit + np.arange(unit)).reshape(-1))
+    return dataclasses.replace(m, weights=hybrid.split_weights(m.weights, hot, m.config))
 
-    tokens = np.random.default_rng(5).integers(3, 259, size=(1, 12)).astype(np.int32)
-    prompt = np.zeros((1, 16), np.int32)
-    prompt[0, :8] = tokens[0, :8]
 
-    def run(prefill, decode_step, cache):
-        """An 8-token prompt, then incremental decode: the same shapes for the unsplit and split models, so their
-        predictor logits round alike and no neuron near the threshold flips between them."""
-        logits, cache = prefill(prompt, jnp.int32(8), cache)
-        out = [np.asarray(logits)[0]]
-        for position in range(8, 12):
-            logits, cache = decode_step(tokens[:, position], cache)
-            out.append(np.asarray(logits)[0])
-        return np.stack(out)
+def prefill_then_decode(m, prompt, steps):
+    """Logits after an 8-token prompt (padded to 16), then after each of `steps` fed one at a time."""
+    cache = model.init_cache(m.config, 1, 32)
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :len(prompt)] = prompt
+    logits, cache = model.prefill(padded, jnp.int32(len(prompt)), m.weights, cache, m.config)
+    out = [np.asarray(logits)[0]]
+    for token in steps:
+        logits, cache = model.decode_step(np.array([token], np.int32), m.weights, cache, m.config)
+        out.append(np.asarray(logits)[0])
+    return np.stack(out)
 
-    expected = run(lambda t, n, c: model.prefill(t, n, m.weights, c, m.config),
-                   lambda t, c: model.decode_step(t, m.weights, c, m.config), model.init_cache(m.config, 1, 32))
-    got = run(lambda t, n, c: hybrid.prefill(t, n, hw, c, m.config, placement),
-              lambda t, c: hybrid.decode_step(t, hw, c, m.config, placement),
-              jax.device_put(model.init_cache(m.config, 1, 32), placement.accelerator))
+
+def greedy(m, prompt, n):
+    """n greedy tokens through generate's own programs: the prefill, then decode chunks in one while_loop."""
+    return list(engine.generate_tokens(m, list(prompt), n, 32, SamplingParams(temperature=0), 0,
+                                       stop_ids=frozenset()))
+
+
+@pytest.mark.parametrize("mode", ["dense", "hidden", "predictor"])
+@pytest.mark.parametrize("hot_share", [0.0, 0.3, 1.0])
+def test_a_split_model_equals_the_unsplit_one(models, mode, hot_share):
+    """Split or not, the same weights give the same logits (to f32 rounding: the parts' sums are added in another
+    order) in prefill and decode, and the same greedy tokens through generate's while_loop."""
+    m = models[mode]
+    split = split_at(m, hot_share)
+    on_host = [getattr(p, "on_host", False) for layer in split.weights.layers for p in layer.ffn_parts]
+    assert on_host == [False] * len(on_host) if hot_share == 1 else True in on_host
+    assert (False in on_host) == (hot_share > 0)
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
+    expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert greedy(split, prompt, 12) == greedy(m, prompt, 12)
+
+
+def test_pallas_kernel_part_equals_the_unsplit_model(models):
+    """The device part of a predictor model laid out for the Pallas masked sparse FFN (interpreted here; compiled
+    on a GPU) gives the unsplit model's logits: exact weights, as the kernel multiplies in f32."""
+    m = models["predictor"]
+    exact = engine.load_model(m.path, exact=True)
+    exact = sparsity.apply(dataclasses.replace(exact, config=dataclasses.replace(
+        exact.config, plan=dataclasses.replace(exact.config.plan, hot_ffn="pallas_interpret"))),
+        sparsity.SparsitySpec("predictor"))
+    split = split_at(exact, 0.3)
+    assert isinstance(split.weights.layers[0].ffn_parts[0], sparse_ffn.KernelPart)
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200]
+    expected, got = prefill_then_decode(exact, prompt, steps), prefill_then_decode(split, prompt, steps)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+
+
+def test_the_cold_part_lives_and_runs_in_host_memory(models):
+    """Not a mock: the compiled decode program takes the cold parts' weights in pinned_host memory and computes them
+    in regions marked for the host (compute_on), and the hot parts' in device memory."""
+    split = split_at(models["predictor"], 0.5)
+    cache = model.init_cache(split.config, 1, 32)
+    lowered = model.decode_step.lower(np.zeros(1, np.int32), split.weights, cache, split.config)
+    compiled = lowered.compile()
+    weight_kinds = [s.memory_kind for s in jax.tree.leaves(compiled.input_shardings[0][1])]
+    parts = [(p.on_host, w) for layer in split.weights.layers for p in layer.ffn_parts for w in jax.tree.leaves(p)]
+    host_bytes = sum(w.nbytes for on_host, w in parts if on_host)
+    assert host_bytes > 0 and weight_kinds.count("pinned_host") == sum(on_host for on_host, _ in parts)
+    assert all(w.sharding.memory_kind == ("pinned_host" if on_host else "device") for on_host, w in parts)
+    assert lowered.as_text().count('_xla_compute_type = "host"') >= split.config.n_layer
 
 
 @pytest.mark.parametrize("down", ["F32 ffn_down", "Q4_0 ffn_down", "Q4_0 neuron-major ffn_down_t"])
@@ -70,37 +123,32 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
         m = dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=[
             sparsity.with_transposed_down(layer) for layer in m.weights.layers]))
         assert m.weights.layers[0].ffn_down_t.layout == quant.NEURON_MAJOR
-    placement = hybrid.Placement.detect()
-    hw = hybrid.split_weights(m.weights, hot, placement)
+    split = hybrid.split_weights(m.weights, hot, m.config)
     original = m.weights.layers[0]
-    for part in hw.hot + hw.cold:  # the stored type (and layout) is kept: no decoding to f32
+    for part in [p for layer in split.layers for p in layer.ffn_parts]:  # the stored type and layout are kept
         placed = part.ffn_down_t if part.ffn_down is None else part.ffn_down
         source = original.ffn_down_t if original.ffn_down is None else original.ffn_down
         assert (placed.qtype, placed.layout) == (source.qtype, source.layout)
-    costs = hybrid.placement_costs(m.weights, m.config, placement, 0)
-    assert hybrid.ffn_bytes(hw.hot) + hybrid.ffn_bytes(hw.cold) == sum(
+    costs = hybrid.placement_costs(m.weights, m.config, 0)
+    assert hybrid.ffn_bytes(split, on_host=False) + hybrid.ffn_bytes(split, on_host=True) == sum(
         costs.unit_bytes * (m.config.n_ff // costs.neurons_per_unit()))  # as many bytes as the model's FFNs
     tokens = np.random.default_rng(6).integers(0, m.config.n_vocab, size=(2, 8)).astype(np.int32)
-    reference, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
-    cache = jax.device_put(model.init_cache(m.config, 2, 8), placement.accelerator)
-    hidden, _ = hybrid.forward(tokens, hw, m.config, cache, placement)
+    forward = jax.jit(model.forward, static_argnums=2)
+    reference, _, _ = forward(tokens, m.weights, m.config)
+    hidden, _, _ = forward(tokens, split, m.config)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5, atol=1e-5)
     if not down.startswith("F32"):  # half a block of neurons cannot move alone
         with pytest.raises(ValueError, match="whole aligned units"):
-            hybrid.split_weights(m.weights, [np.arange(16, 48), np.arange(0)], placement)
+            hybrid.split_weights(m.weights, [np.arange(16, 48), np.arange(0)], m.config)
 
 
 @pytest.mark.parametrize("ubatch", [8, 32])
-def test_perplexity_of_a_split_model_equals_the_unsplit_ones(sparse_model, ubatch):
-    m = sparse_model
-    devices = hybrid.Placement.detect()
-    hot = [np.sort(np.random.default_rng(i).permutation(m.config.n_ff)[:77]) for i in range(2)]
-    split = engine.Split(hybrid.split_weights(m.weights, hot, devices, m.config), devices, "")
+def test_perplexity_of_a_split_model_equals_the_unsplit_ones(models, ubatch):
+    m = models["predictor"]
+    split = split_at(m, 0.3)
     windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
-    # Micro-batches through the KV cache for both, so that their predictor logits round alike (see above).
-    expected = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=8, progress=False)
-    got = evaluation.evaluate_windows(split.weights.dense, m.config, windows, n_seq=2, ubatch=ubatch,
-                                      progress=False, split=split)
+    expected = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=ubatch, progress=False)
+    got = evaluation.evaluate_windows(split.weights, m.config, windows, n_seq=2, ubatch=ubatch, progress=False)
     np.testing.assert_allclose(got.nll, expected.nll, rtol=0, atol=1e-4)
     assert abs(got.ppl - expected.ppl) < 1e-4 * expected.ppl
 
@@ -112,7 +160,7 @@ def profiled_model(make_model):
     m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
     write_profile(m)
     kv = placement.kv_cache_bytes(m.config, 32)
-    costs = hybrid.placement_costs(m.weights, m.config, hybrid.Placement.detect(), kv)
+    costs = hybrid.placement_costs(m.weights, m.config, kv)
     budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 100.5 * int(costs.unit_bytes[0])
     return path, budget / placement.GIB
 
@@ -125,10 +173,9 @@ def write_profile(m):
     activation_profile.write_profile(directory, m.path, counts, tokens.size, "predictor")
 
 
-def accelerator_bytes(hw: hybrid.HybridWeights, device) -> int:
-    """Bytes of the distinct arrays of a split's accelerator part, each checked to live on `device`."""
-    arrays = {id(a): a for a in jax.tree.leaves((hw.dense, hw.hot))}
-    assert all(a.devices() == {device} for a in arrays.values())
+def device_bytes(weights: model.Weights) -> int:
+    """Bytes of the distinct arrays of a split model in device memory."""
+    arrays = {id(a): a for a in jax.tree.leaves(weights) if a.sharding.memory_kind == "device"}
     return sum(a.size * a.dtype.itemsize for a in arrays.values())
 
 
@@ -140,21 +187,19 @@ def test_what_is_placed_is_what_was_priced(make_model, kind):
         path = make_model(n_embd=64, n_ff=256, sparsity=0.85, weight_type=Q.Q4_0, n_ctx=64)
         m = sparsity.apply(engine.load_model(path), sparsity.SparsitySpec("predictor"))
     write_profile(m)
-    devices = hybrid.Placement.detect()
-    costs = hybrid.placement_costs(m.weights, m.config, devices, placement.kv_cache_bytes(m.config, 32))
+    costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, 32))
     fixed = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES
     all_neurons = int((costs.unit_bytes * (m.config.n_ff // costs.neurons_per_unit())).sum())
     for share in (0.1, 0.37, 0.8, 1.0):
         budget = fixed + int(share * all_neurons)
-        split = engine.split_model(m, budget / placement.GIB, 32, None, reset=False).split
+        split_model = engine.split_model(m, budget / placement.GIB, 32, None, reset=False)
+        split = split_model.split
         assert 0 < split.plan.ffn_bytes_used <= budget - fixed
-        assert hybrid.ffn_bytes(split.weights.hot) == split.plan.ffn_bytes_used, share  # placed == priced
-        placed = accelerator_bytes(split.weights, devices.accelerator)
-        assert placed <= costs.dense_bytes + split.plan.ffn_bytes_used  # fc1 is priced for layers with no hot row
+        assert hybrid.ffn_bytes(split_model.weights, on_host=False) == split.plan.ffn_bytes_used, share  # as priced
+        placed = device_bytes(split_model.weights)
+        assert placed == costs.dense_bytes + split.plan.ffn_bytes_used
         assert placed + costs.kv_bytes + placement.WORKSPACE_BYTES <= budget
-        tied = m.weights.output is m.weights.token_embd
-        assert (split.weights.dense.output is split.weights.dense.token_embd) == tied  # a tied head is placed once
-    assert split.plan.ffn_bytes_used == all_neurons and hybrid.ffn_bytes(split.weights.cold) == 0
+    assert split.plan.ffn_bytes_used == all_neurons and hybrid.ffn_bytes(split_model.weights, on_host=True) == 0
 
 
 def test_split_summary_says_reused_rebuilt_and_why_nothing_was_offloaded(profiled_model):

@@ -26,7 +26,7 @@ def tiny(make_model):
 def direct_nll(m, windows):
     """Independent reference: full-window logits, float64 log-softmax in numpy, the llama.cpp scoring rule."""
     hidden, _, _ = jax.jit(model.forward, static_argnums=2)(windows, m.weights, m.config)
-    logits = np.asarray(model.logits(hidden, m.weights), np.float64)
+    logits = np.asarray(model.logits(hidden, m.weights, m.config), np.float64)
     n_ctx = windows.shape[1]
     rows = []
     for w in range(len(windows)):

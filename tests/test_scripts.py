@@ -49,7 +49,7 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
     total = sum(getattr(layer, name).nbytes for layer in layers for name in names) + m.weights.output.nbytes
     # Packed neuron-major (where its kernel is fast), the down projection's scales (2 of a block's 18 or 34 bytes) are
     # read for every block; transposed in its own type, every byte belongs to one neuron.
-    packed = sparsity.packs_neuron_major(sparsity.SparsitySpec(mode, 0.5))
+    packed = sparsity.packs_neuron_major(sparsity.SparsitySpec(mode, 0.5), m.config.plan)
     own_share = {"ffn_down": (16 / 18 if weight_type == "Q4_0" else 32 / 34) if packed else 1.0, "ffn_up": 1.0}
     by_neuron = sum(getattr(layer, name).nbytes * own_share[name] for layer in layers for name in skipped)
     assert 0 < report["active_share"] < 1

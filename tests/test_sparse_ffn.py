@@ -1,4 +1,5 @@
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from jaxinfer.errors import JaxinferError
 
 def forward_logits(m, tokens):
     hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
-    return np.asarray(model.logits(hidden, m.weights))
+    return np.asarray(model.logits(hidden, m.weights, m.config))
 
 
 def with_thresholds(m, mode, value):
@@ -106,7 +107,13 @@ def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode, 
     assert (layer.ffn_down_t.layout == quant.NEURON_MAJOR) == (mode != "predictor")
     cfg = dataclasses.replace(fast.config, ffn_sparsity=mode)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, fast.config.n_embd)).astype(np.float32))
-    run = jax.jit(sparse_ffn.ffn, static_argnums=3)
+    assert cfg.plan.products == "cpu_ext"
+
+    @partial(jax.jit, static_argnums=3)
+    def run(x, ffn_inp, layer, cfg):
+        with quant.products(cfg.plan.products):
+            return sparse_ffn.ffn(x, ffn_inp, layer, cfg)
+
     out, trace = run(x, x, layer, cfg)
     expected, expected_trace = run(x, x, exact_layer, cfg)
     active = np.asarray(expected_trace.active)
@@ -146,11 +153,12 @@ def test_moderate_sparsity_packs_the_down_projection_and_high_sparsity_transpose
     packed_model = dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=layers))
     assert packed_model.describe().endswith(", down projection one row per neuron (Q4_1 neuron-major in spans of 64 "
                                             "outputs)")
-    fast = quant.neuron_major_pays()
-    assert sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.5")) == fast
-    assert sparsity.packs_neuron_major(sparsity.parse_spec("gate:0.7")) == fast
-    assert not sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.9"))
-    assert not sparsity.packs_neuron_major(sparsity.parse_spec("predictor"))
+    for fast in (True, False):
+        plan = dataclasses.replace(m.config.plan, neuron_major=fast)
+        assert sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.5"), plan) == fast
+        assert sparsity.packs_neuron_major(sparsity.parse_spec("gate:0.7"), plan) == fast
+        assert not sparsity.packs_neuron_major(sparsity.parse_spec("hidden:0.9"), plan)
+        assert not sparsity.packs_neuron_major(sparsity.parse_spec("predictor"), plan)
     packed = sparsity.with_transposed_down(layer).ffn_down_t
     transposed = sparsity.with_transposed_down(layer, pack=False).ffn_down_t
     assert packed.layout == quant.NEURON_MAJOR and transposed.layout == quant.ROW_BLOCKS

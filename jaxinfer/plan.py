@@ -1,0 +1,81 @@
+"""How a model runs on this machine, decided once at load: the `Plan`.
+
+A frozen, static value built from the devices, the flags and the model's shapes; model code reads the one it is given
+(`Config.plan`) and has no backend checks of its own: `jax.default_backend()` is read here and nowhere else.
+
+                       CPU backend                                   GPU backend
+    products           cpu_ext (8-bit activations, integer dots)     XLA (dequantize, f32)
+                       up to quant.CPU_KERNEL_MAX_TOKENS a call,
+                       XLA beyond; "exact" weights always XLA
+    attention          XLA in key steps; cpu_ext against the cache   Pallas flash kernels
+                       for decode-sized steps
+    split FFN, hot     on the device, the products above             Pallas masked sparse FFN (predictor models)
+    split FFN, cold    host memory (pinned_host), compute_on("device_host"), cpu_ext's row-sparse kernels
+    down projection    neuron-major where cpu_ext's kernel is fast   transposed, one row per neuron
+
+On a CPU-only machine the "device" and the "host" are the same cores: a split runs the same one program that it runs
+beside a GPU, which is how CI tests it.
+"""
+
+import dataclasses
+import functools
+import glob
+import importlib.util
+import os
+
+import jax
+
+from jaxinfer import jax_compat, quant
+
+PRODUCTS = ("cpu_ext", "xla")
+ATTENTION = ("xla", "cpu_ext", "pallas", "pallas_interpret")
+HOT_FFN = ("xla", "pallas", "pallas_interpret")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    backend: str = "cpu"  # the accelerator's platform ("cpu", "gpu")
+    products: str = "xla"  # quantized products in device memory, one of PRODUCTS (quant.products)
+    host_products: str = "xla"  # the same for the FFN parts a split keeps in host memory
+    attention: str = "xla"  # one of ATTENTION (model.attention_kernel)
+    attn_max_batch_mib: float | None = None  # bound on XLA attention's K·Q scores per step (attention.py); None: none
+    hot_ffn: str = "xla"  # a split's device part with a predictor, one of HOT_FFN (sparse_ffn.ffn)
+    neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
+    host_memory_kind: str = "pinned_host"  # where a split's cold parts live
+
+    def describe(self) -> str:
+        bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
+        return (f"plan: {self.backend} backend, products {self.products}, attention {self.attention}{bound}, "
+                f"split FFN hot {self.hot_ffn} / cold {self.host_products} in {self.host_memory_kind}, "
+                f"down projection {'neuron-major' if self.neuron_major else 'transposed'} when sparse")
+
+
+def make_plan(attn_max_batch_mib: float | None = None) -> Plan:
+    """The plan for this process's devices."""
+    backend = jax.default_backend()
+    kernels = quant.cpu_kernels()
+    host_products = "cpu_ext" if kernels is not None else "xla"
+    if backend == "cpu":
+        return Plan(backend, host_products, host_products, host_products, attn_max_batch_mib, "xla",
+                    kernels is not None and kernels.fast_neuron_major())
+    host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
+    gpu = backend == "gpu"
+    return Plan(backend, "xla", host_products, "pallas" if gpu else "xla", attn_max_batch_mib,
+                "pallas" if gpu else "xla", False)
+
+
+@functools.cache
+def _register_host_kernels() -> bool:
+    """Register cpu_ext's handlers in the GPU plugin's own host compiler (jax_compat: its registry is not jaxlib's);
+    False where no CUDA plugin library is found (the host parts then use XLA's products)."""
+    import cpu_ext
+
+    if importlib.util.find_spec("jax_plugins") is None:
+        return False
+    for package in ("jax_plugins.xla_cuda13", "jax_plugins.xla_cuda12"):
+        spec = importlib.util.find_spec(package)
+        libraries = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.so"))) if spec else []
+        if libraries:
+            jax_compat.register_host_handlers(libraries[0], cpu_ext.handlers())
+            return True
+    return False
