@@ -96,7 +96,7 @@ def main(argv):
                            vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
                            activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
                            thresholds_file=FLAGS.thresholds,
-                           loaded=lambda m: print(m.describe(), file=sys.stderr))
+                           loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
     if m.split is not None:
         print(m.split.summary, file=sys.stderr)

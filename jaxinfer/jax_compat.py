@@ -90,18 +90,24 @@ class _FFIExtension(ctypes.Structure):
                 ("user_data_add", ctypes.c_void_p), ("register_handler", _REGISTER_HANDLER)]
 
 
-def register_host_handlers(plugin_library: str, handlers: dict[str, int]):
-    """Register FFI handlers {target name: address of the handler function} for platform "Host" in the PJRT plugin
-    loaded from `plugin_library` (the CUDA plugin's .so, already loaded by JAX: dlopen returns the same copy)."""
-    api = ctypes.cast(ctypes.CDLL(plugin_library).GetPjrtApi(), ctypes.POINTER(_Api))
-    extension = api.contents.extension_start
+def pjrt_api(plugin_library: str) -> int:
+    """The address of the PJRT_Api of a plugin library that JAX has loaded (dlopen returns that same copy)."""
+    library = ctypes.CDLL(plugin_library)
+    library.GetPjrtApi.restype = ctypes.c_void_p
+    return library.GetPjrtApi()
+
+
+def register_host_handlers(api: int, handlers: dict[str, int]):
+    """Register FFI handlers {target name: address of the handler function} for platform "Host" through the FFI
+    extension of the PJRT_Api at `api`."""
+    extension = ctypes.cast(api, ctypes.POINTER(_Api)).contents.extension_start
     while extension and extension.contents.type != _FFI_EXTENSION_TYPE:
         extension = extension.contents.next
     if not extension:
-        raise RuntimeError(f"{plugin_library} has no PJRT FFI extension: cannot register host handlers")
+        raise RuntimeError("the PJRT plugin has no FFI extension: cannot register host handlers")
     register = ctypes.cast(extension, ctypes.POINTER(_FFIExtension)).contents.register_handler
     for name, address in handlers.items():
         encoded = name.encode()
         args = _RegisterHandlerArgs(ctypes.sizeof(_RegisterHandlerArgs), encoded, len(encoded), address, b"Host", 4, 0)
         if register(ctypes.byref(args)):
-            raise RuntimeError(f"the PJRT plugin {plugin_library} refused to register {name} for the host")
+            raise RuntimeError(f"the PJRT plugin refused to register {name} for the host")

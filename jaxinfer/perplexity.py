@@ -45,7 +45,7 @@ def _cli_main(argv):
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
                            thresholds_file=f.thresholds)
-    print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
+    print(f"{m.describe()}, --sparsity {spec}\n{m.config.plan.describe()}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
 
     if base is not None:

@@ -76,6 +76,6 @@ def _register_host_kernels() -> bool:
         spec = importlib.util.find_spec(package)
         libraries = sorted(glob.glob(os.path.join(list(spec.submodule_search_locations)[0], "*.so"))) if spec else []
         if libraries:
-            jax_compat.register_host_handlers(libraries[0], cpu_ext.handlers())
+            jax_compat.register_host_handlers(jax_compat.pjrt_api(libraries[0]), cpu_ext.handlers())
             return True
     return False
