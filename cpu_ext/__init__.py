@@ -73,7 +73,8 @@ def handlers() -> dict[str, int]:
     """{FFI target name: address of its handler}: what a PJRT plugin needs to run these kernels in its own host
     programs (jaxinfer.jax_compat.register_host_handlers, for the host part of a GPU program)."""
     symbols = {f"jaxinfer_{op}": symbol for op, (symbol, _, _) in _OPS.items()}
-    symbols |= {"jaxinfer_quantized_matmul_group": "QuantizedMatmulGroup", "jaxinfer_cached_attention": "CachedAttention"}
+    symbols |= {"jaxinfer_quantized_matmul_group": "QuantizedMatmulGroup", "jaxinfer_masked_matmul_group":
+                "MaskedMatmulGroup", "jaxinfer_cached_attention": "CachedAttention"}
     return {name: ctypes.cast(getattr(_lib, symbol), ctypes.c_void_p).value for name, symbol in symbols.items()}
 
 
@@ -214,6 +215,28 @@ def masked_matmul(x: jax.Array, data: jax.Array, mask: jax.Array, *, qtype: GGML
     qtype = _check_type("masked_matmul", qtype)
     call = _batched_call("masked_matmul", qtype, int(rows), int(cols))
     return call(jnp.asarray(x, jnp.float32), data, _mask("masked_matmul", mask))
+
+
+@functools.cache
+def _masked_group_call(qtype: GGMLQuantizationType, n: int, rows: int, cols: int):
+    """The FFI call of masked_matmul_group for n weights, batched by _token_batched (x and mask carry the tokens)."""
+
+    def call(x, mask, *datas):
+        outs = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + (rows,), jnp.float32) for _ in range(n))
+        attrs = dict(qtype=np.int64(int(qtype)), rows=np.int64(rows), cols=np.int64(cols))
+        return tuple(jax.ffi.ffi_call("jaxinfer_masked_matmul_group", outs)(x, mask, *datas, **attrs))
+
+    return _token_batched(call, (True, True) + (False,) * n, (True,) * n)
+
+
+def masked_matmul_group(x: jax.Array, datas, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                        cols: int) -> list[jax.Array]:
+    """[masked_matmul(x, data, mask) for data in datas] in one call, for weights of one type and shape (a sparse
+    FFN's gate and up): x is quantized and the active rows found once, and the rows of all the weights are split
+    over the threads together. Gives the same bits as the separate calls."""
+    qtype = _check_type("masked_matmul_group", qtype)
+    call = _masked_group_call(qtype, len(datas), int(rows), int(cols))
+    return list(call(jnp.asarray(x, jnp.float32), _mask("masked_matmul_group", mask), *datas))
 
 
 def masked_matmul_reference(x, w, mask) -> jax.Array:

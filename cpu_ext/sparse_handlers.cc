@@ -1,6 +1,7 @@
 // XLA FFI handlers for a row-sparse FFN (PowerInfer-style): only the weight rows of active neurons are read.
 //
 //   masked_matmul  y[t, r] = x[t] · W[r] where mask[t, r], else 0            up/gate: W [n_ff, d]
+//   masked_matmul_group  the same for several W of one shape and one mask (gate and up in one call)
 //   gather_matmul  y[t, i] = x[t] · W[index[i]], 0 where index[i] is out of range
 //   masked_axpy    y[t]    = sum over j with mask[t, j] of h[t, j] W_t[j]    down: W_t [n_ff, d], one row per neuron
 //   gather_axpy    y[t]    = sum over i with index[i] in range of h[t, i] W_t[index[i]]
@@ -132,8 +133,17 @@ struct RowAndColumn {
   int64_t row, column;  // weight row, output column
 };
 
-// out[t, column(e)] = W[row(e)] · x[t] for the entries e < n_entries that token t takes, in tasks of
-// rows_per_task entries. Other outputs are left as they are.
+constexpr int64_t kMaxWeights = 4;  // weights of one masked_matmul_group call (a part's gate and up)
+
+// The weights a row_dots call reads and the outputs it writes, one pair per weight, by value in its tasks.
+struct WeightsAndOutputs {
+  const uint8_t* ws[kMaxWeights];
+  float* outs[kMaxWeights];
+  int64_t n;
+};
+
+// outs[i][t, column(e)] = W_i[row(e)] · x[t] for each weight i and the entries e < n_entries that token t takes, in
+// tasks of rows_per_task (weight, entry) pairs, weight after weight. Other outputs are left as they are.
 //
 // The dot kernels read one row at a time, and the hardware prefetchers, trained on a sequential stream, fetch into
 // rows a sparse set skips and not the next row it reads: at d = 4096 (Q8_0, one thread) half the rows, at random,
@@ -142,22 +152,24 @@ struct RowAndColumn {
 // cost time (1.5x with all rows). Measured on that case: 1.78 -> 1.09 ns per weight block of the whole matrix, and
 // 1.31 with all rows, as before; prefetching one row ahead, only its first lines, or into L1 did worse.
 template <typename Entry, typename Take>
-void row_dots(ffi::ThreadPool& pool, const RowDot& dot, const uint8_t* ws, int64_t row_bytes, int64_t m,
-              int64_t n_entries, const Entry& entry, const Take& take, float* out, int64_t out_stride) {
-  const int64_t band = rows_per_task(pool, n_entries);
-  parallel_for(pool, (n_entries + band - 1) / band, [=](int64_t task) {
-    const int64_t e0 = task * band, e1 = std::min(n_entries, e0 + band);
+void row_dots(ffi::ThreadPool& pool, const RowDot& dot, const WeightsAndOutputs& wo, int64_t row_bytes, int64_t m,
+              int64_t n_entries, const Entry& entry, const Take& take, int64_t out_stride) {
+  const int64_t total = wo.n * n_entries;
+  const int64_t band = rows_per_task(pool, total);
+  parallel_for(pool, (total + band - 1) / band, [=](int64_t task) {
+    const int64_t p0 = task * band, p1 = std::min(total, p0 + band);
     for (int64_t t = 0; t < m; ++t) {  // the task's rows stay in L1 over the tokens
-      for (int64_t e = e0; e < e1; ++e) {
-        if (t == 0 && e + 2 < e1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t i = p / n_entries, e = p - i * n_entries;
+        if (t == 0 && p + 2 < p1 && e + 2 < n_entries) {
           const int64_t r0 = entry(e).row, r1 = entry(e + 1).row, r2 = entry(e + 2).row;
           if (r2 != r1 + 1 || r1 != r0 + 1) {
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(ws + r2 * row_bytes + b, 0, 2);
+            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(wo.ws[i] + r2 * row_bytes + b, 0, 2);
           }
         }
         if (!take(t, e)) continue;
         const RowAndColumn rc = entry(e);
-        out[t * out_stride + rc.column] = dot(ws + rc.row * row_bytes, t);
+        wo.outs[i][t * out_stride + rc.column] = dot(wo.ws[i] + rc.row * row_bytes, t);
       }
     }
   });
@@ -194,9 +206,59 @@ ffi::Error MaskedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* active = s.rows.data();
   row_dots(
-      pool, dot, static_cast<const uint8_t*>(w.untyped_data()), row_bytes, m, n_active,
+      pool, dot, WeightsAndOutputs{{static_cast<const uint8_t*>(w.untyped_data())}, {ys}, 1}, row_bytes, m, n_active,
       [=](int64_t e) { return RowAndColumn{active[e], active[e]}; },
-      [=](int64_t t, int64_t e) { return ms[t * rows + active[e]] != 0; }, ys, rows);
+      [=](int64_t t, int64_t e) { return ms[t * rows + active[e]] != 0; }, rows);
+  return ffi::Error::Success();
+}
+
+// masked_matmul of one x and mask with several weights of one type and shape (a part's gate and up): x is
+// quantized once, the active rows found once, and all the weights' rows split over the threads together.
+ffi::Error MaskedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::PRED> mask,
+                                 ffi::RemainingArgs ws, ffi::RemainingRets ys, int64_t qtype, int64_t rows,
+                                 int64_t cols) {
+  const std::string op = "masked_matmul_group";
+  const int64_t n = static_cast<int64_t>(ws.size());
+  if (n == 0 || n > kMaxWeights || static_cast<int64_t>(ys.size()) != n) {
+    return ffi::Error::InvalidArgument(op + ": 1 to " + std::to_string(kMaxWeights) + " weights and one output each; "
+                                       "got " + std::to_string(n) + " weights, " + std::to_string(ys.size()) +
+                                       " outputs");
+  }
+  int64_t m;
+  if (!tokens_of(x.dimensions(), cols, &m)) {
+    return ffi::Error::InvalidArgument(op + ": x must be [..., " + std::to_string(cols) + "], got " +
+                                       dims_string(x.dimensions()));
+  }
+  int64_t mask_m;
+  if (!tokens_of(mask.dimensions(), rows, &mask_m) || !same_leading_dims(mask.dimensions(), x.dimensions())) {
+    return ffi::Error::InvalidArgument(op + ": mask must be [..., " + std::to_string(rows) + "] with the leading "
+                                       "dims of x " + dims_string(x.dimensions()) + ", got " +
+                                       dims_string(mask.dimensions()));
+  }
+  TypeInfo info;
+  int64_t row_bytes = 0;
+  WeightsAndOutputs wo{{}, {}, n};
+  for (int64_t i = 0; i < n; ++i) {
+    const auto w = ws.get<ffi::AnyBuffer>(i);
+    auto y = ys.get<ffi::AnyBuffer>(i);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(op + ": weights and outputs are buffers");
+    if (ffi::Error error = check_weight(op, *w, qtype, rows, cols, &info, &row_bytes); error.failure()) return error;
+    if ((*y)->element_type() != ffi::DataType::F32 || !holds((*y)->element_count(), m, rows)) {
+      return ffi::Error::InvalidArgument(op + ": outputs must be f32 [..., " + std::to_string(rows) + "]");
+    }
+    wo.ws[i] = static_cast<const uint8_t*>(w->untyped_data());
+    wo.outs[i] = static_cast<float*>((*y)->untyped_data());
+    std::memset(wo.outs[i], 0, sizeof(float) * m * rows);
+  }
+  Scratch& s = thread_scratch();
+  const uint8_t* ms = mask_bytes(mask);
+  const int64_t n_active = active_rows(ms, m, rows, s);
+  if (n_active == 0) return ffi::Error::Success();
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
+  const int32_t* active = s.rows.data();
+  row_dots(
+      pool, dot, wo, row_bytes, m, n_active, [=](int64_t e) { return RowAndColumn{active[e], active[e]}; },
+      [=](int64_t t, int64_t e) { return ms[t * rows + active[e]] != 0; }, rows);
   return ffi::Error::Success();
 }
 
@@ -226,8 +288,8 @@ ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* pos = s.rows.data();
   row_dots(
-      pool, dot, static_cast<const uint8_t*>(w.untyped_data()), row_bytes, m, n_valid,
-      [=](int64_t e) { return RowAndColumn{idx[pos[e]], pos[e]}; }, [](int64_t, int64_t) { return true; }, ys, k);
+      pool, dot, WeightsAndOutputs{{static_cast<const uint8_t*>(w.untyped_data())}, {ys}, 1}, row_bytes, m, n_valid,
+      [=](int64_t e) { return RowAndColumn{idx[pos[e]], pos[e]}; }, [](int64_t, int64_t) { return true; }, k);
   return ffi::Error::Success();
 }
 
@@ -458,6 +520,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MaskedMatmul, jaxinfer_cpu::MaskedMatmulImpl,
                                   .Arg<ffi::AnyBuffer>()          // W [rows, ...]
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask [..., rows]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [..., rows]
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MaskedMatmulGroup, jaxinfer_cpu::MaskedMatmulGroupImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [..., cols]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [..., rows]
+                                  .RemainingArgs()                // W_1 .. W_n [rows, ...], one type
+                                  .RemainingRets()                // y_1 .. y_n [..., rows], f32
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols"));

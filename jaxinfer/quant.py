@@ -455,6 +455,18 @@ def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
     return where_zero(mask, matmul(x, w))
 
 
+def masked_matmuls(x: jax.Array, ws, mask: jax.Array) -> list[jax.Array]:
+    """[masked_matmul(x, w, mask) for w in ws]. Where cpu_ext would run each of them and they share a type and shape
+    (a sparse FFN's gate and up), it runs them as one kernel call: the active rows are found and x quantized once,
+    and one split of all the weights' rows over the threads serves them (one call fewer per FFN part)."""
+    kernels = _kernels(x, ws[0])
+    if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape) == (ws[0].qtype, ws[0].shape)
+                                   for w in ws[1:]):
+        return kernels.masked_matmul_group(x, [w.data for w in ws], mask, qtype=ws[0].qtype, rows=ws[0].shape[0],
+                                           cols=ws[0].shape[1])
+    return [masked_matmul(x, w, mask) for w in ws]
+
+
 def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     """Σ_j mask[..., j] h[..., j] w_t[j, :] -> [..., cols]: a product with a transposed weight (one row per input
     feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows: of a NEURON_MAJOR

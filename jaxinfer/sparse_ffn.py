@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxinfer import jax_compat, quant
 from jaxinfer.config import Config
-from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, matmul, matmuls
+from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, masked_matmuls, matmul, matmuls
 from pallas_kernels import sparse_ffn as pallas_ffn
 
 ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v}
@@ -94,8 +94,9 @@ def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
     gate_act, up_act = ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
     if cfg.ffn_sparsity == "predictor":
         active = decider
-        gate = gate_act(masked_matmul(x, part.ffn_gate, active))
-        hidden = gate * up_act(masked_matmul(x, part.ffn_up, active))
+        gate, up = masked_matmuls(x, (part.ffn_gate, part.ffn_up), active)
+        gate = gate_act(gate)
+        hidden = gate * up_act(up)
     elif cfg.ffn_sparsity == "gate":
         gate = gate_act(matmul(x, part.ffn_gate))
         active = jnp.abs(gate) > decider

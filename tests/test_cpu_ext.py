@@ -187,6 +187,44 @@ def test_group_under_vmap_and_bad_input():
         cpu_ext.quantized_matmul_group(x[0], datas, qtype=Q.Q8_0, rows=rows[:1], cols=cols)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K], ids=lambda q: q.name)
+def test_masked_group_gives_the_bits_of_separate_masked_calls(qtype, isa):
+    """masked_matmul_group (a part's gate and up in one call) equals masked_matmul on each weight bit for bit, for a
+    mask per token, none active and every row active, one token and the four-token path, and under vmap."""
+    rng = np.random.default_rng(11)
+    rows, cols = 70, SHAPES[GGML_QUANT_SIZES[qtype][0]][-1][1]
+    datas = [random_weight(qtype, rows, cols, rng) for _ in range(2)]
+    kw = dict(qtype=qtype, rows=rows, cols=cols)
+    group = jax.jit(lambda x, mask, *d: cpu_ext.masked_matmul_group(x, list(d), mask, **kw))
+    for batch in (1, 6):
+        x = rng.normal(size=(batch, cols)).astype(np.float32)
+        for mask in (rng.random((batch, rows)) < 0.3, np.zeros((batch, rows), bool), np.ones((batch, rows), bool)):
+            for y, data in zip(group(x, mask, *datas), datas):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(cpu_ext.masked_matmul(x, data, mask, **kw)))
+    x = rng.normal(size=(3, 2, cols)).astype(np.float32)
+    mask = rng.random((3, 2, rows)) < 0.5
+    over_tokens = jax.jit(jax.vmap(lambda x, mask: cpu_ext.masked_matmul_group(x, datas, mask, **kw)))(x, mask)
+    for i in range(3):
+        for y, data in zip(over_tokens, datas):
+            np.testing.assert_array_equal(np.asarray(y[i]), np.asarray(cpu_ext.masked_matmul(x[i], data, mask[i], **kw)))
+    with pytest.raises(Exception, match="weight must be"):  # a weight of another shape
+        jax.block_until_ready(cpu_ext.masked_matmul_group(x[0], [datas[0], datas[1][:5]], mask[0], **kw))
+
+
+def test_quant_masked_matmuls_groups_only_what_the_kernels_take():
+    rng = np.random.default_rng(12)
+    x = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
+    mask = jnp.asarray(rng.random((2, 8)) < 0.5)
+    q4 = [quant.from_gguf_data(random_weight(Q.Q4_1, 8, 64, rng), Q.Q4_1, (8, 64)) for _ in range(2)]
+    q8 = quant.from_gguf_data(random_weight(Q.Q8_0, 8, 64, rng), Q.Q8_0, (8, 64))
+    with quant.products("cpu_ext"):
+        for ws in (q4, [q4[0], q8], [dataclasses.replace(w, exact=True) for w in q4]):
+            got = jax.jit(quant.masked_matmuls)(x, ws, mask)
+            for y, w in zip(got, ws):
+                np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(quant.masked_matmul)(x, w, mask)))
+        assert not np.allclose(got[0], quant.masked_matmuls(x, q4, mask)[0], rtol=1e-6)  # exact vs the kernel
+
+
 def test_quant_matmuls_groups_only_what_the_kernels_take():
     """quant.matmuls is [quant.matmul(x, w) ...] whether it groups (same type and cols), mixes types (separate
     calls) or multiplies exactly."""
