@@ -27,7 +27,6 @@ ARCHITECTURES = {
     "llama": Architecture(gate_activation="silu", powerinfer_gate_activation="relu"),
     "bamboo": Architecture(gate_activation="relu", up_activation="relu", powerinfer_gate_activation="relu"),
 }
-SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")
 CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> the KV cache's dtype
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
@@ -53,14 +52,16 @@ class Config:
     rope_dim: int
     gate_activation: str
     up_activation: str
-    # Activation sparsity (see sparse_ffn.py): which FFN neurons run for a token.
-    ffn_sparsity: str = "dense"  # one of SPARSITY_MODES
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
     # The KV cache's element type, one of CACHE_TYPES: "f16" halves its memory and the bytes a decode step reads
     # deep into a context (llama.cpp's default); attention math stays f32.
     cache_type: str = "f32"
+
+    def replan(self, **changes) -> "Config":
+        """This config with its plan changed."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, **changes))
 
     @property
     def n_group(self) -> int:

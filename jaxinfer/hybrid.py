@@ -88,7 +88,7 @@ def unit_bytes(layer: model.Layer, kernel: bool = False) -> int:
 
 
 def _uses_kernel(cfg: Config) -> bool:
-    return cfg.ffn_sparsity == "predictor" and cfg.plan.hot_ffn != "xla"
+    return cfg.plan.ffn_sparsity == "predictor" and cfg.plan.hot_ffn != "xla"
 
 
 def placement_costs(weights: model.Weights, cfg: Config, kv_bytes: int) -> ModelCosts:

@@ -27,6 +27,7 @@ import jax
 
 from jaxinfer import jax_compat, quant
 
+SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")  # which FFN neurons run for a token (sparse_ffn.py)
 PRODUCTS = ("cpu_ext", "xla")
 ATTENTION = ("xla", "cpu_ext", "pallas", "pallas_interpret")
 HOT_FFN = ("xla", "pallas", "pallas_interpret")
@@ -35,6 +36,7 @@ HOT_FFN = ("xla", "pallas", "pallas_interpret")
 @dataclasses.dataclass(frozen=True)
 class Plan:
     backend: str = "cpu"  # the accelerator's platform ("cpu", "gpu")
+    ffn_sparsity: str = "dense"  # one of SPARSITY_MODES (--sparsity; sparse_ffn.py)
     products: str = "xla"  # quantized products in device memory, one of PRODUCTS (quant.products)
     host_products: str = "xla"  # the same for the FFN parts a split keeps in host memory
     attention: str = "xla"  # one of ATTENTION (model.attention_kernel)
@@ -45,22 +47,22 @@ class Plan:
 
     def describe(self) -> str:
         bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
-        return (f"plan: {self.backend} backend, products {self.products}, attention {self.attention}{bound}, "
-                f"split FFN hot {self.hot_ffn} / cold {self.host_products} in {self.host_memory_kind}, "
+        return (f"plan: {self.backend} backend, FFN {self.ffn_sparsity}, products {self.products}, attention "
+                f"{self.attention}{bound}, split FFN hot {self.hot_ffn} / cold {self.host_products} in {self.host_memory_kind}, "
                 f"down projection {'neuron-major' if self.neuron_major else 'transposed'} when sparse")
 
 
 def make_plan(attn_max_batch_mib: float | None = None) -> Plan:
-    """The plan for this process's devices."""
+    """The plan for this process's devices, for a dense FFN (sparsity.apply sets the mode)."""
     backend = jax.default_backend()
     kernels = quant.cpu_kernels()
     host_products = "cpu_ext" if kernels is not None else "xla"
     if backend == "cpu":
-        return Plan(backend, host_products, host_products, host_products, attn_max_batch_mib, "xla",
+        return Plan(backend, "dense", host_products, host_products, host_products, attn_max_batch_mib, "xla",
                     kernels is not None and kernels.fast_neuron_major())
     host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
     gpu = backend == "gpu"
-    return Plan(backend, "xla", host_products, "pallas" if gpu else "xla", attn_max_batch_mib,
+    return Plan(backend, "dense", "xla", host_products, "pallas" if gpu else "xla", attn_max_batch_mib,
                 "pallas" if gpu else "xla", False)
 
 

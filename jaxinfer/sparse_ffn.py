@@ -3,7 +3,7 @@
     h = gate_act(x W_gateᵀ) * up_act(x W_upᵀ)          one value per neuron (n_ff of them)
     out = (h * active) W_downᵀ                          only active neurons contribute
 
-`cfg.ffn_sparsity` chooses `active`:
+`cfg.plan.ffn_sparsity` chooses `active`:
     dense      h != 0: ReLU models skip their natural zeros; nothing is skipped for SwiGLU
     predictor  fc2(relu(fc1 · ffn_inp)) >= cfg.sparse_threshold: PowerInfer's low-rank predictor, read before the
                FFN from the pre-norm residual, so gate, up and down rows of inactive neurons need not be read
@@ -92,12 +92,12 @@ def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
     Each mode computes only what decides `active` densely, and the rest for active neurons only (masked kernels):
     in predictor mode gate and hidden are therefore 0 for inactive neurons."""
     gate_act, up_act = ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
-    if cfg.ffn_sparsity == "predictor":
+    if cfg.plan.ffn_sparsity == "predictor":
         active = decider
         gate, up = masked_matmuls(x, (part.ffn_gate, part.ffn_up), active)
         gate = gate_act(gate)
         hidden = gate * up_act(up)
-    elif cfg.ffn_sparsity == "gate":
+    elif cfg.plan.ffn_sparsity == "gate":
         gate = gate_act(matmul(x, part.ffn_gate))
         active = jnp.abs(gate) > decider
         hidden = gate * up_act(masked_matmul(x, part.ffn_up, active))
@@ -105,7 +105,7 @@ def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
         gate, up = matmuls(x, (part.ffn_gate, part.ffn_up))
         gate = gate_act(gate)
         hidden = gate * up_act(up)
-        active = jnp.abs(hidden) > decider if cfg.ffn_sparsity == "hidden" else hidden != 0
+        active = jnp.abs(hidden) > decider if cfg.plan.ffn_sparsity == "hidden" else hidden != 0
     out = down_projection(hidden, active, part)
     return (out, gate, hidden, active) if trace else (out,)
 
@@ -146,13 +146,13 @@ def ffn(x, ffn_inp, layer, cfg: Config, trace: bool = True):
     """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace or None), summed
     over the layer's parts; without `trace` the trace is None (a split's host parts then send back only their
     output)."""
-    if cfg.ffn_sparsity == "predictor":
+    if cfg.plan.ffn_sparsity == "predictor":
         predicted = predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold  # rows part by part
-    threshold = layer.ffn_threshold if cfg.ffn_sparsity in ("gate", "hidden") else None
+    threshold = layer.ffn_threshold if cfg.plan.ffn_sparsity in ("gate", "hidden") else None
     outs, traces, first = [], [], 0
     for part in layer_parts(layer):
         n = _neurons(part)
-        decider = predicted[..., first:first + n] if cfg.ffn_sparsity == "predictor" else threshold
+        decider = predicted[..., first:first + n] if cfg.plan.ffn_sparsity == "predictor" else threshold
         first += n
         if isinstance(part, KernelPart):
             if trace:

@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from jaxinfer import model, quant, sidecar
-from jaxinfer.config import SPARSITY_MODES
+from jaxinfer.plan import SPARSITY_MODES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
 
@@ -127,7 +127,7 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
     from the model's sidecar."""
     if thresholds_file is not None and spec.mode not in THRESHOLD_METHODS:
         raise JaxinferError(f"--thresholds is for --sparsity gate:S or hidden:S, not {spec}")
-    cfg = dataclasses.replace(m.config, ffn_sparsity=spec.mode)
+    cfg = m.config.replan(ffn_sparsity=spec.mode)
     layers = m.weights.layers
     if spec.mode == "predictor":
         if any(layer.fc1 is None or layer.fc2 is None for layer in layers):

@@ -125,7 +125,7 @@ def decode_weight_bytes(m, tokens) -> tuple[float, float, float]:
     by neuron only for active neurons (in lines: each neuron active independently with its layer's share), counted
     by running the model over the tokens with its own sparsity."""
     counts = sparsity.reduce_over_windows(m, np.array([tokens]), sparsity.count_active, n_seq=1, desc="counting")
-    skipped = SKIPPED_WITH_NEURONS[m.config.ffn_sparsity]
+    skipped = SKIPPED_WITH_NEURONS[m.config.plan.ffn_sparsity]
     total = lines = m.weights.output.nbytes
     for layer, count in zip(m.weights.layers, counts):
         active = float(np.sum(count)) / (len(tokens) * m.config.n_ff)

@@ -206,7 +206,8 @@ def test_masked_group_gives_the_bits_of_separate_masked_calls(qtype, isa):
     over_tokens = jax.jit(jax.vmap(lambda x, mask: cpu_ext.masked_matmul_group(x, datas, mask, **kw)))(x, mask)
     for i in range(3):
         for y, data in zip(over_tokens, datas):
-            np.testing.assert_array_equal(np.asarray(y[i]), np.asarray(cpu_ext.masked_matmul(x[i], data, mask[i], **kw)))
+            separate = cpu_ext.masked_matmul(x[i], data, mask[i], **kw)
+            np.testing.assert_array_equal(np.asarray(y[i]), np.asarray(separate))
     with pytest.raises(Exception, match="weight must be"):  # a weight of another shape
         jax.block_until_ready(cpu_ext.masked_matmul_group(x[0], [datas[0], datas[1][:5]], mask[0], **kw))
 

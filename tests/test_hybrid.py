@@ -25,7 +25,7 @@ def models(tmp_path_factory):
     write_model(dense_path, SyntheticSpec(n_embd=64, n_ff=256, weight_type=Q.Q8_0, sparsity=0.0, n_ctx=64))
     write_model(predictor_path, SyntheticSpec(n_embd=64, n_ff=256, weight_type=Q.Q8_0, sparsity=0.85, n_ctx=64))
     dense = engine.load_model(dense_path)
-    hidden = dataclasses.replace(dense, config=dataclasses.replace(dense.config, ffn_sparsity="hidden"),
+    hidden = dataclasses.replace(dense, config=dense.config.replan(ffn_sparsity="hidden"),
                                  weights=dataclasses.replace(dense.weights, layers=[
                                      sparsity.with_transposed_down(dataclasses.replace(
                                          layer, ffn_threshold=jnp.float32(0.02))) for layer in dense.weights.layers]))
@@ -84,9 +84,8 @@ def test_pallas_kernel_part_equals_the_unsplit_model(models):
     on a GPU) gives the unsplit model's logits: exact weights, as the kernel multiplies in f32."""
     m = models["predictor"]
     exact = engine.load_model(m.path, exact=True)
-    exact = sparsity.apply(dataclasses.replace(exact, config=dataclasses.replace(
-        exact.config, plan=dataclasses.replace(exact.config.plan, hot_ffn="pallas_interpret"))),
-        sparsity.SparsitySpec("predictor"))
+    exact = sparsity.apply(dataclasses.replace(exact, config=exact.config.replan(hot_ffn="pallas_interpret")),
+                           sparsity.SparsitySpec("predictor"))
     split = split_at(exact, 0.3)
     assert isinstance(split.weights.layers[0].ffn_parts[0], sparse_ffn.KernelPart)
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200]
@@ -234,7 +233,7 @@ def test_build_model_loads_applies_the_sparsity_and_splits(profiled_model, tmp_p
     path, budget = profiled_model
     predictor = sparsity.SparsitySpec("predictor")
     plain = engine.build_model(path, sparsity_spec=predictor)
-    assert plain.split is None and plain.config.ffn_sparsity == "predictor"
+    assert plain.split is None and plain.config.plan.ffn_sparsity == "predictor"
     assert plain.weights.layers[0].ffn_down_t is not None
     split = engine.build_model(path, sparsity_spec=predictor, vram_budget_gib=budget, ctx=32)
     assert split.config == plain.config and "(19.5% of neurons)" in split.split.summary, split.split.summary

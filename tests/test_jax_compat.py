@@ -42,7 +42,8 @@ def test_host_handlers_are_registered_through_the_plugins_ffi_extension():
 
     ffi = jax_compat._FFIExtension(jax_compat._ExtensionBase(ctypes.sizeof(jax_compat._FFIExtension), 5, None),
                                    None, None, register)
-    other = jax_compat._ExtensionBase(24, 2, ctypes.cast(ctypes.pointer(ffi), ctypes.POINTER(jax_compat._ExtensionBase)))
+    ffi_base = ctypes.cast(ctypes.pointer(ffi), ctypes.POINTER(jax_compat._ExtensionBase))
+    other = jax_compat._ExtensionBase(24, 2, ffi_base)
     api = jax_compat._Api(ctypes.sizeof(jax_compat._Api), ctypes.pointer(other))
     jax_compat.register_host_handlers(ctypes.addressof(api), {"jaxinfer_a": 0x1000, "jaxinfer_b": 0x2000})
     assert calls == [("jaxinfer_a", 0x1000, "Host", True), ("jaxinfer_b", 0x2000, "Host", True)]

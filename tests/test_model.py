@@ -103,11 +103,11 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
     against it), cpu_ext's cache kernel and the Pallas flash kernels (interpreted on CPU) equal one-piece XLA
     attention."""
     m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
-    xla = dataclasses.replace(m.config, plan=dataclasses.replace(m.config.plan, attention="xla", attn_max_batch_mib=None))
+    xla = m.config.replan(attention="xla", attn_max_batch_mib=None)
     tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)
     run = functools.partial(prefill_and_decode, m.weights, tokens)
     reference = run(xla)
-    np.testing.assert_allclose(run(dataclasses.replace(xla, plan=dataclasses.replace(xla.plan, **variant))), reference, rtol=1e-5,
+    np.testing.assert_allclose(run(xla.replan(**variant)), reference, rtol=1e-5,
                                atol=1e-5 * np.abs(reference).max())
 
 
@@ -116,7 +116,7 @@ def test_an_f16_cache_stores_f16_and_changes_logits_by_its_rounding_only(make_mo
     """Each attention kernel reads an f16 cache: the logits move by about f16's rounding of K and V (2^-11
     relative), against the f32 cache through the same kernel."""
     m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
-    f32 = dataclasses.replace(m.config, plan=dataclasses.replace(m.config.plan, attention=kernel))
+    f32 = m.config.replan(attention=kernel)
     f16 = dataclasses.replace(f32, cache_type="f16")
     assert model.init_cache(f16, 1, 8).k.dtype == jnp.float16
     tokens = np.random.default_rng(5).integers(0, m.config.n_vocab, size=(1, 10)).astype(np.int32)

@@ -19,7 +19,7 @@ def forward_logits(m, tokens):
 
 def with_thresholds(m, mode, value):
     layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(value)) for layer in m.weights.layers]
-    return dataclasses.replace(m, config=dataclasses.replace(m.config, ffn_sparsity=mode),
+    return dataclasses.replace(m, config=m.config.replan(ffn_sparsity=mode),
                                weights=dataclasses.replace(m.weights, layers=layers))
 
 
@@ -35,7 +35,7 @@ def test_masked_ffn_matches_a_numpy_reference(make_model):
     m = engine.load_model(make_model(weight_type=Q.Q8_0), exact=True)
     layer = m.weights.layers[0]
     x = np.random.default_rng(1).normal(size=(3, 64)).astype(np.float32)
-    cfg = dataclasses.replace(m.config, ffn_sparsity="hidden")
+    cfg = m.config.replan(ffn_sparsity="hidden")
     layer = dataclasses.replace(layer, ffn_threshold=jnp.float32(0.05))
     out, trace = sparse_ffn.ffn(jnp.asarray(x), jnp.asarray(x), layer, cfg)
     gate = x @ np.asarray(quant.dequantize(layer.ffn_gate)).T
@@ -105,7 +105,7 @@ def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode, 
     assert layer.ffn_down_t is not None
     # Packed neuron-major at load; a PowerInfer file (the predictor model) brings its own transposed ffn_down_t.
     assert (layer.ffn_down_t.layout == quant.NEURON_MAJOR) == (mode != "predictor")
-    cfg = dataclasses.replace(fast.config, ffn_sparsity=mode)
+    cfg = fast.config.replan(ffn_sparsity=mode)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, fast.config.n_embd)).astype(np.float32))
     assert cfg.plan.products == "cpu_ext"
 

@@ -49,7 +49,8 @@ def test_export_writes_a_powerinfer_file_that_runs_with_its_predictors(make_mode
     tokens = windows_for(m, 2)[:1]
     forward = jax.jit(model.forward, static_argnums=2)
     before = np.asarray(model.logits(forward(tokens, m.weights, m.config)[0], m.weights, m.config))
-    after = np.asarray(model.logits(forward(tokens, exported.weights, exported.config)[0], exported.weights, exported.config))
+    after = np.asarray(model.logits(forward(tokens, exported.weights, exported.config)[0], exported.weights,
+                                    exported.config))
     np.testing.assert_allclose(after, before, atol=2e-3 * np.abs(before).max())  # ffn_down_t is stored as F16
     predicted = sparsity.apply(exported, sparsity.SparsitySpec("predictor"))
     assert predicted.config.sparse_threshold == 0.25
