@@ -1,10 +1,10 @@
 """Hot/cold neuron placement under an accelerator memory budget, and PowerInfer's `.gpuidx` file.
 
 The budget first pays for what every token needs on the accelerator: the weights outside the FFN neurons (embedding,
-attention, norms, predictor input projections, output head), the KV cache and a workspace reserve. What is left
-buys FFN neurons, in units: one neuron, or the neurons sharing a quantization block of the down projection, which
-move together so that each part keeps the stored bytes (hybrid.unit_neurons). A unit costs its rows of gate, up,
-down and predictor output exactly as hybrid.split_weights places them (hybrid.placement_costs prices them from the
+attention, norms, predictors, output head), the KV cache and a workspace reserve. What is left buys FFN neurons, in
+units: one neuron, or the neurons sharing a quantization block of the down projection, which move together so that
+each part keeps the stored bytes (hybrid.unit_neurons). A unit costs its rows of gate, up and down exactly as
+hybrid.split_weights places them (hybrid.placement_costs prices them from the
 same layout: what is placed is what was priced); its value is how often its neurons fired in the activation profile.
 Choosing units is then a knapsack whose items are tiny against the budget: taking them in decreasing
 fired-count-per-byte order (ties: layer, then neuron id) is optimal up to one item's bytes per distinct cost,
@@ -53,7 +53,7 @@ class ModelCosts:
     n_ff: int
     # [n_layer] bytes of one unit of placement in each layer: its neurons' gate, up, down and predictor rows
     unit_bytes: np.ndarray
-    dense_bytes: int  # embedding, attention, norms, predictor inputs, output head: on the accelerator for every token
+    dense_bytes: int  # embedding, attention, norms, predictors, output head: on the accelerator for every token
     kv_bytes: int  # the KV cache for the context and batch
     # [n_layer] neurons per unit, consecutive and aligned (None: 1): a down projection stored in quantized blocks
     # across neurons moves a block's neurons together, so that it keeps its bytes and values
