@@ -55,7 +55,8 @@ def _find_library() -> pathlib.Path:
     )
 
 
-_lib = ctypes.cdll.LoadLibrary(str(_find_library()))
+LIBRARY_PATH = _find_library()  # the kernels in use: what caches of programs that call them are keyed on
+_lib = ctypes.cdll.LoadLibrary(str(LIBRARY_PATH))
 _lib.jaxinfer_cpu_isa.restype = ctypes.c_char_p
 _lib.jaxinfer_cpu_select_isa.argtypes = [ctypes.c_char_p]
 # op -> (handler symbol, which args carry the tokens' leading dims, last output dim from (rows, cols, *args)).
@@ -72,6 +73,8 @@ for _op, (_symbol, _, _) in _OPS.items():
 jax.ffi.register_ffi_target("jaxinfer_quantized_matmul_group", jax.ffi.pycapsule(_lib.QuantizedMatmulGroup),
                             platform="cpu")
 jax.ffi.register_ffi_target("jaxinfer_cached_attention", jax.ffi.pycapsule(_lib.CachedAttention), platform="cpu")
+# Every custom-call target registered above: a program exported with them names them (jax.export's stability check).
+FFI_TARGETS = tuple(f"jaxinfer_{op}" for op in _OPS) + ("jaxinfer_quantized_matmul_group", "jaxinfer_cached_attention")
 
 
 def isa() -> str:

