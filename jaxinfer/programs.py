@@ -71,7 +71,7 @@ def _build(step, args: tuple, leaves: list, in_tree, static: dict, donate: tuple
            folder: str | None) -> Program:
     if folder is None:
         return _compiled(step, args, static, "compiled (the persistent compilation cache is off)")
-    path = os.path.join(folder, hashlib.sha256(key.encode()).hexdigest()[:32] + ".program")
+    path = os.path.join(folder, f"{step.__qualname__}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.program")
     donated = _donated_leaves(step, args, donate)
     stored = _read(path, key)
     if stored is not None:
@@ -162,6 +162,8 @@ def _compiled(step, args: tuple, static: dict, origin: str) -> Program:
 def _donated_leaves(step, args: tuple, donate: tuple[str, ...]) -> tuple[int, ...]:
     """Indices among the flattened `args` of the leaves of the arguments named in `donate`."""
     names = list(inspect.signature(step).parameters)
+    if unknown := set(donate) - set(names[:len(args)]):
+        raise ValueError(f"{step.__qualname__} takes no positional argument {', '.join(sorted(unknown))} to donate")
     donated, start = [], 0
     for position, arg in enumerate(args):
         count = len(jax.tree.leaves(arg))
