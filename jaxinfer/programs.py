@@ -82,6 +82,7 @@ def _build(step, args: tuple, leaves: list, in_tree, static: dict, donate: tuple
     try:
         exported, out_tree = _export(step, leaves, in_tree, static)
     except Exception as e:  # what jax.export cannot serialize still runs, only without reuse across runs
+        logging.warning("%s is not stored for later runs (jax.export: %s)", step.__qualname__, _one_line(e))
         return _compiled(step, args, static, f"compiled (not exported: {_one_line(e)})")
     _write(path, key, exported.serialize(), out_tree)
     return _program(exported, out_tree, in_tree, leaves, donated, "exported")
