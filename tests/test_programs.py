@@ -96,3 +96,14 @@ def test_a_cache_folder_that_cannot_be_written_costs_only_time(make_model, tmp_p
     m = engine.load_model(make_model())
     assert greedy(m) == without_stored_programs(m)
     assert not os.path.isdir(blocked)
+
+
+def test_a_step_that_cannot_be_exported_still_runs(make_model, program_dir, monkeypatch):
+    def unsupported(*args):
+        raise NotImplementedError("a custom call jax.export does not take")
+
+    m = engine.load_model(make_model())
+    expected = without_stored_programs(m)
+    monkeypatch.setattr(programs, "_export", unsupported)
+    assert greedy(m) == expected
+    assert not stored(program_dir)
