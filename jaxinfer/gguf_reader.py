@@ -56,10 +56,6 @@ class ArrayField(ReaderField):
     length and bytes, the value type, the item type, the count and the items (the numbers as one array, or the
     strings as the bytes of their lengths and UTF-8 texts), so that the parts' sizes still add up to the field's."""
 
-    @property
-    def count(self) -> int:
-        return int(self.parts[4][0])
-
     def contents(self, index_or_slice: int | slice = slice(None)):
         items = self.parts[5]
         if self.types[-1] != GGUFValueType.STRING:
@@ -67,7 +63,7 @@ class ArrayField(ReaderField):
         raw = items.tobytes()
         length = struct.Struct(self.parts[4].dtype.byteorder + "Q")  # the count's byte order is the file's
         texts, offset = [], 0
-        for _ in range(self.count):
+        for _ in range(array_length(self)):
             (n,) = length.unpack_from(raw, offset)
             texts.append(raw[offset + STRING_LENGTH_BYTES:offset + STRING_LENGTH_BYTES + n])
             offset += STRING_LENGTH_BYTES + n
@@ -85,9 +81,8 @@ class Reader(GGUFReader):
     """GGUFReader that is bounded (see the module docstring), reads PowerInfer files, and slices plain ndarray views.
 
     PowerInfer writes `PWRI` where GGUF has its magic and leaves the rest of the file GGUF v3, so the magic read at
-    offset 0 answers GGUF for it. The reader slices the file once per metadata item (twice per vocabulary string);
-    an np.memmap slice carries its own attribute dict, which for a 49k-token vocabulary with 49k merges costs
-    ~90 MiB, so slices come from a plain view."""
+    offset 0 answers GGUF for it. Slices of the file come from a plain view: an np.memmap slice carries its own
+    attribute dict (~90 MiB when gguf-py sliced each string of a 49k-token vocabulary with 49k merges)."""
 
     def _get(self, offset, dtype, count=1, override_order=None):
         plain = self.__dict__.get("_plain")
