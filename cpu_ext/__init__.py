@@ -55,7 +55,8 @@ def _find_library() -> pathlib.Path:
     )
 
 
-_lib = ctypes.cdll.LoadLibrary(str(_find_library()))
+LIBRARY_PATH = _find_library()  # the kernels in use: what caches of programs that call them are keyed on
+_lib = ctypes.cdll.LoadLibrary(str(LIBRARY_PATH))
 _lib.jaxinfer_cpu_isa.restype = ctypes.c_char_p
 _lib.jaxinfer_cpu_select_isa.argtypes = [ctypes.c_char_p]
 # op -> (handler symbol, which args carry the tokens' leading dims, last output dim from (rows, cols, *args)).
@@ -80,6 +81,8 @@ def handlers() -> dict[str, int]:
 
 for _name, _address in handlers().items():
     jax.ffi.register_ffi_target(_name, jax.ffi.pycapsule(ctypes.cast(_address, ctypes.c_void_p)), platform="cpu")
+# Every custom-call target registered above: a program exported with them names them (jax.export's stability check).
+FFI_TARGETS = tuple(handlers())
 
 
 def isa() -> str:

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import activation_profile, attention, hybrid, model, placement, quant, sparsity
+from jaxinfer import activation_profile, attention, hybrid, model, placement, programs, quant, sparsity
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -299,11 +299,11 @@ def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: Sampl
     [DECODE_CHUNK, 1], state, cache), empty cache): both programs compiled ahead of time (sampling included), for
     split and unsplit models alike."""
     cache = model.init_cache(m.config, 1, ctx)
-    compiled_prefill = _prefill_and_sample.lower(padded, jnp.int32(1), recent, key, m.weights, cache, m.config,
-                                                 params).compile()
+    compiled_prefill = programs.compile_step(_prefill_and_sample, padded, jnp.int32(1), recent, key, m.weights,
+                                             cache, m.config, params, donate=("cache",))
     state = DecodeState(np.zeros(1, np.int32), recent, key, np.zeros((), bool))
-    compiled_decode = decode_chunk.lower(state, jnp.int32(1), stop_ids, m.weights, cache, m.config, params,
-                                         DECODE_CHUNK).compile()
+    compiled_decode = programs.compile_step(decode_chunk, state, jnp.int32(1), stop_ids, m.weights, cache,
+                                            m.config, params, donate=("cache",), n_steps=DECODE_CHUNK)
 
     def prefill(tokens, n_valid, recent, key, cache):
         return compiled_prefill(tokens, n_valid, recent, key, m.weights, cache, m.config, params)

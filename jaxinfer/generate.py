@@ -7,6 +7,8 @@ import os
 import sys
 import time
 
+STARTED = time.perf_counter()  # what "first token after" counts from: this module's start, before JAX is imported
+
 from absl import app, flags
 
 from jaxinfer import cli
@@ -112,10 +114,12 @@ def main(argv):
     if not FLAGS.chat:
         sys.stdout.write(text)
     stream = TextStream(m.tokenizer)
+    first_token = ""
     for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats, FLAGS.ubatch_size):
         stream.add(token)
+        first_token = first_token or f" | first token {time.perf_counter() - STARTED:.2f} s after start"
     sys.stdout.write("\n")
-    print(f"load {m.load_seconds:.2f} s | {stats.summary()} | seed {seed}", file=sys.stderr)
+    print(f"load {m.load_seconds:.2f} s | {stats.summary()}{first_token} | seed {seed}", file=sys.stderr)
 
 
 if __name__ == "__main__":

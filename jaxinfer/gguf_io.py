@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
-from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, shown
+from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
 from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
 from jaxinfer.quant import QuantArray, from_gguf_data
@@ -88,8 +88,8 @@ def open_gguf(path: str) -> GGUFFile:
         raise JaxinferError(f"{path} is truncated or corrupt: {e}") from None
     metadata = {}
     for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.data) > SMALL_ARRAY:
-            metadata[key] = LongArray(len(field.data))
+        if field.types and field.types[0] == GGUFValueType.ARRAY and array_length(field) > SMALL_ARRAY:
+            metadata[key] = LongArray(array_length(field))
         else:
             try:
                 metadata[key] = _contents(key, field)

@@ -40,10 +40,38 @@ def test_tied_output_reuses_the_embedding(make_model):
 
 
 def test_reader_shim_reads_the_same_metadata_as_gguf_py(make_model):
+    """Arrays are read whole (one part for the items, strings decoded on demand), with gguf-py's contents, types,
+    offsets and sizes."""
     path = make_model()
     ours, theirs = open_gguf(path), gguf.GGUFReader(path)
     assert ours.array("tokenizer.ggml.tokens") == theirs.get_field("tokenizer.ggml.tokens").contents()
     assert ours.metadata["llama.block_count"] == theirs.get_field("llama.block_count").contents()
+    assert list(ours.reader.fields) == list(theirs.fields)
+    arrays = 0
+    for key, field in theirs.fields.items():
+        mine = ours.reader.fields[key]
+        assert (mine.offset, mine.types, mine.contents()) == (field.offset, field.types, field.contents()), key
+        assert sum(p.nbytes for p in mine.parts) == sum(p.nbytes for p in field.parts), key
+        if field.types[0] == GGUFValueType.ARRAY:
+            arrays += 1
+            assert mine.contents(slice(2, 5)) == field.contents(slice(2, 5)) and mine.contents(3) == field.contents(3)
+    assert arrays >= 2  # strings (tokens) and numbers (token types)
+
+
+@pytest.mark.parametrize("endianness", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_reader_shim_reads_arrays_of_either_byte_order(tmp_path, endianness):
+    path = str(tmp_path / "arrays.gguf")
+    writer = gguf.GGUFWriter(path, "llama", endianess=endianness)
+    writer.add_array("a.strings", ["x", "héllo", "", "z z"])
+    writer.add_array("a.ints", [1, -2, 3])
+    writer.add_array("a.floats", [0.5, 1.5])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = open_gguf(path)
+    assert (ours.array("a.strings"), ours.array("a.ints", int), ours.array("a.floats", float)) == (
+        ["x", "héllo", "", "z z"], [1, -2, 3], [0.5, 1.5])
 
 
 def test_missing_tensor_is_reported(make_model, tmp_path):
@@ -123,6 +151,14 @@ def test_an_array_count_past_the_end_is_refused_before_reading(make_model, tmp_p
     assert_error(path, "truncated or corrupt", "tokenizer.ggml.token_type", "2147483648 INT32 array items",
                  "need at least 8589934592 bytes")
     assert time.perf_counter() - started < 5
+
+
+def test_a_vocabulary_string_past_the_end_is_refused(make_model, tmp_path):
+    """A token's length is checked as the array is read, though its text is decoded only when asked for."""
+    path = corrupt(make_model, tmp_path, lambda base: fuzz.patch(
+        base.data, field(base, "tokenizer.ggml.tokens").parts[7][0], struct.pack("<Q", 2**40)))
+    assert_error(path, "truncated or corrupt", "metadata tokenizer.ggml.tokens", "1099511627776 x 1 bytes",
+                 "run past the end of the file")
 
 
 def test_an_array_where_a_string_belongs_is_refused(make_model, tmp_path):

@@ -99,3 +99,16 @@ def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
 def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
     result = run("scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"), "--sparsity", "1.5")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_bench_startup_times_a_cold_and_a_warm_run(make_model):
+    result = run("scripts/bench_startup.py", "-m", make_model(), "--warm_runs", "1", "--json", "--", "-c", "64")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["generate_args"][-2:] == ["-c", "64"]
+    for run_ in (summary["cold"], *summary["warm"]):
+        assert 0 < run_["reported_first_token_s"] <= run_["first_token_s"] <= run_["exit_s"], run_
+    bad = run("scripts/bench_startup.py", "-m", "/no/such/model.gguf", "--warm_runs", "1")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: generate failed"), bad.stderr
+    assert "model file not found" in bad.stderr
