@@ -246,8 +246,7 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     cache_len = -(-max(ctx, len(pieces) * chunk) // chunk) * chunk
 
     start = time.perf_counter()
-    prefill_fn, decode_fn, cache = _step_functions(m, np.zeros((1, chunk), np.int32), recent, subkey, cache_len,
-                                                   params, np.array(sorted(stop_ids) or [-1], np.int32))
+    prefill_fn, cache = _prefill_function(m, np.zeros((1, chunk), np.int32), recent, subkey, cache_len, params)
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -259,6 +258,7 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     # The first token comes from the prefill; each later one from a decode step, at most one per free position.
     steps_left = min(n_predict - 1, ctx - len(prompt_ids))
     in_flight = collections.deque()
+    decode_fn = None
 
     def dispatch():  # queue the next chunk of steps behind the last, without waiting for it
         nonlocal state, cache, steps_left
@@ -271,7 +271,6 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     tokens = [int(token[0])]
     stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    dispatch()
     while True:
         for token in tokens:
             if token == NONFINITE_LOGITS:
@@ -286,6 +285,13 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
             if stats.generated_tokens >= n_predict:
                 stats.stop_reason = "n_predict"
                 return
+        if decode_fn is None and steps_left > 0:
+            # Built once the first token (the prefill's) is out: it does not wait for a program it does not need.
+            compile_start = time.perf_counter()
+            decode_fn, cache = _decode_function(m, state, cache, params, np.array(sorted(stop_ids) or [-1], np.int32))
+            stats.compile_seconds += time.perf_counter() - compile_start
+            start = time.perf_counter()
+            dispatch()
         if not in_flight:
             stats.stop_reason = "context full"
             return
@@ -294,29 +300,38 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
         tokens = np.asarray(chunk_tokens)[:n, 0].tolist()
 
 
-def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: SamplingParams, stop_ids: np.ndarray):
-    """(prefill(tokens, n_valid, recent, key, cache) -> (token [1], cache), decode(state, n_steps, cache) -> (tokens
-    [DECODE_CHUNK, 1], state, cache), empty cache): both programs compiled ahead of time (sampling included), for
-    split and unsplit models alike."""
+# Warm-up, as llama.cpp does: the first run of each executable costs ~0.1 s more than later ones (measured 164 vs
+# 56-74 ms for a 5-token prompt), which would otherwise be reported as prompt and generation time. Each program runs
+# once on the real cache and the cache's length is put back: what the warm-up wrote sits past it and is overwritten.
+
+
+def _prefill_function(m: LoadedModel, padded, recent, key, ctx: int, params: SamplingParams):
+    """(prefill(tokens, n_valid, recent, key, cache) -> (token [1], cache), an empty cache of ctx positions): the
+    prefill program, sampling included, compiled ahead of time (or loaded: programs.py) and warmed up, for split and
+    unsplit models alike."""
     cache = model.init_cache(m.config, 1, ctx)
-    compiled_prefill = programs.compile_step(_prefill_and_sample, padded, jnp.int32(1), recent, key, m.weights,
-                                             cache, m.config, params, donate=("cache",))
-    state = DecodeState(np.zeros(1, np.int32), recent, key, np.zeros((), bool))
-    compiled_decode = programs.compile_step(decode_chunk, state, jnp.int32(1), stop_ids, m.weights, cache,
-                                            m.config, params, donate=("cache",), n_steps=DECODE_CHUNK)
+    compiled = programs.compile_step(_prefill_and_sample, padded, jnp.int32(1), recent, key, m.weights, cache,
+                                     m.config, params, donate=("cache",))
 
     def prefill(tokens, n_valid, recent, key, cache):
-        return compiled_prefill(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
+        return compiled(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
+
+    _, warmed = prefill(padded, jnp.int32(1), recent, key, cache)
+    return prefill, jax.block_until_ready(dataclasses.replace(warmed, length=jnp.zeros((), jnp.int32)))
+
+
+def _decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):
+    """(decode(state, n_steps, cache) -> (tokens [DECODE_CHUNK, 1], state, cache), the cache as it was): the decode
+    program (decode_chunk) compiled ahead of time (or loaded) and warmed up on `cache` without changing it."""
+    compiled = programs.compile_step(decode_chunk, state, jnp.int32(1), stop_ids, m.weights, cache, m.config, params,
+                                     donate=("cache",), n_steps=DECODE_CHUNK)
 
     def decode(state, n_steps, cache):
-        return compiled_decode(state, jnp.int32(n_steps), stop_ids, m.weights, cache, m.config, params)
+        return compiled(state, jnp.int32(n_steps), stop_ids, m.weights, cache, m.config, params)
 
-    # Warm-up, as llama.cpp does: the first run of each executable costs ~0.1 s more than later ones (measured
-    # 164 vs 56-74 ms for a 5-token prompt), which would otherwise be reported as prompt and generation time.
-    # The cache goes back to empty; what the warm-up wrote sits past its length and is overwritten.
-    token, cache = prefill(padded, jnp.int32(1), recent, key, cache)
-    _, _, cache = decode(dataclasses.replace(state, token=token), 1, cache)
-    return prefill, decode, jax.block_until_ready(dataclasses.replace(cache, length=jnp.zeros((), jnp.int32)))
+    length = np.asarray(cache.length)  # the cache is donated to the warm-up step
+    _, _, warmed = decode(state, 1, cache)
+    return decode, jax.block_until_ready(dataclasses.replace(warmed, length=jnp.asarray(length)))
 
 
 @dataclasses.dataclass
