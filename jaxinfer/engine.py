@@ -316,7 +316,7 @@ def _step_functions(m: LoadedModel, padded, recent, key, ctx: int, params: Sampl
     # The cache goes back to empty; what the warm-up wrote sits past its length and is overwritten.
     token, cache = prefill(padded, jnp.int32(1), recent, key, cache)
     _, _, cache = decode(dataclasses.replace(state, token=token), 1, cache)
-    return prefill, decode, jax.block_until_ready(dataclasses.replace(cache, length=jnp.zeros((), jnp.int32)))
+    return prefill, decode, jax.block_until_ready(dataclasses.replace(cache, length=jnp.zeros_like(cache.length)))
 
 
 @dataclasses.dataclass
