@@ -78,8 +78,8 @@ def _prefill_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, block_k, sm_scale)
 
 
 def _decode_kernel(position_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, *, block_k, sm_scale):
-    # position_ref []: this row's query position (keys 0 .. position are seen); q_ref [block_h, hd]: one KV group's query
-    # heads, padded; k_ref, v_ref [S / num_splits, hd]: this program's split of that KV head's keys;
+    # position_ref []: this row's query position (keys 0 .. position are seen); q_ref [block_h, hd]: one KV group's
+    # query heads, padded; k_ref, v_ref [S / num_splits, hd]: this program's split of that KV head's keys;
     # o_ref [block_h, hd], l_ref, m_ref [block_h]: this split's unnormalised output, denominators and row maxima
     split_len = k_ref.shape[0]
     first_key = pl.program_id(2) * split_len
