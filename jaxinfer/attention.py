@@ -146,10 +146,9 @@ def cached_attention(q, k_cache, v_cache, layer, q_pos, *, max_batch_mib: float 
 
     Keys are visited in steps of `key_step` positions with an online softmax (a running max, normaliser and
     weighted sum per query and head), and only the ceil((max(q_pos[:, -1]) + 1) / step) steps that hold filled
-    positions of the deepest row run: a decode step costs what the context holds so far, not the cache's size,
-    and each step reads its keys
-    straight from the whole cache (no per-layer copy). The scores of one step, B·H·T·step·4 bytes, are what
-    `max_batch_mib` bounds here."""
+    positions of the deepest row run: a decode step costs what the context holds so far, not the cache's size, and
+    each step reads its keys straight from the whole cache (no per-layer copy). The scores of one step,
+    B·H·T·step·4 bytes, are what `max_batch_mib` bounds here."""
     b, t, h, hd = q.shape
     max_len, n_kv = k_cache.shape[2], k_cache.shape[3]
     group = h // n_kv

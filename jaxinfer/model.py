@@ -136,8 +136,9 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
         out = attention_kernel(q, k, v, positions, cfg)
     else:
         # Each token's K/V goes to its row's own position, written into the whole donated cache in place (slicing
-        # out a layer and writing it back copies it). Tokens not written are sent past the cache and dropped.
-        at = positions if written is None else jnp.where(written, positions, cache.max_len)
+        # out a layer and writing it back copies it). Tokens not written are sent past the cache, each to its own
+        # position so that the indices stay unique as promised, and dropped.
+        at = positions if written is None else jnp.where(written, positions, cache.max_len + jnp.arange(t))
         rows = jnp.arange(b)[:, None]
         cache = dataclasses.replace(
             cache,

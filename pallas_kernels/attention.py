@@ -4,8 +4,8 @@ Neither kernel materialises the [T, S] scores: each program walks its keys in bl
 softmax (FlashAttention-2: running row max m, running sum l, unnormalised output acc rescaled by e^(m_old - m_new)).
 
     prefill  grid (T / block_q, B, H): row b's queries at positions start[b] .. start[b]+T-1 (each row at its own
-             depth) against cache keys 0 .. S-1; a program
-             stops after the last key block its queries can see (causality), so later cache blocks are never read.
+             depth) against cache keys 0 .. S-1; a program stops after the last key block its queries can see
+             (causality), so later cache blocks are never read.
     decode   grid (B, H_kv, num_splits): one query per head at position[b]; each program takes one KV head with all of
              its query heads (padded to block_h rows) and one contiguous split of the keys, and writes its own
              (acc, l, m); `combine_splits` merges the splits in plain jnp.
