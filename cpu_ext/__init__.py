@@ -308,21 +308,27 @@ def neuron_major_axpy(h: jax.Array, packed: jax.Array, mask: jax.Array, *, qtype
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start) -> jax.Array:
-    """Causal GQA attention of q [B, T, H, hd] at positions start .. start+T-1 against layer `layer` of the KV
-    caches [n_layer, B, S, H_kv, hd], filled up to start+T-1 -> f32 [B, T, H, hd]. Reads only the filled keys of
-    that layer, in place. A layer or positions outside the cache raise."""
+    """Causal GQA attention of q [B, T, H, hd], row b at positions start[b] .. start[b]+T-1 (start int32 [B], or
+    one scalar for every row), against layer `layer` of the KV caches [n_layer, B, S, H_kv, hd], row b filled up
+    to start[b]+T-1 -> f32 [B, T, H, hd]. Reads only each row's filled keys of that layer, in place. A layer or
+    positions outside the cache raise, as does a start that is neither a scalar nor one per row."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    start = jnp.asarray(start, jnp.int32)
+    if start.ndim == 0:
+        start = jnp.broadcast_to(start, q.shape[:1])
     return jax.ffi.ffi_call("jaxinfer_cached_attention", out)(
-        jnp.asarray(q, jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32), jnp.asarray(start, jnp.int32))
+        jnp.asarray(q, jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32), start)
 
 
 def cached_attention_reference(q, k_cache, v_cache, layer, start) -> jax.Array:
     """Causal GQA softmax attention in plain jnp, one piece (as jaxinfer.model.attend), over that layer's keys at
-    positions <= each query's; query head j uses KV head j // (H / H_kv)."""
+    positions <= each query's (row b's queries at start[b] .. start[b]+T-1; start [B] or a scalar); query head j
+    uses KV head j // (H / H_kv)."""
     b, t, h, hd = q.shape
     k, v = jnp.asarray(k_cache)[layer], jnp.asarray(v_cache)[layer]
     n_kv = k.shape[2]
     scores = jnp.einsum("btkgd,bskd->bkgts", jnp.asarray(q, jnp.float32).reshape(b, t, n_kv, h // n_kv, hd), k)
-    causal = jnp.arange(k.shape[1])[None, :] <= (start + jnp.arange(t))[:, None]
+    q_pos = jnp.broadcast_to(jnp.asarray(start), (b,))[:, None] + jnp.arange(t)  # [B, T]
+    causal = (jnp.arange(k.shape[1]) <= q_pos[..., None])[:, None, None]  # [B, 1, 1, T, S]
     probs = jax.nn.softmax(jnp.where(causal, scores / jnp.sqrt(jnp.float32(hd)), -jnp.inf), axis=-1)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)

@@ -11,11 +11,11 @@
 // thread merges them. Vectors are GCC vector extensions: one source, compiled for AVX-512, AVX2 and baseline x86-64
 // (target_clones picks one per CPU at load time).
 //
-//   q       f32 [B, T, H, hd]                queries at positions start .. start + T - 1
-//   k, v    f32 or f16 [n_layer, B, S, H_kv, hd]   the caches, filled up to start + T - 1 (this step's K/V
-//                                                  included); an f16 cache's chunk is widened to f32 once per task
+//   q       f32 [B, T, H, hd]                row b's queries at positions start[b] .. start[b] + T - 1
+//   k, v    f32 or f16 [n_layer, B, S, H_kv, hd]   the caches, row b filled up to start[b] + T - 1 (this step's
+//                                                  K/V included); an f16 cache's chunk is widened to f32 once per task
 //   layer   s32 []                           which layer of the caches
-//   start   s32 []                           position of the first query
+//   start   s32 [B]                          position of each row's first query (rows at different depths)
 //   out     f32 [B, T, H, hd]                query head h uses KV head h / (H / H_kv)
 #include <algorithm>
 #include <cmath>
@@ -241,15 +241,26 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   if (!std::equal(qd.begin(), qd.end(), out->dimensions().begin(), out->dimensions().end())) {
     return ffi::Error::InvalidArgument("cached_attention: the output must have q's shape [B, T, H, hd]");
   }
-  if (layer_buf.element_count() != 1 || start_buf.element_count() != 1) {  // an empty one has no element 0 to read
-    return ffi::Error::InvalidArgument("cached_attention: layer and start must be single int32 values");
+  // Counts checked before any element is read: an empty one has no element 0.
+  if (layer_buf.element_count() != 1 || static_cast<int64_t>(start_buf.element_count()) != batch) {
+    return ffi::Error::InvalidArgument("cached_attention: layer must be a single int32 value and start one int32 "
+                                       "per batch row (" + std::to_string(batch) + "), got " +
+                                       std::to_string(layer_buf.element_count()) + " and " +
+                                       std::to_string(start_buf.element_count()));
   }
-  const int64_t layer = *layer_buf.typed_data(), start = *start_buf.typed_data();
-  if (layer < 0 || layer >= n_layer || start < 0 || start + n_query > max_len) {
-    return ffi::Error::InvalidArgument("cached_attention: layer " + std::to_string(layer) + " or positions " +
-                                       std::to_string(start) + ".." + std::to_string(start + n_query - 1) +
-                                       " outside the cache [" + std::to_string(n_layer) + " layers, " +
-                                       std::to_string(max_len) + " positions]");
+  const int64_t layer = *layer_buf.typed_data();
+  const int32_t* starts = start_buf.typed_data();
+  int64_t deepest = 0;  // the most positions any row reads
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t start = starts[b];
+    if (layer < 0 || layer >= n_layer || start < 0 || start + n_query > max_len) {
+      return ffi::Error::InvalidArgument("cached_attention: layer " + std::to_string(layer) + " or row " +
+                                         std::to_string(b) + "'s positions " + std::to_string(start) + ".." +
+                                         std::to_string(start + n_query - 1) + " outside the cache [" +
+                                         std::to_string(n_layer) + " layers, " + std::to_string(max_len) +
+                                         " positions]");
+    }
+    deepest = std::max(deepest, start + n_query);
   }
   const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;  // row: one position of one layer's cache
   const int64_t elem = f16 ? 2 : 4, layer_bytes = layer * batch * max_len * row * elem;
@@ -257,7 +268,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const char* vs = static_cast<const char*>(v.untyped_data()) + layer_bytes;
   const float* qs = q.typed_data();
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int64_t n_chunks = (start + n_query + kChunkKeys - 1) / kChunkKeys;
+  const int64_t n_chunks = (deepest + kChunkKeys - 1) / kChunkKeys;
 
   // Partials of (batch row, query, head, chunk): head_dim weighted values, then the max and the sum.
   const int64_t stride = head_dim + 2;
@@ -269,7 +280,13 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   };
 
   parallel_for(pool, batch * n_chunks, [=](int64_t task) {
-    const int64_t b = task / n_chunks, c = task % n_chunks, first = c * kChunkKeys;
+    const int64_t b = task / n_chunks, c = task % n_chunks, first = c * kChunkKeys, start = starts[b];
+    if (first >= start + n_query) {  // a chunk past this row's depth: nothing for any of its queries
+      for (int64_t t = 0; t < n_query; ++t) {
+        for (int64_t h = 0; h < n_head; ++h) part(b, t, h, c)[head_dim] = -INFINITY;
+      }
+      return;
+    }
     thread_local std::vector<float> scaled, scores, out, m, l, keys, values;
     scaled.resize(group * head_dim);
     scores.resize(group * kChunkKeys);
@@ -349,5 +366,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedAttention, jaxinfer_cpu::CachedAttentionImpl
                                   .Arg<ffi::AnyBuffer>()         // k cache [L, B, S, H_kv, hd], f32 or f16
                                   .Arg<ffi::AnyBuffer>()         // v cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // start []
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // start [B]
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, H, hd]

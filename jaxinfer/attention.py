@@ -140,21 +140,22 @@ def key_step(batch: int, n_query: int, n_head: int, max_len: int, max_batch_mib:
 
 
 def cached_attention(q, k_cache, v_cache, layer, q_pos, *, max_batch_mib: float | None = None):
-    """Causal GQA attention of q [B, T, H, hd] at consecutive positions q_pos [T] against layer `layer` (traced) of
-    KV caches [n_layer, B, max_len, H_kv, hd] filled up to q_pos[-1] -> [B, T, H, hd], equal to `model.attend` over
-    the filled positions.
+    """Causal GQA attention of q [B, T, H, hd] at consecutive positions q_pos [B, T] (each row at its own depth; or
+    [T], every row alike) against layer `layer` (traced) of KV caches [n_layer, B, max_len, H_kv, hd], row b filled
+    up to q_pos[b, -1] -> [B, T, H, hd], equal to `model.attend` over each row's filled positions.
 
     Keys are visited in steps of `key_step` positions with an online softmax (a running max, normaliser and
-    weighted sum per query and head), and only the ceil((q_pos[-1] + 1) / step) steps that hold filled positions
-    run: a decode step costs what the context holds so far, not the cache's size, and each step reads its keys
-    straight from the whole cache (no per-layer copy). The scores of one step, B·H·T·step·4 bytes, are what
-    `max_batch_mib` bounds here."""
+    weighted sum per query and head), and only the ceil((max(q_pos[:, -1]) + 1) / step) steps that hold filled
+    positions of the deepest row run: a decode step costs what the context holds so far, not the cache's size, and
+    each step reads its keys straight from the whole cache (no per-layer copy). The scores of one step,
+    B·H·T·step·4 bytes, are what `max_batch_mib` bounds here."""
     b, t, h, hd = q.shape
     max_len, n_kv = k_cache.shape[2], k_cache.shape[3]
     group = h // n_kv
+    q_pos = jnp.broadcast_to(q_pos, (b, t))
     step = key_step(b, t, h, max_len, max_batch_mib)
     grouped = q.reshape(b, t, n_kv, group, hd) * (1.0 / jnp.sqrt(jnp.float32(hd)))
-    n_steps = (q_pos[-1] + step) // step
+    n_steps = (jnp.max(q_pos[:, -1]) + step) // step
 
     def visit(i, carry):
         running_max, normaliser, weighted = carry
@@ -165,8 +166,8 @@ def cached_attention(q, k_cache, v_cache, layer, q_pos, *, max_batch_mib: float 
         k = jax.lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), (1, b, step, n_kv, hd))[0]
         v = jax.lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), (1, b, step, n_kv, hd))[0]
         k_pos = start + jnp.arange(step, dtype=q_pos.dtype)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= nominal)  # [T, step]
-        scores = jnp.where(visible, jnp.einsum("btkgd,bskd->bkgts", grouped, k), -jnp.inf)
+        visible = (k_pos <= q_pos[..., None]) & (k_pos >= nominal)  # [B, T, step]
+        scores = jnp.where(visible[:, None, None], jnp.einsum("btkgd,bskd->bkgts", grouped, k), -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
         # Every query sees key 0 in step 0, so new_max is finite from then on; before that the running max is -inf
         # and its correction exp(-inf) = 0.

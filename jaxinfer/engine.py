@@ -317,7 +317,7 @@ def _prefill_function(m: LoadedModel, padded, recent, key, ctx: int, params: Sam
         return compiled(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
 
     _, warmed = prefill(padded, jnp.int32(1), recent, key, cache)
-    return prefill, jax.block_until_ready(dataclasses.replace(warmed, length=jnp.zeros((), jnp.int32)))
+    return prefill, jax.block_until_ready(dataclasses.replace(warmed, length=jnp.zeros_like(warmed.length)))
 
 
 def _decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):

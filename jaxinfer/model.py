@@ -54,7 +54,7 @@ class Weights:
 class KVCache:
     k: jax.Array  # [n_layer, B, max_len, n_head_kv, hd]
     v: jax.Array  # [n_layer, B, max_len, n_head_kv, hd]
-    length: jax.Array  # int32 []: positions filled so far
+    length: jax.Array  # int32 [B]: positions filled so far, per sequence (rows may be at different depths)
 
     @property
     def max_len(self) -> int:
@@ -64,7 +64,7 @@ class KVCache:
 def init_cache(cfg: Config, batch: int, max_len: int) -> KVCache:
     shape = (cfg.n_layer, batch, max_len, cfg.n_head_kv, cfg.head_dim)
     dtype = CACHE_TYPES[cfg.cache_type]
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
 def rms_norm(x, gamma, eps):
@@ -74,11 +74,11 @@ def rms_norm(x, gamma, eps):
 def rope(x, positions, cfg: Config):
     """Rotate adjacent pairs (x[2i], x[2i+1]) by pos * theta^(-2i/rope_dim): llama.cpp's "NORM" RoPE, which is what
     GGUF llama weights expect (their q/k rows are permuted at conversion; rotate-half gives a ~20x worse PPL).
-    x [B, T, H, hd], positions [T]; only the first rope_dim dims of each head rotate."""
+    x [B, T, H, hd], positions [T] (every row alike) or [B, T]; only the first rope_dim dims of each head rotate."""
     rot, rest = x[..., : cfg.rope_dim], x[..., cfg.rope_dim :]
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
-    angle = positions.astype(jnp.float32)[:, None] * inv_freq  # [T, rope_dim / 2]
-    cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, rope_dim / 2]
+    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # broadcast over the heads
     pairs = rot.reshape(*rot.shape[:-1], -1, 2)
     x1, x2 = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
@@ -105,25 +105,28 @@ CPU_ATTENTION_MAX_QUERIES = 8
 
 def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None):
     """Attention as the plan says (Plan.attention); all give `attend`'s result. keys/values are the T new tokens' own
-    [B, T, H_kv, hd] (no cache), or, with `layer`, the whole KV caches [n_layer, B, max_len, H_kv, hd], filled up to
-    q_pos[-1]."""
+    [B, T, H_kv, hd] at positions q_pos [T] (no cache), or, with `layer`, the whole KV caches
+    [n_layer, B, max_len, H_kv, hd], row b filled up to q_pos[b, -1] (q_pos [B, T]: each row at its own depth)."""
     plan = cfg.plan
+    starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
     if plan.attention in ("pallas", "pallas_interpret"):
         interpret = plan.attention == "pallas_interpret"
         if layer is not None:
             keys, values = keys[layer], values[layer]
         if q.shape[1] == 1:
-            return flash_attention.decode_attention(q[:, 0], keys, values, q_pos[0], interpret=interpret)[:, None]
-        return flash_attention.attention(q, keys, values, q_pos[0], interpret=interpret)
+            return flash_attention.decode_attention(q[:, 0], keys, values, starts, interpret=interpret)[:, None]
+        return flash_attention.attention(q, keys, values, starts, interpret=interpret)
     if layer is not None and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
-        return cpu_kernels().cached_attention(q, keys, values, layer, q_pos[0])
+        return cpu_kernels().cached_attention(q, keys, values, layer, starts)
     if layer is not None:
         return attention.cached_attention(q, keys, values, layer, q_pos, max_batch_mib=plan.attn_max_batch_mib)
     return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=plan.attn_max_batch_mib)
 
 
-def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config):
-    """x [B, T, d] at `positions` [T] -> ([B, T, d], cache with this layer's K/V written at those positions)."""
+def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config, written=None):
+    """x [B, T, d] at `positions` ([T] without a cache, [B, T] with one) -> ([B, T, d], cache with this layer's K/V
+    written at those positions). `written` [B, T] bool, if given, says which tokens' K/V are written; the others
+    are not (a row sitting out a prefill chunk, padding)."""
     b, t, _ = x.shape
     q, k, v = matmuls(x, (layer.attn_q, layer.attn_k, layer.attn_v))
     q = rope(q.reshape(b, t, cfg.n_head, cfg.head_dim), positions, cfg)
@@ -132,37 +135,43 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
     if cache is None:
         out = attention_kernel(q, k, v, positions, cfg)
     else:
-        # Write into the whole donated cache in place; slicing out a layer and writing it back copies it.
-        at = (index, 0, positions[0], 0, 0)
+        # Each token's K/V goes to its row's own position, written into the whole donated cache in place (slicing
+        # out a layer and writing it back copies it). Tokens not written are sent past the cache, each to its own
+        # position so that the indices stay unique as promised, and dropped.
+        at = positions if written is None else jnp.where(written, positions, cache.max_len + jnp.arange(t))
+        rows = jnp.arange(b)[:, None]
         cache = dataclasses.replace(
             cache,
-            k=jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
-            v=jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at),
+            k=cache.k.at[index, rows, at].set(k.astype(cache.k.dtype), mode="drop", unique_indices=True),
+            v=cache.v.at[index, rows, at].set(v.astype(cache.v.dtype), mode="drop", unique_indices=True),
         )
         out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index)
     return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
 
 
-def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None):
-    """tokens [B, T] placed after the cache's filled positions -> (final-normed hidden [B, T, d], cache, observed).
+def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None, n_valid=None):
+    """tokens [B, T], row b placed after its cache row's length[b] filled positions -> (final-normed hidden
+    [B, T, d], cache, observed). Every row needs room for all T: length[b] + T <= max_len.
 
     Without a cache the T tokens attend causally to each other only. The cache's `length` is left to the caller,
-    which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths).
+    which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths); given
+    `n_valid` [B], only the first n_valid[b] tokens of row b write K/V (0: the row's cache is left as it was).
     `observe(layer_index, sparse_ffn.FFNTrace) -> pytree`, if given, is called in every layer and `observed` is the
     list of its results: profiling and calibration see exactly what inference computes."""
     with products(cfg.plan.products):
-        return _forward(tokens, weights, cfg, cache, observe)
+        return _forward(tokens, weights, cfg, cache, observe, n_valid)
 
 
-def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, observe):
-    start = jnp.int32(0) if cache is None else cache.length
-    positions = start + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, observe, n_valid):
+    steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = steps if cache is None else cache.length[:, None] + steps  # [T], or [B, T] per row
+    written = None if n_valid is None or cache is None else steps < n_valid[:, None]
     x = take_rows(weights.token_embd, tokens)
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
-                                              cache, cfg)
+                                              cache, cfg, written)
             x = x + attn_out
             ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
                                             trace=observe is not None)
@@ -180,15 +189,18 @@ def logits(hidden, weights: Weights, cfg: Config):
 
 @partial(jax.jit, donate_argnames=("cache",))
 def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config):
-    """tokens [B, T] of which the first `n_valid` are real -> (logits [B, n_vocab] after the last real one, cache).
-    Padding positions write K/V past the new length; they are masked and overwritten by later steps."""
-    hidden, cache, _ = forward(tokens, weights, cfg, cache)
-    last = jax.lax.dynamic_index_in_dim(hidden, n_valid - 1, axis=1, keepdims=False)
+    """tokens [B, T] of which the first `n_valid` ([B], or one count for every row) of each row are real ->
+    (logits [B, n_vocab] after each row's last real one, cache with row b advanced by n_valid[b]). Rows at different
+    depths and with different prompt lengths prefill together; padding writes nothing, and a row with n_valid 0
+    keeps its cache and length as they were (its logits mean nothing): a sequence that sits out a chunk."""
+    n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), cache.length.shape)
+    hidden, cache, _ = forward(tokens, weights, cfg, cache, n_valid=n_valid)
+    last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
     return logits(last, weights, cfg), dataclasses.replace(cache, length=cache.length + n_valid)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
 def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config):
-    """tokens [B] -> (logits [B, n_vocab] for the next position, cache advanced by one)."""
+    """tokens [B] -> (logits [B, n_vocab] for each row's next position, every row of the cache advanced by one)."""
     hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache)
     return logits(hidden[:, 0], weights, cfg), dataclasses.replace(cache, length=cache.length + 1)

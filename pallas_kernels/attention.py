@@ -3,9 +3,10 @@
 Neither kernel materialises the [T, S] scores: each program walks its keys in blocks of `block_k` with an online
 softmax (FlashAttention-2: running row max m, running sum l, unnormalised output acc rescaled by e^(m_old - m_new)).
 
-    prefill  grid (T / block_q, B, H): queries at positions start .. start+T-1 against cache keys 0 .. S-1; a program
-             stops after the last key block its queries can see (causality), so later cache blocks are never read.
-    decode   grid (B, H_kv, num_splits): one query per head at `position`; each program takes one KV head with all of
+    prefill  grid (T / block_q, B, H): row b's queries at positions start[b] .. start[b]+T-1 (each row at its own
+             depth) against cache keys 0 .. S-1; a program stops after the last key block its queries can see
+             (causality), so later cache blocks are never read.
+    decode   grid (B, H_kv, num_splits): one query per head at position[b]; each program takes one KV head with all of
              its query heads (padded to block_h rows) and one contiguous split of the keys, and writes its own
              (acc, l, m); `combine_splits` merges the splits in plain jnp.
 
@@ -65,7 +66,7 @@ def _online_softmax(q, k_ref, v_ref, q_pos, first_key, n_blocks, block_k):
 
 
 def _prefill_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, block_k, sm_scale):
-    # start_ref []: position of query 0; q_ref [block_q, hd]: this program's queries of one head;
+    # start_ref []: position of this row's query 0; q_ref [block_q, hd]: this program's queries of one head;
     # k_ref, v_ref [S, hd]: the whole cache of that head's KV head; o_ref [block_q, hd]
     block_q = q_ref.shape[0]
     first_query = start_ref[()] + pl.program_id(0) * block_q
@@ -77,8 +78,8 @@ def _prefill_kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, block_k, sm_scale)
 
 
 def _decode_kernel(position_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, *, block_k, sm_scale):
-    # position_ref []: the query's position (keys 0 .. position are seen); q_ref [block_h, hd]: one KV group's query
-    # heads, padded; k_ref, v_ref [S / num_splits, hd]: this program's split of that KV head's keys;
+    # position_ref []: this row's query position (keys 0 .. position are seen); q_ref [block_h, hd]: one KV group's
+    # query heads, padded; k_ref, v_ref [S / num_splits, hd]: this program's split of that KV head's keys;
     # o_ref [block_h, hd], l_ref, m_ref [block_h]: this split's unnormalised output, denominators and row maxima
     split_len = k_ref.shape[0]
     first_key = pl.program_id(2) * split_len
@@ -93,6 +94,11 @@ def _decode_kernel(position_ref, q_ref, k_ref, v_ref, o_ref, l_ref, m_ref, *, bl
     m_ref[...] = m
 
 
+def _per_row(positions, batch):
+    """int32 [batch]: one position per row, a scalar repeated."""
+    return jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch,))
+
+
 def _pad_axis(x, axis, multiple):
     missing = -x.shape[axis] % multiple
     if missing == 0:
@@ -104,9 +110,10 @@ def _pad_axis(x, axis, multiple):
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def attention(q, k, v, start, *, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
-    """Causal GQA flash attention. q [B, T, H, hd] at positions start .. start+T-1 (start: int32 scalar, may be
-    traced); k, v [B, S, H_kv, hd], the cache, keys at positions 0 .. S-1 -> [B, T, H, hd] in q's dtype.
-    Keys after a query's position are masked; start + T <= S (the queries' own keys are in the cache)."""
+    """Causal GQA flash attention. q [B, T, H, hd], row b at positions start[b] .. start[b]+T-1 (start: int32 [B],
+    or one scalar for every row; may be traced); k, v [B, S, H_kv, hd], the cache, keys at positions 0 .. S-1 ->
+    [B, T, H, hd] in q's dtype. Keys after a query's position are masked; start[b] + T <= S (the queries' own keys
+    are in the cache)."""
     b, t, h, hd = q.shape
     n_kv = k.shape[2]
     bq, bk = block_sizes.block_q, block_sizes.block_k
@@ -120,12 +127,12 @@ def attention(q, k, v, start, *, block_sizes: BlockSizes = BlockSizes(), interpr
     out = pl.pallas_call(
         functools.partial(_prefill_kernel, block_k=bk, sm_scale=1 / math.sqrt(hd)),
         grid=(t_padded // bq, b, h),
-        in_specs=[pl.BlockSpec((), lambda i, bi, j: ()), query_block, cache_of_head, cache_of_head],
+        in_specs=[pl.BlockSpec((None,), lambda i, bi, j: (bi,)), query_block, cache_of_head, cache_of_head],
         out_specs=query_block,
         out_shape=jax.ShapeDtypeStruct(q_padded.shape, q.dtype),
         interpret=interpret,
         name="flash_attention_prefill",
-    )(jnp.asarray(start, jnp.int32), q_padded, k, v)
+    )(_per_row(start, b), q_padded, k, v)
     return out[:, :t]
 
 
@@ -138,8 +145,9 @@ def combine_splits(o, l, m):
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
 def decode_attention(q, k, v, position, *, block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
-    """One query per head: q [B, H, hd] at `position` (int32 scalar, may be traced) against the cache k, v
-    [B, S, H_kv, hd], keys 0 .. position seen -> [B, H, hd] f32. Split-K over num_splits programs per KV head."""
+    """One query per head: q [B, H, hd], row b at position[b] (int32 [B], or one scalar for every row; may be
+    traced) against the cache k, v [B, S, H_kv, hd], keys 0 .. position[b] seen -> [B, H, hd] f32. Split-K over
+    num_splits programs per KV head."""
     b, h, hd = q.shape
     n_kv = k.shape[2]
     bk, splits = block_sizes.block_k, block_sizes.num_splits
@@ -155,7 +163,7 @@ def decode_attention(q, k, v, position, *, block_sizes: BlockSizes = BlockSizes(
     o, l, m = pl.pallas_call(
         functools.partial(_decode_kernel, block_k=bk, sm_scale=1 / math.sqrt(hd)),
         grid=(b, n_kv, splits),
-        in_specs=[pl.BlockSpec((), lambda bi, j, s: ()),
+        in_specs=[pl.BlockSpec((None,), lambda bi, j, s: (bi,)),
                   pl.BlockSpec((None, None, rows, hd), lambda bi, j, s: (bi, j, 0, 0)),
                   split_of_head, split_of_head],
         out_specs=[pl.BlockSpec((None, None, None, rows, hd), lambda bi, j, s: (s, bi, j, 0, 0)),
@@ -166,21 +174,23 @@ def decode_attention(q, k, v, position, *, block_sizes: BlockSizes = BlockSizes(
                    jax.ShapeDtypeStruct((splits, b, n_kv, rows), jnp.float32)],
         interpret=interpret,
         name="flash_decoding",
-    )(jnp.asarray(position, jnp.int32), q_rows, k, v)
+    )(_per_row(position, b), q_rows, k, v)
     return combine_splits(o, l, m)[:, :, :group].reshape(b, h, hd)
 
 
 def attention_reference(q, k, v, start):
-    """Plain jnp: q [B, T, H, hd] at positions start .. start+T-1; k, v [B, S, H_kv, hd] -> [B, T, H, hd] f32."""
+    """Plain jnp: q [B, T, H, hd], row b at positions start[b] .. start[b]+T-1 (start [B] or a scalar); k, v
+    [B, S, H_kv, hd] -> [B, T, H, hd] f32."""
     b, t, h, hd = q.shape
     n_kv = k.shape[2]
     grouped = q.reshape(b, t, n_kv, h // n_kv, hd).astype(jnp.float32)
     scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k.astype(jnp.float32)) / math.sqrt(hd)
-    causal = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
-    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    q_pos = _per_row(start, b)[:, None] + jnp.arange(t)  # [B, T]
+    causal = jnp.arange(k.shape[1]) <= q_pos[..., None]  # [B, T, S]
+    probs = jax.nn.softmax(jnp.where(causal[:, None, None], scores, -jnp.inf), axis=-1)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32)).reshape(b, t, h, hd)
 
 
 def decode_attention_reference(q, k, v, position):
-    """Plain jnp: q [B, H, hd] at `position`; k, v [B, S, H_kv, hd] -> [B, H, hd] f32."""
+    """Plain jnp: q [B, H, hd], row b at position[b] (or one scalar); k, v [B, S, H_kv, hd] -> [B, H, hd] f32."""
     return attention_reference(q[:, None], k, v, position)[:, 0]

@@ -182,3 +182,22 @@ def test_key_steps_follow_the_limit():
     assert key_step(1, 512, 64, 8192, 1.0) == MIN_KEY_STEP  # 16 keys would be 2 MiB: the floor wins
     steps = key_step(1, 512, 9, 8192, 2.0)
     assert scores_bytes(1, 9, 512, steps) <= 2 * MIB < scores_bytes(1, 9, 512, 2 * steps)
+
+
+@pytest.mark.parametrize("n_query, starts", [(1, [0, 33, 17]), (5, [290, 0, 100])])
+@pytest.mark.parametrize("limit_mib", [None, 1e-6], ids=["default_steps", "smallest_steps"])
+def test_cached_attention_with_rows_at_different_depths(n_query, starts, limit_mib):
+    """q_pos [B, T]: each row attends to its own filled positions only (past them its cache holds 1e6), as the same
+    row alone does; steps run to the deepest row."""
+    max_len, layer, n_head, n_head_kv = 300, 1, 6, 2
+    q, k, v, _ = cache_inputs(4, 2, len(starts), max_len, n_head, n_head_kv, n_query, max_len - n_query)
+    for row, start in enumerate(starts):
+        k[:, row, start + n_query:] = v[:, row, start + n_query:] = 1e6
+    q_pos = np.array(starts, np.int32)[:, None] + np.arange(n_query, dtype=np.int32)
+    run = jax.jit(cached_attention, static_argnames="max_batch_mib")
+    got = np.asarray(run(q, k, v, jnp.int32(layer), jnp.asarray(q_pos), max_batch_mib=limit_mib))
+    for row, start in enumerate(starts):
+        filled = start + n_query
+        expected = numpy_attention(q[row:row + 1], k[layer][row:row + 1, :filled], v[layer][row:row + 1, :filled],
+                                   q_pos[row], np.arange(filled))
+        np.testing.assert_allclose(got[row:row + 1], expected, rtol=1e-5, atol=1e-5, err_msg=f"{row=}")

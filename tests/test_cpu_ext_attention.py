@@ -47,3 +47,37 @@ def test_cached_attention_kernel_rejects_positions_outside_the_cache():
         jax.block_until_ready(cpu_ext.cached_attention(np.zeros((1, 2, 2, 8), np.float32), k, v, 0, 0))
     with pytest.raises(Exception, match="both be f32 or both f16"):
         jax.block_until_ready(cpu_ext.cached_attention(q, k, v.astype(np.float16), 0, 0))
+
+
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("n_query, starts", [
+    (1, [0, 700, 63]),     # decode of three sequences at different depths: 1, 12 and 1 chunks
+    (4, [130, 0, 60]),     # a micro-batch; the last row's queries straddle a chunk boundary
+    (3, [5, 5]),           # equal depths, given per row
+])
+def test_cached_attention_kernel_with_a_start_per_row_equals_the_reference(n_query, starts, cache_dtype):
+    """Each row reads its own filled positions only: past them a row's cache holds NaN, which would show."""
+    batch, max_len, layer, n_head, n_head_kv, head_dim = len(starts), 768, 1, 9, 3, 64
+    k, v = caches(2, 2, batch, max_len, n_head_kv, head_dim, max_len)
+    for row, start in enumerate(starts):
+        k[:, row, start + n_query:] = v[:, row, start + n_query:] = np.nan
+    k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+    q = np.random.default_rng(3).normal(size=(batch, n_query, n_head, head_dim)).astype(np.float32)
+    got = jax.jit(cpu_ext.cached_attention)(q, k, v, jnp.int32(layer), jnp.array(starts, jnp.int32))
+    k_ref, v_ref = (np.nan_to_num(c).astype(np.float32) for c in (k, v))
+    expected = cpu_ext.cached_attention_reference(q, k_ref, v_ref, layer, jnp.array(starts))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    for row, start in enumerate(starts):  # the reference too, row by row against a one-row call
+        alone = cpu_ext.cached_attention_reference(q[row:row + 1], k_ref[:, row:row + 1], v_ref[:, row:row + 1],
+                                                   layer, start)
+        np.testing.assert_allclose(np.asarray(expected)[row:row + 1], np.asarray(alone), rtol=1e-6, atol=1e-6)
+
+
+def test_cached_attention_kernel_rejects_a_row_whose_start_is_outside_the_cache():
+    k, v = caches(0, 1, 3, 8, 1, 16, 8)
+    q = np.zeros((3, 2, 2, 16), np.float32)
+    for starts, row in (([0, 7, 0], 1), ([0, 3, -1], 2), ([2**31 - 1, 0, 0], 0)):
+        with pytest.raises(Exception, match=f"row {row}'s positions .* outside the cache"):
+            jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 0, np.array(starts, np.int32)))
+    with pytest.raises(Exception, match="start one int32 per batch row"):
+        jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 0, np.array([0, 1], np.int32)))

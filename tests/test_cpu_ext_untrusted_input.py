@@ -62,6 +62,9 @@ q = np.zeros((1, 2, 2, 16), np.float32)
 empty = np.zeros(0, np.int32)
 case("attention empty layer", lambda: cpu_ext.cached_attention(q, k, k, empty, 0).block_until_ready())
 case("attention empty start", lambda: cpu_ext.cached_attention(q, k, k, 0, empty).block_until_ready())
+k2, q2 = np.zeros((2, 2, 8, 1, 16), np.float32), np.zeros((2, 2, 2, 16), np.float32)
+case("attention start for one of two rows", lambda: cpu_ext.cached_attention(
+    q2, k2, k2, 0, np.array([3], np.int32)).block_until_ready())
 case("attention small output", lambda: jax.ffi.ffi_call("jaxinfer_cached_attention", jax.ShapeDtypeStruct(
     (1, 1, 2, 16), jnp.float32))(q, k, k, jnp.int32(0), jnp.int32(0)).block_until_ready())
 
@@ -79,7 +82,8 @@ case("gather int64 in range", lambda: np.array_equal(cpu_ext.gather_matmul(x, w,
 def test_crashing_inputs_give_results_or_errors():
     """A mask byte of 2 or 255 counts as active, as numpy reads it; it was added to the count of active rows and
     wrote past the row list. Empty layer/start arrays had their element 0 read, and a smaller output was written
-    past. Wide index entries were cast to int32, 2**32 + 3 wrapping to row 3."""
+    past (and start must now hold one position per batch row: fewer would be read past). Wide index entries were
+    cast to int32, 2**32 + 3 wrapping to row 3."""
     run = subprocess.run([sys.executable, "-c", _CRASH_CASES], cwd=REPO, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -87,8 +91,10 @@ def test_crashing_inputs_give_results_or_errors():
     for name in ("masked_matmul 1", "masked_axpy 1", "masked_matmul 3", "masked_axpy 3", "neuron_major_axpy",
                  "gather int64 in range"):
         assert got[name] == "True", (name, got)
-    for name, message in (("attention empty layer", "layer and start must be single int32 values"),
-                          ("attention empty start", "layer and start must be single int32 values"),
+    one_each = "layer must be a single int32 value and start one int32 per batch row"
+    for name, message in (("attention empty layer", one_each + " (1), got 0 and 1"),
+                          ("attention empty start", one_each + " (1), got 1 and 0"),
+                          ("attention start for one of two rows", one_each + " (2), got 1 and 1"),
                           ("attention small output", "the output must have q's shape"),
                           ("gather_matmul int64", "outside the int32 range"),
                           ("gather_matmul uint64", "outside the int32 range"),

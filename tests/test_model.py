@@ -1,5 +1,6 @@
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +67,7 @@ def test_incremental_decode_matches_full_forward(make_model, weight_type):
     for position in range(n_prompt, tokens.shape[1]):
         step_logits, cache = model.decode_step(tokens[:, position], m.weights, cache, m.config)
         got.append(np.asarray(step_logits)[0])
-    assert int(cache.length) == tokens.shape[1]
+    assert cache.length.tolist() == [tokens.shape[1]]
     scale = np.abs(expected).max()
     np.testing.assert_allclose(np.stack(got), expected[n_prompt - 1:], rtol=0, atol=1e-5 * scale)
 
@@ -124,3 +125,97 @@ def test_an_f16_cache_stores_f16_and_changes_logits_by_its_rounding_only(make_mo
     scale = np.abs(reference).max()
     error = np.abs(got - reference).max() / scale
     assert 0 < error < 3e-3, error
+
+
+def prefill_and_decode_alone(weights, config, prompt, steps):
+    """One sequence: its logits after its prompt (one chunk of 16) and after each token of `steps`."""
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :len(prompt)] = prompt
+    cache = model.init_cache(config, 1, 40)
+    logits, cache = model.prefill(padded, jnp.int32(len(prompt)), weights, cache, config)
+    out = [np.asarray(logits)[0]]
+    for token in steps:
+        logits, cache = model.decode_step(np.array([token], np.int32), weights, cache, config)
+        out.append(np.asarray(logits)[0])
+    return np.stack(out)
+
+
+def chunks_of(prompts, chunk):
+    """Prompts of different lengths prefilled together in chunks of `chunk`: (tokens [B, chunk], n_valid [B]) per
+    chunk; a prompt already done has n_valid 0 in the later chunks."""
+    n_chunks = -(-max(map(len, prompts)) // chunk)
+    for c in range(n_chunks):
+        tokens = np.zeros((len(prompts), chunk), np.int32)
+        pieces = [p[c * chunk:(c + 1) * chunk] for p in prompts]
+        for row, piece in enumerate(pieces):
+            tokens[row, :len(piece)] = piece
+        yield tokens, np.array([len(piece) for piece in pieces], np.int32)
+
+
+@pytest.mark.parametrize("cache_type", ["f32", "f16"])
+@pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
+def test_sequences_at_different_depths_give_the_logits_each_gives_alone(make_model, kernel, cache_type):
+    """Three prompts of 3, 8 and 13 tokens prefill together in chunks of 8 (the two short ones sit out the second
+    chunk) and then decode together, each step at three different depths: row by row, the logits are those of each
+    sequence run alone in a one-row cache. The sitting-out rows' caches stay bit for bit as they were."""
+    m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
+    config = dataclasses.replace(m.config.replan(attention=kernel), cache_type=cache_type)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, config.n_vocab, size=n).astype(np.int32) for n in (3, 8, 13)]
+    steps = rng.integers(0, config.n_vocab, size=(3, 3)).astype(np.int32)
+
+    cache = model.init_cache(config, 3, 40)
+    last = [None] * 3
+    for tokens, n_valid in chunks_of(prompts, 8):
+        before = jax.tree.map(np.asarray, cache)
+        logits, cache = model.prefill(tokens, n_valid, m.weights, cache, config)
+        for row in range(3):
+            if n_valid[row]:
+                last[row] = np.asarray(logits)[row]
+            else:
+                np.testing.assert_array_equal(np.asarray(cache.k)[:, row], before.k[:, row])
+                np.testing.assert_array_equal(np.asarray(cache.v)[:, row], before.v[:, row])
+                assert int(cache.length[row]) == before.length[row]
+    assert cache.length.tolist() == [3, 8, 13]
+    batched = [np.stack(last)]
+    for step in steps.T:
+        logits, cache = model.decode_step(step, m.weights, cache, config)
+        batched.append(np.asarray(logits))
+    assert cache.length.tolist() == [6, 11, 16]
+    batched = np.stack(batched, axis=1)  # [row, step, n_vocab]
+
+    for row in range(3):
+        alone = prefill_and_decode_alone(m.weights, config, prompts[row], steps[row])
+        np.testing.assert_allclose(batched[row], alone, rtol=0, atol=1e-5 * np.abs(alone).max(), err_msg=f"{row=}")
+
+
+def test_prefill_takes_one_count_for_every_row_or_one_per_row(make_model):
+    """A scalar n_valid applies to every row (the single-sequence callers pass one); [B] counts advance each row by
+    its own."""
+    m = engine.load_model(make_model())
+    tokens = np.random.default_rng(7).integers(0, m.config.n_vocab, size=(2, 8)).astype(np.int32)
+    _, cache = model.prefill(tokens, jnp.int32(5), m.weights, model.init_cache(m.config, 2, 16), m.config)
+    assert cache.length.tolist() == [5, 5]
+    _, cache = model.prefill(tokens, np.array([0, 2], np.int32), m.weights, cache, m.config)
+    assert cache.length.tolist() == [5, 7]
+
+
+def cache_copies(compiled_text: str, cache: model.KVCache) -> list[str]:
+    """The instructions of a compiled program that copy a whole KV cache."""
+    shape = f"[{','.join(map(str, cache.k.shape))}]"
+    return [line for line in compiled_text.splitlines() if re.search(r"= \S+ copy(-start)?\(", line) and shape in line]
+
+
+@pytest.mark.parametrize("kernel", ["xla", "cpu_ext"])
+def test_a_batched_decode_step_writes_the_donated_cache_in_place(make_model, kernel):
+    """Per-row positions make the K/V write a scatter: XLA must still update the donated cache in place, with no
+    copy of it per step, for one row and for several."""
+    m = engine.load_model(make_model(n_head=4, n_head_kv=2))
+    config = m.config.replan(attention=kernel)
+    for batch in (1, 3):
+        cache = model.init_cache(config, batch, 64)
+        step = model.decode_step.lower(jnp.zeros(batch, jnp.int32), m.weights, cache, config).compile()
+        assert cache_copies(step.as_text(), cache) == [], batch
+        prefill = model.prefill.lower(jnp.zeros((batch, 8), jnp.int32), jnp.zeros(batch, jnp.int32), m.weights,
+                                      cache, config).compile()
+        assert cache_copies(prefill.as_text(), cache) == [], batch

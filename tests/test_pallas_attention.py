@@ -69,6 +69,29 @@ class AttentionTest:
                                        atol=1e-5)
 
 
+    def test_prefill_with_a_start_per_row(self):
+        """Rows at different depths: each row's queries attend up to their own positions, as that row alone."""
+        q, k, v = random_qkv(6, 3, 16, 96, 6, 2, 64)
+        starts = np.array([0, 71, 30], np.int32)
+        got = np.asarray(attention(q, k, v, jnp.asarray(starts), block_sizes=BLOCKS, interpret=self.INTERPRET))
+        np.testing.assert_allclose(got, np.asarray(attention_reference(q, k, v, starts)), atol=1e-5)
+        for row, start in enumerate(starts):
+            q_pos = start + np.arange(16, dtype=np.int32)
+            alone = attend(q[row:row + 1], k[row:row + 1], v[row:row + 1], q_pos, np.arange(96, dtype=np.int32))
+            np.testing.assert_allclose(got[row:row + 1], np.asarray(alone), atol=1e-5, err_msg=f"{row=}")
+
+    def test_decode_with_a_position_per_row(self):
+        q, k, v = random_qkv(7, 4, 1, 128, 9, 3, 64)
+        positions = np.array([0, 127, 32, 77], np.int32)
+        got = np.asarray(decode_attention(q[:, 0], k, v, jnp.asarray(positions), block_sizes=BLOCKS,
+                                          interpret=self.INTERPRET))
+        np.testing.assert_allclose(got, np.asarray(decode_attention_reference(q[:, 0], k, v, positions)), atol=1e-5)
+        for row, position in enumerate(positions):
+            alone = attend(q[row:row + 1], k[row:row + 1], v[row:row + 1], np.array([position], np.int32),
+                           np.arange(128, dtype=np.int32))[:, 0]
+            np.testing.assert_allclose(got[row:row + 1], np.asarray(alone), atol=1e-5, err_msg=f"{row=}")
+
+
 class TestAttentionInterpret(AttentionTest):
     INTERPRET = True
 
