@@ -156,7 +156,8 @@ def test_stop_strings_cut_the_text_before_them(client):
     stop = text[start:start + 2]
     expected = text[:text.index(stop)]
     for stream in (False, True):
-        kwargs = dict(model="tiny.gguf", prompt="1 2 3", max_tokens=16, temperature=0, stop=[stop, "never"])
+        kwargs = {"model": "tiny.gguf", "prompt": "1 2 3", "max_tokens": 16, "temperature": 0,
+                  "stop": [stop, "never"]}
         if stream:
             chunks = list(client.completions.create(stream=True, **kwargs))
             got, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
@@ -278,3 +279,11 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert after["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + 1
     assert after["jaxinfer_tokens_generated_total"] == before["jaxinfer_tokens_generated_total"] + 3
     assert after["jaxinfer_busy_slots"] == 0 and after["jaxinfer_queue_length"] == 0
+
+
+def test_a_model_that_cannot_load_stops_the_server_with_one_error_line():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-m", "jaxinfer.server", "-m", "/no/such/model.gguf", "--port",
+                             str(free_port())], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == ["error: model file not found: /no/such/model.gguf"]
