@@ -341,17 +341,20 @@ class Worker:
             with self._lock:
                 self.busy = 1
             try:
-                self._generate(job)
+                last = self._generate(job)
             except JaxinferError as e:
-                job.send(Event(error=str(e)))
+                last = Event(error=str(e))
             except Exception as e:  # a bug: logged with its traceback here, one line to the client
                 traceback.print_exc(file=sys.stderr)
-                job.send(Event(error=f"internal error ({type(e).__name__})"))
-            finally:
-                with self._lock:
-                    self.busy = 0
+                last = Event(error=f"internal error ({type(e).__name__})")
+            with self._lock:
+                self.busy = 0
+            # Sent once the slot is free: a client that has its answer sees /metrics without it.
+            if last is not None:
+                job.send(last)
 
-    def _generate(self, job: Job):
+    def _generate(self, job: Job) -> Event | None:
+        """Generate for `job`, sending its text as it becomes final -> the last event (None: cancelled)."""
         request, tokenizer = job.request, self.model.tokenizer
         assembler = TextAssembler(tokenizer, request.stop)
         stats = engine.GenerationStats()
@@ -361,7 +364,7 @@ class Worker:
         try:
             for token in tokens:
                 if job.cancelled.is_set():
-                    return
+                    return None
                 produced += 1
                 with self._lock:
                     self.tokens_generated_total += 1
@@ -374,7 +377,7 @@ class Worker:
         if tail := assembler.finish():
             job.send(Event(text=tail))
         finish_reason = "stop" if assembler.stopped or stats.stop_reason == "end of text" else "length"
-        job.send(Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), produced)))
+        return Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), produced))
 
 
 def model_id(path: str) -> str:

@@ -21,7 +21,7 @@ from jaxinfer.synthetic import SyntheticSpec, write_model
 SPEC = SyntheticSpec(n_ctx=4096, n_embd=256, n_ff=1024, n_layer=4)
 CTX = SPEC.n_ctx
 LONG = 4000
-QUEUE = 3  # 4 concurrent clients fit: one generating, three waiting
+QUEUE = 4  # 4 concurrent clients always fit, even while the worker has not yet taken the first from the queue
 PROMPTS = ["1 2 3", "hello the", "abc", "in the"]
 
 
