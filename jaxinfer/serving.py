@@ -24,7 +24,8 @@ from jaxinfer.sampling import SamplingParams
 UINT32_MAX = 2**32 - 1
 REPEAT_LAST_N = 64  # fixed: the window's size shapes the compiled step, so a per-request value would recompile
 WARM_UP_TOKENS = 2  # a warm-up request compiles the prefill and decode programs before the server reports ready
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 500: "server_error", 503: "unavailable_error"}
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 500: "server_error",
+               503: "unavailable_error"}
 
 
 class RequestError(Exception):

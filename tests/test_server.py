@@ -216,6 +216,7 @@ def test_malformed_json_unknown_routes_and_models(server, client):
         assert_error(httpx.post(f"{base}{route}", content=b"{not json"), 400, "not valid JSON")
     assert_error(httpx.post(f"{base}/v1/completions", json=["a list"]), 400, "JSON object")
     assert_error(httpx.get(f"{base}/v2/nothing"), 404, "/v2/nothing")
+    assert_error(httpx.get(f"{base}/v1/completions"), 405, "GET /v1/completions")
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="top_p"):
