@@ -1,4 +1,4 @@
-"""Flag behaviour shared by the five CLIs (jaxinfer/cli.py). Each test starts one Python process that imports JAX
+"""Flag behaviour shared by the six CLIs (jaxinfer/cli.py). Each test starts one Python process that imports JAX
 once and forks a child per CLI run (as `python -m MODULE ARGS` would run it), so dozens of runs cost seconds."""
 
 import ast
@@ -15,7 +15,8 @@ from absl import flags
 from jaxinfer import cli, sparsity
 
 CLIS = ("jaxinfer.generate", "jaxinfer.perplexity", "jaxinfer.calibrate", "jaxinfer.profile",
-        "jaxinfer.train_predictor")
+        "jaxinfer.train_predictor", "jaxinfer.server")
+TAKES_NO_TEXT_FILE = ("jaxinfer.generate", "jaxinfer.server")  # the others need -f before they would load
 
 DRIVER = r"""
 import json, os, runpy, sys, tempfile, traceback
@@ -144,12 +145,15 @@ BAD_FLAGS = [
     ("jaxinfer.train_predictor", ["--positive_weight", "-1"], "--positive_weight"),
     ("jaxinfer.train_predictor", ["--train_chunks", "0"], "--train_chunks"),
     ("jaxinfer.train_predictor", ["--heldout_chunks", "-1"], "--heldout_chunks"),
+    ("jaxinfer.server", ["-c", "0"], "--ctx_size"),
+    ("jaxinfer.server", ["--port", "70000"], "--port"),
+    ("jaxinfer.server", ["--queue", "0"], "--queue"),
 ]
 
 
 def test_bad_flag_values_are_one_line_errors_before_anything_loads():
     """No -m: a bad value must be reported before a model would be needed (none is installed for -m's default)."""
-    results = run_all([(module, args + ["-f", "/no/such.txt"] * (module != "jaxinfer.generate"))
+    results = run_all([(module, args + ["-f", "/no/such.txt"] * (module not in TAKES_NO_TEXT_FILE))
                        for module, args, _ in BAD_FLAGS])
     for (module, args, fragment), result in zip(BAD_FLAGS, results):
         assert_one_line_error(result, fragment)
