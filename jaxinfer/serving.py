@@ -199,31 +199,48 @@ class Parser:
 
 class TextAssembler:
     """Detokenized text of a growing token list, released only where it is final: an incomplete UTF-8 sequence and
-    any tail that could begin a stop string are held back; at a stop string the text before it is all there is."""
+    any tail that could begin a stop string are held back; at a stop string the text before it is all there is.
+
+    Each token decodes a short window (from the token before the last complete text): decoding the whole list each
+    time would cost a long reply quadratic time. The window keeps a token of context because a tokenizer may decode
+    a token differently at the start (SentencePiece drops its leading space there)."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop, self.ids, self.sent, self.stopped = tokenizer, stop, [], 0, False
+        self.tokenizer, self.stop, self.ids, self.text, self.sent, self.stopped = tokenizer, stop, [], "", 0, False
+        self.window_start = self.decoded = 0  # ids[window_start:decoded] are context; ids[:decoded] are in `text`
         self.longest_stop = max(map(len, stop), default=0)
 
     def add(self, token: int) -> str:
         """The newly final text after `token`; sets `stopped` when a stop string appeared."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
-        found = [i for s in self.stop if (i := text.find(s, max(0, self.sent - self.longest_stop))) >= 0]
+        self._decode(complete_only=True)
+        found = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - self.longest_stop))) >= 0]
         if found:
             self.stopped = True
-            return self._release(text, min(found))
-        final = text.rstrip("\ufffd")
+            return self._release(min(found))
         # A stop string may be starting at the end: its first characters wait for the tokens that decide it.
-        held = max((n for s in self.stop for n in range(1, len(s)) if final.endswith(s[:n])), default=0)
-        return self._release(text, max(len(final) - held, self.sent))
+        held = max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        return self._release(max(len(self.text) - held, self.sent))
 
     def finish(self) -> str:
         """What was held back, once no token follows."""
-        return "" if self.stopped else self._release(self.tokenizer.decode(self.ids), None)
+        if self.stopped:
+            return ""
+        self._decode(complete_only=False)
+        return self._release(len(self.text))
 
-    def _release(self, text: str, end: int | None) -> str:
-        piece = text[self.sent:end]
+    def _decode(self, complete_only: bool):
+        """Append the text of the tokens not yet in `text`; with `complete_only`, only once it ends in a whole
+        character (a multi-byte one may be split over tokens)."""
+        context = self.tokenizer.decode(self.ids[self.window_start:self.decoded])
+        window = self.tokenizer.decode(self.ids[self.window_start:])
+        if complete_only and (len(window) <= len(context) or window.endswith("\ufffd")):
+            return
+        self.text += window[len(context):]
+        self.window_start, self.decoded = self.decoded, len(self.ids)
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.sent:end]
         self.sent += len(piece)
         return piece
 
