@@ -33,6 +33,8 @@ check_range("port", 0, 65535)
 check_range("ctx_size", 1)
 check_range("queue", 1)
 FLAGS = flags.FLAGS
+# How often a non-streaming request checks whether its client is still there (a streaming one learns it at once).
+DISCONNECT_POLL_SECONDS = 0.25
 
 
 class Service:
@@ -149,11 +151,24 @@ def build_app(service: Service):
             return StreamingResponse(stream(job, responder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            pieces = []
-            while (event := await job.events.get()).finish_reason is None and event.error is None:
+            pieces, loop = [], asyncio.get_running_loop()
+            next_check = loop.time() + DISCONNECT_POLL_SECONDS
+            while True:
+                try:
+                    event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+                except TimeoutError:
+                    event = None
+                if loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_POLL_SECONDS
+                    if await request.is_disconnected():  # the client gave up: stop generating for it
+                        return error(499, "the client disconnected")
+                if event is None:
+                    continue
+                if event.finish_reason is not None or event.error is not None:
+                    break
                 pieces.append(event.text)
         finally:
-            job.cancelled.set()  # finished, or the handler was cancelled: either way nothing more is wanted
+            job.cancelled.set()  # finished, gone, or the handler was cancelled: nothing more is wanted
         if event.error is not None:
             return error(500, event.error)
         return JSONResponse(responder.complete("".join(pieces), event.finish_reason, event.usage))

@@ -252,6 +252,20 @@ def test_disconnects_cancel_and_a_full_queue_answers_503(server, client):
     assert metrics(base)["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + 1 + QUEUE + 1
 
 
+def test_a_non_streaming_client_that_gives_up_cancels_its_request(server, client):
+    base = server[0]
+    before = metrics(base)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/completions", json={"prompt": "abc", "max_tokens": LONG, "temperature": 0},
+                   timeout=0.5)
+    deadline = time.monotonic() + 20
+    while (now := metrics(base))["jaxinfer_busy_slots"]:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+    assert now["jaxinfer_tokens_generated_total"] - before["jaxinfer_tokens_generated_total"] < LONG
+    assert client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=2, temperature=0).choices
+
+
 def test_concurrent_clients_each_get_their_own_text(client):
     lengths = [5, 9, 7, 11]
     alone = [client.completions.create(model="tiny.gguf", prompt=p, max_tokens=n, temperature=0).choices[0].text
