@@ -95,7 +95,7 @@ def build_app(service: Service):
     async def read_json(request):
         try:
             return json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: deep nesting
             raise serving.RequestError(400, f"the request body is not valid JSON ({e})") from None
 
     async def health(request):
@@ -151,27 +151,34 @@ def build_app(service: Service):
             return StreamingResponse(stream(job, responder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            pieces, loop = [], asyncio.get_running_loop()
-            next_check = loop.time() + DISCONNECT_POLL_SECONDS
-            while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
-                except TimeoutError:
-                    event = None
-                if loop.time() >= next_check:
-                    next_check = loop.time() + DISCONNECT_POLL_SECONDS
-                    if await request.is_disconnected():  # the client gave up: stop generating for it
-                        return error(499, "the client disconnected")
-                if event is None:
-                    continue
-                if event.finish_reason is not None or event.error is not None:
-                    break
-                pieces.append(event.text)
+            collected = await collect(request, job)
         finally:
             job.cancelled.set()  # finished, gone, or the handler was cancelled: nothing more is wanted
-        if event.error is not None:
-            return error(500, event.error)
-        return JSONResponse(responder.complete("".join(pieces), event.finish_reason, event.usage))
+        if collected is None:
+            return error(499, "the client disconnected")
+        text, last = collected
+        if last.error is not None:
+            return error(500, last.error)
+        return JSONResponse(responder.complete(text, last.finish_reason, last.usage))
+
+    async def collect(request, job) -> tuple[str, serving.Event] | None:
+        """A non-streaming job's text and last event; None when its client disconnects first (checked every
+        DISCONNECT_POLL_SECONDS: Starlette tells only a streaming response at once)."""
+        pieces, loop = [], asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_SECONDS
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+            except TimeoutError:
+                event = None
+            if loop.time() >= next_check:
+                next_check = loop.time() + DISCONNECT_POLL_SECONDS
+                if await request.is_disconnected():
+                    return None
+            if event is not None and (event.finish_reason is not None or event.error is not None):
+                return "".join(pieces), event
+            if event is not None:
+                pieces.append(event.text)
 
     async def stream(job, responder):
         """SSE chunks: a chat stream opens with the role; the last chunk has the finish reason, then [DONE]. A client

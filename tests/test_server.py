@@ -215,6 +215,8 @@ def test_malformed_json_unknown_routes_and_models(server, client):
     for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
         assert_error(httpx.post(f"{base}{route}", content=b"{not json"), 400, "not valid JSON")
     assert_error(httpx.post(f"{base}/v1/completions", json=["a list"]), 400, "JSON object")
+    assert_error(httpx.post(f"{base}/v1/completions", content=b"[" * 100_000), 400, "not valid JSON")
+    assert_error(httpx.post(f"{base}/v1/completions", content=b"\xff\xfe"), 400, "not valid JSON")
     assert_error(httpx.get(f"{base}/v2/nothing"), 404, "/v2/nothing")
     assert_error(httpx.get(f"{base}/v1/completions"), 405, "GET /v1/completions")
     with pytest.raises(openai.NotFoundError):
