@@ -47,9 +47,10 @@ class Plan:
 
     def describe(self) -> str:
         bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
+        down = "neuron-major" if self.neuron_major else "transposed"
         return (f"plan: {self.backend} backend, FFN {self.ffn_sparsity}, products {self.products}, attention "
                 f"{self.attention}{bound}, split FFN hot {self.hot_ffn} / cold {self.host_products} in "
-                f"{self.host_memory_kind}, down projection {'neuron-major' if self.neuron_major else 'transposed'} when sparse")
+                f"{self.host_memory_kind}, down projection {down} when sparse")
 
 
 def make_plan(attn_max_batch_mib: float | None = None) -> Plan:
