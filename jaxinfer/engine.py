@@ -302,9 +302,13 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
         tokens = np.asarray(chunk_tokens)[:n, 0].tolist()
 
 
-# Warm-up, as llama.cpp does: the first run of each executable costs ~0.1 s more than later ones (measured 164 vs
-# 56-74 ms for a 5-token prompt), which would otherwise be reported as prompt and generation time. Each program runs
-# once on the real cache and the cache's length is put back: what the warm-up wrote sits past it and is overwritten.
+def _warmed_up(step, cache):
+    """`cache` after one run of `step(cache) -> (..., cache)`, with its length put back. A warm-up, as llama.cpp does:
+    the first run of each executable costs ~0.1 s more than later ones (measured 164 vs 56-74 ms for a 5-token
+    prompt), which would otherwise be reported as prompt and generation time. What the run wrote sits past the
+    length and is overwritten."""
+    length = np.asarray(cache.length)  # the cache is donated to the step
+    return jax.block_until_ready(dataclasses.replace(step(cache)[-1], length=jnp.asarray(length)))
 
 
 def _prefill_function(m: LoadedModel, padded, recent, key, ctx: int, params: SamplingParams):
@@ -318,8 +322,7 @@ def _prefill_function(m: LoadedModel, padded, recent, key, ctx: int, params: Sam
     def prefill(tokens, n_valid, recent, key, cache):
         return compiled(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
 
-    _, warmed = prefill(padded, jnp.int32(1), recent, key, cache)
-    return prefill, jax.block_until_ready(dataclasses.replace(warmed, length=jnp.zeros_like(warmed.length)))
+    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), recent, key, cache), cache)
 
 
 def _decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):
@@ -331,9 +334,7 @@ def _decode_function(m: LoadedModel, state: DecodeState, cache, params: Sampling
     def decode(state, n_steps, cache):
         return compiled(state, jnp.int32(n_steps), stop_ids, m.weights, cache, m.config, params)
 
-    length = np.asarray(cache.length)  # the cache is donated to the warm-up step
-    _, _, warmed = decode(state, 1, cache)
-    return decode, jax.block_until_ready(dataclasses.replace(warmed, length=jnp.asarray(length)))
+    return decode, _warmed_up(lambda cache: decode(state, 1, cache), cache)
 
 
 @dataclasses.dataclass

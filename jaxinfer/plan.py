@@ -59,12 +59,13 @@ def make_plan(attn_max_batch_mib: float | None = None) -> Plan:
     kernels = quant.cpu_kernels()
     host_products = "cpu_ext" if kernels is not None else "xla"
     if backend == "cpu":
-        return Plan(backend, "dense", host_products, host_products, host_products, attn_max_batch_mib, "xla",
-                    kernels is not None and kernels.fast_neuron_major())
+        return Plan(backend, products=host_products, host_products=host_products, attention=host_products,
+                    attn_max_batch_mib=attn_max_batch_mib,
+                    neuron_major=kernels is not None and kernels.fast_neuron_major())
     host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
-    gpu = backend == "gpu"
-    return Plan(backend, "dense", "xla", host_products, "pallas" if gpu else "xla", attn_max_batch_mib,
-                "pallas" if gpu else "xla", False)
+    gpu_kernels = "pallas" if backend == "gpu" else "xla"
+    return Plan(backend, products="xla", host_products=host_products, attention=gpu_kernels,
+                attn_max_batch_mib=attn_max_batch_mib, hot_ffn=gpu_kernels)
 
 
 @functools.cache

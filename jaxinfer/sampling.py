@@ -18,6 +18,7 @@ INT32_MAX = 2**31 - 1
 # top_k up to this many ranks the candidates with lax.top_k of this size (~0.1 ms for a 49k vocabulary on 2 cores);
 # a larger top_k, or none, ranks the whole vocabulary (~10 ms), as lax.top_k over it always did.
 FAST_TOP_K = 128
+FLAGS = {"temperature": "--temp"}  # generate's flag for a field, where it is not --FIELD
 
 
 @jax.tree_util.register_dataclass
@@ -30,19 +31,21 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # 1.0 disables
     repeat_last_n: int = dataclasses.field(default=64, metadata={"static": True})  # recent tokens penalized
 
-    def validate(self):
-        """Raise a JaxinferError naming the flag of the first value out of range (NaN and infinities included)."""
-        checks = [  # flag, value, in range, the range in words
-            ("--temp", self.temperature, self.temperature >= 0, "a finite number >= 0"),
-            ("--top_k", self.top_k, 0 <= self.top_k <= INT32_MAX, f"in [0, {INT32_MAX}]"),
-            ("--top_p", self.top_p, 0.0 < self.top_p <= 1.0, "in (0, 1]"),
-            ("--min_p", self.min_p, 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
-            ("--repeat_penalty", self.repeat_penalty, self.repeat_penalty > 0, "a finite number > 0"),
-            ("--repeat_last_n", self.repeat_last_n, 0 <= self.repeat_last_n <= INT32_MAX, f"in [0, {INT32_MAX}]"),
+    def validate(self, name=lambda field: FLAGS.get(field, f"--{field}")):
+        """Raise a JaxinferError naming the first value out of range (NaN and infinities included), by its flag or, with
+        `name(field)`, as its caller spells it (the server: the request's field)."""
+        checks = [  # field, in range, the range in words
+            ("temperature", self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", 0 <= self.top_k <= INT32_MAX, f"in [0, {INT32_MAX}]"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("repeat_penalty", self.repeat_penalty > 0, "a finite number > 0"),
+            ("repeat_last_n", 0 <= self.repeat_last_n <= INT32_MAX, f"in [0, {INT32_MAX}]"),
         ]
-        for flag, value, in_range, allowed in checks:
+        for field, in_range, allowed in checks:
+            value = getattr(self, field)
             if not (in_range and math.isfinite(value)):
-                raise JaxinferError(f"{flag} must be {allowed}, got {value}")
+                raise JaxinferError(f"{name(field)} must be {allowed}, got {value}")
         return self
 
     def as_arrays(self) -> "SamplingParams":

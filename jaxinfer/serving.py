@@ -8,7 +8,6 @@ already takes per-row KV lengths for the continuous batching that will replace t
 
 import asyncio
 import dataclasses
-import math
 import os
 import queue
 import sys
@@ -72,15 +71,10 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=No
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float = math.inf,
-            low_open: bool = False) -> float:
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = _field(body, name, (int, float), "a number", default)
-    above = value > low if low_open else value >= low
-    if not (above and value <= high and math.isfinite(value)):
-        bounds = f"{'(' if low_open else '['}{low:g}, {high:g}]" if math.isfinite(high) else \
-            f"{'>' if low_open else '>='} {low:g}"
-        raise RequestError(400, f"'{name}' must be a finite number {'in ' if math.isfinite(high) else ''}{bounds}, "
-                                f"got {value}")
+    if not low <= value <= high:  # NaN is in no range
+        raise RequestError(400, f"'{name}' must be a finite number in [{low:g}, {high:g}], got {value}")
     return value
 
 
@@ -181,12 +175,16 @@ class Parser:
             if _number(body, name, 0.0, -2.0, 2.0) != 0:
                 raise RequestError(400, f"'{name}' is not supported; use 'repeat_penalty' (llama.cpp's)")
         params = SamplingParams(
-            temperature=_number(body, "temperature", 0.8, 0.0),
-            top_k=_integer(body, "top_k", 40, 0, 2**31 - 1),
-            top_p=_number(body, "top_p", 0.95, 0.0, 1.0, low_open=True),
-            min_p=_number(body, "min_p", 0.05, 0.0, 1.0),
-            repeat_penalty=_number(body, "repeat_penalty", 1.0, 0.0, low_open=True),
+            temperature=_field(body, "temperature", (int, float), "a number", 0.8),
+            top_k=_field(body, "top_k", (int,), "an integer", 40),
+            top_p=_field(body, "top_p", (int, float), "a number", 0.95),
+            min_p=_field(body, "min_p", (int, float), "a number", 0.05),
+            repeat_penalty=_field(body, "repeat_penalty", (int, float), "a number", 1.0),
             repeat_last_n=REPEAT_LAST_N)
+        try:
+            params.validate(name=lambda field: f"'{field}'")  # the ranges generate's flags have
+        except JaxinferError as e:
+            raise RequestError(400, str(e)) from None
         seed = _integer(body, "seed", -1, -1, UINT32_MAX)
         stream_options = _field(body, "stream_options", (dict,), "an object", {})
         return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room), params=params,
