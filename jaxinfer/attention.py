@@ -139,10 +139,11 @@ def key_step(batch: int, n_query: int, n_head: int, max_len: int, max_batch_mib:
     return min(keys, max_len)
 
 
-def cached_attention(q, k_cache, v_cache, layer, q_pos, *, max_batch_mib: float | None = None):
+def cached_attention(q, k_cache, v_cache, layer, q_pos, *, row=0, max_batch_mib: float | None = None):
     """Causal GQA attention of q [B, T, H, hd] at consecutive positions q_pos [B, T] (each row at its own depth; or
-    [T], every row alike) against layer `layer` (traced) of KV caches [n_layer, B, max_len, H_kv, hd], row b filled
-    up to q_pos[b, -1] -> [B, T, H, hd], equal to `model.attend` over each row's filled positions.
+    [T], every row alike) against layer `layer` (traced) of KV caches [n_layer, S, max_len, H_kv, hd], query row b
+    against cache row row + b (traced; 0 when S is B), filled up to q_pos[b, -1] -> [B, T, H, hd], equal to
+    `model.attend` over each row's filled positions.
 
     Keys are visited in steps of `key_step` positions with an online softmax (a running max, normaliser and
     weighted sum per query and head), and only the ceil((max(q_pos[:, -1]) + 1) / step) steps that hold filled
@@ -163,8 +164,8 @@ def cached_attention(q, k_cache, v_cache, layer, q_pos, *, max_batch_mib: float 
         # The last step of a cache whose length is not a multiple of `step` is pulled back to end at the edge; the
         # keys it shares with the previous step are masked out below so none is counted twice.
         start = jnp.minimum(nominal, max_len - step)
-        k = jax.lax.dynamic_slice(k_cache, (layer, 0, start, 0, 0), (1, b, step, n_kv, hd))[0]
-        v = jax.lax.dynamic_slice(v_cache, (layer, 0, start, 0, 0), (1, b, step, n_kv, hd))[0]
+        k = jax.lax.dynamic_slice(k_cache, (layer, row, start, 0, 0), (1, b, step, n_kv, hd))[0]
+        v = jax.lax.dynamic_slice(v_cache, (layer, row, start, 0, 0), (1, b, step, n_kv, hd))[0]
         k_pos = start + jnp.arange(step, dtype=q_pos.dtype)
         visible = (k_pos <= q_pos[..., None]) & (k_pos >= nominal)  # [B, T, step]
         scores = jnp.where(visible[:, None, None], jnp.einsum("btkgd,bskd->bkgts", grouped, k), -jnp.inf)

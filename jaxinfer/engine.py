@@ -128,16 +128,18 @@ def apply_chat_template(template: str, conversation: str | list[dict], tokenizer
 NONFINITE_LOGITS = -2
 
 
-def sample_finite(logits, recent, key, params: SamplingParams):
+def sample_finite(logits, recent, keys, params: SamplingParams):
     """`sample`, or NONFINITE_LOGITS for each row of `logits` with a NaN or infinite value."""
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    return jnp.where(finite, sample(logits, recent, key, params), NONFINITE_LOGITS)
+    return jnp.where(finite, sample(logits, recent, keys, params), NONFINITE_LOGITS)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
-def _prefill_and_sample(tokens, n_valid, recent, key, weights, cache, cfg, params):
-    logits, cache = model.prefill(tokens, n_valid, weights, cache, cfg)
-    return sample_finite(logits, recent, key, params), cache
+def prefill_and_sample(tokens, n_valid, row, recent, keys, weights, cache, cfg, params):
+    """model.prefill of the cache's rows row .. row + B - 1, then each row's next token sampled: generate's prefill
+    (row 0 of a one-row cache) and a server slot's (its row of the slots' cache)."""
+    logits, cache = model.prefill(tokens, n_valid, weights, cache, cfg, row)
+    return sample_finite(logits, recent, keys, params), cache
 
 
 # Decode steps run in chunks of up to this many inside one compiled loop, and the next chunk is dispatched before the
@@ -150,38 +152,58 @@ DECODE_CHUNK = 8
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """What a decode step needs besides weights and cache, kept on the device between chunks."""
+    """What a decode step needs besides weights and cache, per row (sequence), kept on the device between chunks."""
 
     token: jax.Array  # int32 [B]: the latest token, the next step's input
     recent: jax.Array  # int32 [B, N]: the tokens before it, oldest first, -1 for none (repeat penalty)
-    key: jax.Array  # PRNG key, split once per step
-    stopped: jax.Array  # bool []: a stop token (or NONFINITE_LOGITS) came out; further steps do nothing
+    keys: jax.Array  # PRNG key [B], split once per step of the row
+    steps_left: jax.Array  # int32 [B]: decode steps the row may still take
+    stopped: jax.Array  # bool [B]: a stop token (or NONFINITE_LOGITS) came out; the row takes no further step
+    ignore_eos: jax.Array  # bool [B]: stop tokens do not stop the row (llama-server's ignore_eos)
+
+    @property
+    def active(self):
+        """bool [B]: the rows the next step advances."""
+        return ~self.stopped & (self.steps_left > 0)
+
+
+def start_state(token, recent, key, steps: int, ignore_eos: bool = False) -> DecodeState:
+    """The decode state of one sequence whose prefill gave `token` [1] after the window `recent` [1, N], drawing
+    from `key` for up to `steps` steps."""
+    return DecodeState(token, jnp.asarray(recent), key[None], jnp.full((1,), steps, jnp.int32),
+                       jnp.zeros((1,), bool), jnp.full((1,), ignore_eos))
 
 
 def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams) -> DecodeState:
-    """The state after `state.token` was fed and gave `logits`: the fed token joins the repeat-penalty window and
-    the next token is sampled with a fresh subkey."""
-    key, subkey = jax.random.split(state.key)
+    """The state after `state.token` was fed and gave `logits`, for every row: the fed token joins the
+    repeat-penalty window and the next token is sampled with a fresh subkey of the row's key."""
+    keys, subkeys = jnp.moveaxis(jax.vmap(jax.random.split)(state.keys), 1, 0)
     recent = jnp.concatenate([state.recent[:, 1:], state.token[:, None]], axis=1)
-    token = sample_finite(logits, recent, subkey, params)
-    return DecodeState(token, recent, key, jnp.any(jnp.isin(token, stop_ids) | (token == NONFINITE_LOGITS)))
+    token = sample_finite(logits, recent, subkeys, params)
+    stopped = (jnp.isin(token, stop_ids) & ~state.ignore_eos) | (token == NONFINITE_LOGITS)
+    return dataclasses.replace(state, token=token, recent=recent, keys=keys, steps_left=state.steps_left - 1,
+                               stopped=stopped)
 
 
 @partial(jax.jit, static_argnames=("n_steps",), donate_argnames=("cache",))
-def decode_chunk(state: DecodeState, budget, stop_ids, weights, cache, cfg, params, n_steps: int):
-    """Up to `n_steps` decode steps, each feeding the latest token and sampling the next, in one XLA while loop;
-    fewer when `budget` (int32 []) is smaller or a token in `stop_ids` [S] comes out (that token is kept).
-    -> (tokens [n_steps, B], -1 after the last step run; state; cache)."""
+def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, n_steps: int):
+    """Up to `n_steps` decode steps, each feeding every active row's latest token and sampling its next, in one XLA
+    while loop; a row stops when its steps_left runs out or a token in `stop_ids` [S] comes out (that token is
+    kept), and the loop ends early when no row is active. Rows not active write nothing and keep their state.
+    -> (tokens [n_steps, B], -1 where a row took no step; state; cache)."""
 
     def more(carry):
         step, state, _, _ = carry
-        return (step < jnp.minimum(budget, n_steps)) & ~state.stopped
+        return (step < n_steps) & jnp.any(state.active)
 
     def decode(carry):
         step, state, cache, tokens = carry
-        logits, cache = model.decode_step(state.token, weights, cache, cfg)
-        state = sample_next(state, logits, stop_ids, params)
-        return step + 1, state, cache, tokens.at[step].set(state.token)
+        active = state.active
+        logits, cache = model.decode_step(state.token, weights, cache, cfg, active)
+        stepped = sample_next(state, logits, stop_ids, params)
+        state = jax.tree.map(lambda new, old: jnp.where(active.reshape(-1, *(1,) * (new.ndim - 1)), new, old),
+                             stepped, state)
+        return step + 1, state, cache, tokens.at[step].set(jnp.where(active, state.token, -1))
 
     tokens = jnp.full((n_steps, state.token.shape[0]), -1, jnp.int32)
     _, state, cache, tokens = jax.lax.while_loop(more, decode, (jnp.int32(0), state, cache, tokens))
@@ -242,23 +264,25 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     kept = prompt_ids[-recent.shape[1]:]
     recent[0, recent.shape[1] - len(kept):] = kept
     key, subkey = jax.random.split(jax.random.key(seed))
+    subkey = subkey[None]
     chunk = _prefill_chunk(len(prompt_ids), ubatch)
     pieces = [prompt_ids[i:i + chunk] for i in range(0, len(prompt_ids), chunk)]
     # Padding of the last piece is written past the prompt: the cache is rounded up so it always fits.
     cache_len = -(-max(ctx, len(pieces) * chunk) // chunk) * chunk
 
     start = time.perf_counter()
-    prefill_fn, cache = _prefill_function(m, np.zeros((1, chunk), np.int32), recent, subkey, cache_len, params)
+    prefill_fn, cache = prefill_function(m, np.zeros((1, chunk), np.int32), recent, subkey,
+                                         model.init_cache(m.config, 1, cache_len), params)
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
     for piece in pieces:
         padded = np.zeros((1, chunk), np.int32)
         padded[0, : len(piece)] = piece
-        token, cache = prefill_fn(padded, jnp.int32(len(piece)), recent, subkey, cache)
-    state = DecodeState(token, jnp.asarray(recent), key, jnp.zeros((), bool))
+        token, cache = prefill_fn(padded, jnp.int32(len(piece)), jnp.int32(0), recent, subkey, cache)
     # The first token comes from the prefill; each later one from a decode step, at most one per free position.
     steps_left = min(n_predict - 1, ctx - len(prompt_ids))
+    state = start_state(token, recent, key, steps_left)
     in_flight = collections.deque()
     decode_fn = None
 
@@ -266,7 +290,7 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
         nonlocal state, cache, steps_left
         if steps_left > 0:
             n = min(steps_left, DECODE_CHUNK)
-            tokens, state, cache = decode_fn(state, n, cache)
+            tokens, state, cache = decode_fn(state, cache)
             in_flight.append((tokens, n))
             steps_left -= n
 
@@ -290,7 +314,7 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
         if decode_fn is None and steps_left > 0:
             # Built once the first token (the prefill's) is out: it does not wait for a program it does not need.
             compile_start = time.perf_counter()
-            decode_fn, cache = _decode_function(m, state, cache, params, np.array(sorted(stop_ids) or [-1], np.int32))
+            decode_fn, cache = decode_function(m, state, cache, params, np.array(sorted(stop_ids) or [-1], np.int32))
             stats.compile_seconds += time.perf_counter() - compile_start
             start = time.perf_counter()
             dispatch()
@@ -311,30 +335,32 @@ def _warmed_up(step, cache):
     return jax.block_until_ready(dataclasses.replace(step(cache)[-1], length=jnp.asarray(length)))
 
 
-def _prefill_function(m: LoadedModel, padded, recent, key, ctx: int, params: SamplingParams):
-    """(prefill(tokens, n_valid, recent, key, cache) -> (token [1], cache), an empty cache of ctx positions): the
-    prefill program, sampling included, compiled ahead of time (or loaded: programs.py) and warmed up, for split and
-    unsplit models alike."""
-    cache = model.init_cache(m.config, 1, ctx)
-    compiled = programs.compile_step(_prefill_and_sample, padded, jnp.int32(1), recent, key, m.weights, cache,
-                                     m.config, params, donate=("cache",))
+def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams):
+    """(prefill(tokens, n_valid, row, recent, keys, cache) -> (tokens [B], cache), `cache` after a warm-up): the
+    prefill program (prefill_and_sample) for tokens shaped as `padded` [B, T], compiled ahead of time (or loaded:
+    programs.py) and warmed up on row 0 without changing the cache's contents, for split and unsplit models alike."""
+    compiled = programs.compile_step(prefill_and_sample, padded, jnp.int32(1), jnp.int32(0), recent, keys, m.weights,
+                                     cache, m.config, params, donate=("cache",))
 
-    def prefill(tokens, n_valid, recent, key, cache):
-        return compiled(tokens, n_valid, recent, key, m.weights, cache, m.config, params)
+    def prefill(tokens, n_valid, row, recent, keys, cache):
+        return compiled(tokens, n_valid, row, recent, keys, m.weights, cache, m.config, params)
 
-    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), recent, key, cache), cache)
+    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, cache), cache)
 
 
-def _decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):
-    """(decode(state, n_steps, cache) -> (tokens [DECODE_CHUNK, 1], state, cache), the cache as it was): the decode
-    program (decode_chunk) compiled ahead of time (or loaded) and warmed up on `cache` without changing it."""
-    compiled = programs.compile_step(decode_chunk, state, jnp.int32(1), stop_ids, m.weights, cache, m.config, params,
+def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):
+    """(decode(state, cache) -> (tokens [DECODE_CHUNK, B], state, cache), `cache` after a warm-up): the decode
+    program (decode_chunk) compiled ahead of time (or loaded) and warmed up (one step of every row) without changing
+    the cache's contents."""
+    compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
                                      donate=("cache",), n_steps=DECODE_CHUNK)
 
-    def decode(state, n_steps, cache):
-        return compiled(state, jnp.int32(n_steps), stop_ids, m.weights, cache, m.config, params)
+    def decode(state, cache):
+        return compiled(state, stop_ids, m.weights, cache, m.config, params)
 
-    return decode, _warmed_up(lambda cache: decode(state, 1, cache), cache)
+    one_step = dataclasses.replace(state, steps_left=jnp.ones_like(state.steps_left),
+                                   stopped=jnp.zeros_like(state.stopped))
+    return decode, _warmed_up(lambda cache: decode(one_step, cache), cache)
 
 
 @dataclasses.dataclass

@@ -103,30 +103,36 @@ def attend(q, k, v, q_pos, k_pos):
 CPU_ATTENTION_MAX_QUERIES = 8
 
 
-def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None):
+def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0):
     """Attention as the plan says (Plan.attention); all give `attend`'s result. keys/values are the T new tokens' own
     [B, T, H_kv, hd] at positions q_pos [T] (no cache), or, with `layer`, the whole KV caches
-    [n_layer, B, max_len, H_kv, hd], row b filled up to q_pos[b, -1] (q_pos [B, T]: each row at its own depth)."""
+    [n_layer, S, max_len, H_kv, hd] of which the batch is rows row .. row + B - 1, row row + b filled up to
+    q_pos[b, -1] (q_pos [B, T]: each row at its own depth)."""
     plan = cfg.plan
     starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
+    batch = q.shape[0]
     if plan.attention in ("pallas", "pallas_interpret"):
         interpret = plan.attention == "pallas_interpret"
         if layer is not None:
-            keys, values = keys[layer], values[layer]
+            keys = jax.lax.dynamic_slice_in_dim(keys[layer], row, batch)
+            values = jax.lax.dynamic_slice_in_dim(values[layer], row, batch)
         if q.shape[1] == 1:
             return flash_attention.decode_attention(q[:, 0], keys, values, starts, interpret=interpret)[:, None]
         return flash_attention.attention(q, keys, values, starts, interpret=interpret)
-    if layer is not None and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
+    whole_cache = layer is not None and keys.shape[1] == batch  # then row is 0
+    if whole_cache and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
         return cpu_kernels().cached_attention(q, keys, values, layer, starts)
     if layer is not None:
-        return attention.cached_attention(q, keys, values, layer, q_pos, max_batch_mib=plan.attn_max_batch_mib)
+        return attention.cached_attention(q, keys, values, layer, q_pos, row=row,
+                                          max_batch_mib=plan.attn_max_batch_mib)
     return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=plan.attn_max_batch_mib)
 
 
-def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config, written=None):
+def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config, written=None,
+                    row=0):
     """x [B, T, d] at `positions` ([T] without a cache, [B, T] with one) -> ([B, T, d], cache with this layer's K/V
-    written at those positions). `written` [B, T] bool, if given, says which tokens' K/V are written; the others
-    are not (a row sitting out a prefill chunk, padding)."""
+    written at those positions of its rows row .. row + B - 1). `written` [B, T] bool, if given, says which tokens'
+    K/V are written; the others are not (a row sitting out a prefill chunk, padding)."""
     b, t, _ = x.shape
     q, k, v = matmuls(x, (layer.attn_q, layer.attn_k, layer.attn_v))
     q = rope(q.reshape(b, t, cfg.n_head, cfg.head_dim), positions, cfg)
@@ -139,39 +145,46 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
         # out a layer and writing it back copies it). Tokens not written are sent past the cache, each to its own
         # position so that the indices stay unique as promised, and dropped.
         at = positions if written is None else jnp.where(written, positions, cache.max_len + jnp.arange(t))
-        rows = jnp.arange(b)[:, None]
+        rows = row + jnp.arange(b)[:, None]
         cache = dataclasses.replace(
             cache,
             k=cache.k.at[index, rows, at].set(k.astype(cache.k.dtype), mode="drop", unique_indices=True),
             v=cache.v.at[index, rows, at].set(v.astype(cache.v.dtype), mode="drop", unique_indices=True),
         )
-        out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index)
+        out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index, row=row)
     return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
 
 
-def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None, n_valid=None):
-    """tokens [B, T], row b placed after its cache row's length[b] filled positions -> (final-normed hidden
-    [B, T, d], cache, observed). Every row needs room for all T: length[b] + T <= max_len.
+def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None, n_valid=None, row=0):
+    """tokens [B, T], row b placed after its cache row's length filled positions -> (final-normed hidden [B, T, d],
+    cache, observed). The batch is the cache's rows row .. row + B - 1 (row 0 and B rows: the whole cache; one row:
+    a server's slot); each needs room for all T: length + T <= max_len.
 
     Without a cache the T tokens attend causally to each other only. The cache's `length` is left to the caller,
     which knows how many of the T positions are real (prefill pads prompts to a few compiled lengths); given
-    `n_valid` [B], only the first n_valid[b] tokens of row b write K/V (0: the row's cache is left as it was).
+    `n_valid` [B], only the first n_valid[b] tokens of batch row b write K/V (0: the row's cache is left as it was,
+    and it attends from position 0: a row sitting out costs no attention over its context).
     `observe(layer_index, sparse_ffn.FFNTrace) -> pytree`, if given, is called in every layer and `observed` is the
     list of its results: profiling and calibration see exactly what inference computes."""
     with products(cfg.plan.products):
-        return _forward(tokens, weights, cfg, cache, observe, n_valid)
+        return _forward(tokens, weights, cfg, cache, observe, n_valid, row)
 
 
-def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, observe, n_valid):
+def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, observe, n_valid, row):
     steps = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    positions = steps if cache is None else cache.length[:, None] + steps  # [T], or [B, T] per row
-    written = None if n_valid is None or cache is None else steps < n_valid[:, None]
+    positions, written = steps, None  # [T] without a cache, else [B, T]: each row at its own depth
+    if cache is not None:
+        length = jax.lax.dynamic_slice_in_dim(cache.length, row, tokens.shape[0])
+        if n_valid is not None:
+            written = steps < n_valid[:, None]
+            length = jnp.where(n_valid > 0, length, 0)
+        positions = length[:, None] + steps
     x = take_rows(weights.token_embd, tokens)
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
-                                              cache, cfg, written)
+                                              cache, cfg, written, row)
             x = x + attn_out
             ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
                                             trace=observe is not None)
@@ -188,19 +201,27 @@ def logits(hidden, weights: Weights, cfg: Config):
 
 
 @partial(jax.jit, donate_argnames=("cache",))
-def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config):
-    """tokens [B, T] of which the first `n_valid` ([B], or one count for every row) of each row are real ->
-    (logits [B, n_vocab] after each row's last real one, cache with row b advanced by n_valid[b]). Rows at different
-    depths and with different prompt lengths prefill together; padding writes nothing, and a row with n_valid 0
-    keeps its cache and length as they were (its logits mean nothing): a sequence that sits out a chunk."""
-    n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), cache.length.shape)
-    hidden, cache, _ = forward(tokens, weights, cfg, cache, n_valid=n_valid)
+def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config, row=0):
+    """tokens [B, T] of which the first `n_valid` ([B], or one count for every row) of each row are real, for the
+    cache's rows row .. row + B - 1 -> (logits [B, n_vocab] after each row's last real one, cache with those rows
+    advanced by n_valid). Rows at different depths and with different prompt lengths prefill together; padding
+    writes nothing, and a row with n_valid 0 keeps its cache and length as they were (its logits mean nothing): a
+    sequence that sits out a chunk. The cache's other rows are untouched: one slot of a server prefills alone."""
+    batch = tokens.shape[0]
+    n_valid = jnp.broadcast_to(jnp.asarray(n_valid, jnp.int32), (batch,))
+    hidden, cache, _ = forward(tokens, weights, cfg, cache, n_valid=n_valid, row=row)
     last = jnp.take_along_axis(hidden, jnp.maximum(n_valid - 1, 0)[:, None, None], axis=1)[:, 0]
-    return logits(last, weights, cfg), dataclasses.replace(cache, length=cache.length + n_valid)
+    length = jax.lax.dynamic_slice_in_dim(cache.length, row, batch) + n_valid
+    return logits(last, weights, cfg), dataclasses.replace(
+        cache, length=jax.lax.dynamic_update_slice_in_dim(cache.length, length, row, 0))
 
 
 @partial(jax.jit, donate_argnames=("cache",))
-def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config):
-    """tokens [B] -> (logits [B, n_vocab] for each row's next position, every row of the cache advanced by one)."""
-    hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache)
-    return logits(hidden[:, 0], weights, cfg), dataclasses.replace(cache, length=cache.length + 1)
+def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config, active=None):
+    """tokens [B] -> (logits [B, n_vocab] for each row's next position, the cache advanced by one). Given `active`
+    [B] bool, rows not active write nothing and keep their length (their logits mean nothing): a server's free
+    slots, and slots that are prefilling or done."""
+    n_valid = None if active is None else active.astype(jnp.int32)
+    hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache, n_valid=n_valid)
+    return logits(hidden[:, 0], weights, cfg), dataclasses.replace(
+        cache, length=cache.length + (1 if n_valid is None else n_valid))

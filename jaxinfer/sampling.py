@@ -1,9 +1,10 @@
-"""Token sampling as pure functions of (logits, recent tokens, key), in llama.cpp's sampler order:
+"""Token sampling as pure functions of (logits, recent tokens, keys), in llama.cpp's sampler order:
 repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw. Temperature <= 0 means greedy.
 
 The sampling values are traced, not baked into the program: one compiled step serves every --temp, --top_k,
 --top_p, --min_p and --repeat_penalty (a new value used to cost a compilation, ~8 s for the default model). Only
-repeat_last_n is static: it sizes the window of recent tokens."""
+repeat_last_n is static: it sizes the window of recent tokens. The traced values may also be given per row ([B]),
+so that one program samples for a server's slots, each with its own request's values and key."""
 
 import dataclasses
 import math
@@ -58,8 +59,8 @@ class SamplingParams:
 
 
 def apply_repeat_penalty(logits, recent, penalty):
-    """logits [B, V]; recent [B, N] token ids, -1 for empty slots. Seen tokens' positive logits are divided by the
-    penalty and negative ones multiplied (llama.cpp's rule); a penalty of 1 leaves every logit exactly as it was."""
+    """logits [B, V]; recent [B, N] token ids, -1 for empty slots; penalty one value or a [B, 1] column. Seen tokens'
+    positive logits are divided by the penalty and negative ones multiplied (llama.cpp's rule); a penalty of 1 leaves every logit exactly as it was."""
     vocab = logits.shape[-1]
     slots = jnp.where(recent >= 0, recent, vocab)  # empty slots fall outside the vocabulary and are dropped
     seen = jax.vmap(lambda s: jnp.zeros(vocab, bool).at[s].set(True, mode="drop"))(slots)
@@ -67,37 +68,46 @@ def apply_repeat_penalty(logits, recent, penalty):
     return jnp.where(seen, penalized, logits)
 
 
-def _greedy(logits, key, params: SamplingParams):
-    del key, params
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _rows(value, batch: int):
+    """A sampling value given once or per row, as a [B, 1] column against [B, candidates]."""
+    return jnp.broadcast_to(jnp.asarray(value), (batch,))[:, None]
 
 
-def _draw(n_candidates: int, logits, key, params: SamplingParams):
-    """Draw from the `n_candidates` largest logits (sorted, largest first), of which ranks >= top_k are masked out:
-    the same candidates, probabilities and draw as lax.top_k with k = top_k, since the Gumbel noise of
+def _draw(n_candidates: int, logits, keys, params: SamplingParams):
+    """Draw each row from its `n_candidates` largest logits (sorted, largest first), of which ranks >= its top_k are
+    masked out: the same candidates, probabilities and draw as lax.top_k with k = top_k, since the Gumbel noise of
     jax.random.categorical at a position does not depend on how many positions follow it."""
+    batch = logits.shape[0]
     values, ids = jax.lax.top_k(logits, n_candidates)
-    top_k = jnp.where(params.top_k > 0, params.top_k, n_candidates)
-    values = jnp.where(jnp.arange(n_candidates) < top_k, values, -jnp.inf)
+    top_k = _rows(params.top_k, batch)
+    values = jnp.where(jnp.arange(n_candidates) < jnp.where(top_k > 0, top_k, n_candidates), values, -jnp.inf)
     probs = jax.nn.softmax(values, axis=-1)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first candidate always survives).
-    keep = jnp.cumsum(probs, axis=-1) - probs < params.top_p
+    keep = jnp.cumsum(probs, axis=-1) - probs < _rows(params.top_p, batch)
     # min-p: drop candidates less likely than min_p times the most likely one.
-    keep &= probs >= params.min_p * probs[..., :1]
-    values = jnp.where(keep, values / params.temperature, -jnp.inf)
-    choice = jax.random.categorical(key, values, axis=-1)
+    keep &= probs >= _rows(params.min_p, batch) * probs[..., :1]
+    temperature = _rows(params.temperature, batch)  # <= 0 in greedy rows, whose draw is not used
+    values = jnp.where(keep, values / jnp.where(temperature > 0, temperature, 1.0), -jnp.inf)
+    choice = jax.vmap(jax.random.categorical)(keys, values)  # each row from its own key
     return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample(logits, recent, key, params: SamplingParams):
-    """logits [B, V] -> token ids [B] (int32). Greedy or not, and how many candidates to rank, are decided by the
-    traced values inside the program; only the chosen branch runs."""
+def sample(logits, recent, keys, params: SamplingParams):
+    """logits [B, V], recent [B, N], keys [B] (one PRNG key per row) -> token ids [B] (int32). Each sampling value is
+    one for every row or one per row ([B]: a server's slots, each with its request's values); a row's token depends
+    only on its own logits, window, key and values. Greedy or not, and how many candidates to rank, are decided by
+    the traced values inside the program, for the whole batch (only the branch the rows need runs); a row's draw is
+    the same in either drawing branch (see `_draw`), and a greedy row takes the argmax whatever the others do."""
     logits = logits.astype(jnp.float32)
+    batch, vocab = logits.shape
     if params.repeat_last_n > 0:
-        logits = apply_repeat_penalty(logits, recent, params.repeat_penalty)
-    vocab = logits.shape[-1]
+        logits = apply_repeat_penalty(logits, recent, _rows(params.repeat_penalty, batch))
     fast = min(FAST_TOP_K, vocab)
-    few = (params.top_k > 0) & (params.top_k <= fast)
-    branch = jnp.where(params.temperature <= 0, 0, jnp.where(few, 1, 2))
-    return jax.lax.switch(branch, [_greedy, lambda *a: _draw(fast, *a), lambda *a: _draw(vocab, *a)],
-                          logits, key, params)
+    greedy = _rows(params.temperature, batch)[:, 0] <= 0
+    top_k = _rows(params.top_k, batch)[:, 0]
+    few = greedy | ((top_k > 0) & (top_k <= fast))
+    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    branch = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.all(few), 1, 2))
+    drawn = jax.lax.switch(branch, [lambda *a: best, lambda *a: _draw(fast, *a), lambda *a: _draw(vocab, *a)],
+                           logits, keys, params)
+    return jnp.where(greedy, best, drawn)

@@ -161,19 +161,17 @@ def test_decode_chunk_matches_step_by_step_decoding(make_model, params):
         step_key, subkey = jax.random.split(step_key)
         state_recent = jnp.concatenate([state_recent[:, 1:], token[:, None]], axis=1)
         logits, cache = model.decode_step(token, m.weights, cache, m.config)
-        token = sample(logits, state_recent, subkey, params)
+        token = sample(logits, state_recent, subkey[None], params)
         expected.append(int(token[0]))
     expected_cache = cache
 
     token, cache = prefilled()
-    state = engine.DecodeState(token, jnp.asarray(recent), key, jnp.zeros((), bool))
+    state = engine.start_state(token, recent, key, 6)
     no_stop = jnp.array([-1], jnp.int32)
-    first, state, cache = engine.decode_chunk(state, jnp.int32(4), no_stop, m.weights, cache, m.config, params,
-                                              n_steps=4)
-    second, state, cache = engine.decode_chunk(state, jnp.int32(2), no_stop, m.weights, cache, m.config, params,
-                                               n_steps=4)
+    first, state, cache = engine.decode_chunk(state, no_stop, m.weights, cache, m.config, params, n_steps=4)
+    second, state, cache = engine.decode_chunk(state, no_stop, m.weights, cache, m.config, params, n_steps=4)
     assert np.asarray(first)[:, 0].tolist() == expected[:4]
-    assert np.asarray(second)[:, 0].tolist() == expected[4:] + [-1, -1]  # the budget of 2 ends the chunk
+    assert np.asarray(second)[:, 0].tolist() == expected[4:] + [-1, -1]  # the 6 steps end in the chunk
     assert cache.length.tolist() == expected_cache.length.tolist() == [prompt.shape[1] + 6]
     np.testing.assert_array_equal(np.asarray(cache.k), np.asarray(expected_cache.k))
 
@@ -182,15 +180,14 @@ def test_decode_chunk_stops_after_a_stop_token(make_model):
     m = engine.load_model(make_model())
     params = SamplingParams(temperature=0)
     cache = model.init_cache(m.config, 1, 32)
-    start = engine.DecodeState(jnp.array([5], jnp.int32), jnp.full((1, 1), -1, jnp.int32), jax.random.key(0),
-                               jnp.zeros((), bool))
-    free, _, _ = engine.decode_chunk(start, jnp.int32(6), jnp.array([-1], jnp.int32), m.weights, cache, m.config,
-                                     params, n_steps=6)
+    start = engine.start_state(jnp.array([5], jnp.int32), jnp.full((1, 1), -1, jnp.int32), jax.random.key(0), 6)
+    free, _, _ = engine.decode_chunk(start, jnp.array([-1], jnp.int32), m.weights, cache, m.config, params,
+                                     n_steps=6)
     free = np.asarray(free)[:, 0].tolist()
     stop = free[2]  # make the third token a stop token: the loop keeps it and runs no further step
     cache = model.init_cache(m.config, 1, 32)
-    stopped, state, cache = engine.decode_chunk(start, jnp.int32(6), jnp.array([stop], jnp.int32), m.weights, cache,
-                                                m.config, params, n_steps=6)
+    stopped, state, cache = engine.decode_chunk(start, jnp.array([stop], jnp.int32), m.weights, cache, m.config,
+                                                params, n_steps=6)
     first_stop = free.index(stop)
     assert np.asarray(stopped)[:, 0].tolist() == free[:first_stop + 1] + [-1] * (5 - first_stop)
     assert bool(state.stopped) and cache.length.tolist() == [first_stop + 1]
@@ -210,15 +207,14 @@ def test_new_sampling_values_reuse_the_compiled_decode_loop(make_model):
     """--temp, --top_k, --top_p, --min_p and --repeat_penalty are traced: a new value runs the compiled loop (and
     hits the persistent compilation cache in a new process) instead of compiling ~8 s anew."""
     m = engine.load_model(make_model())
-    state = engine.DecodeState(jnp.array([5], jnp.int32), jnp.full((1, 4), -1, jnp.int32), jax.random.key(0),
-                               jnp.zeros((), bool))
+    state = engine.start_state(jnp.array([5], jnp.int32), jnp.full((1, 4), -1, jnp.int32), jax.random.key(0), 4)
     before = engine.decode_chunk._cache_size()
     outputs = []
     for params in (SamplingParams(temperature=0, repeat_last_n=4), SamplingParams(temperature=1.5, top_k=3,
                                                                                    repeat_last_n=4),
                    SamplingParams(temperature=0.7, top_k=0, top_p=0.5, min_p=0.1, repeat_penalty=1.2,
                                   repeat_last_n=4)):
-        tokens, _, _ = engine.decode_chunk(state, jnp.int32(4), jnp.array([-1], jnp.int32), m.weights,
+        tokens, _, _ = engine.decode_chunk(state, jnp.array([-1], jnp.int32), m.weights,
                                            model.init_cache(m.config, 1, 16), m.config, params.as_arrays(), n_steps=4)
         outputs.append(np.asarray(tokens)[:, 0].tolist())
     assert engine.decode_chunk._cache_size() == before + 1
@@ -268,8 +264,9 @@ def test_nonfinite_logits_stop_generation_with_an_error(make_model):
 
 
 def test_a_decode_step_with_nonfinite_logits_stops_the_loop():
-    state = engine.DecodeState(jnp.array([5, 6], jnp.int32), jnp.full((2, 1), -1, jnp.int32), jax.random.key(0),
-                               jnp.zeros((), bool))
+    state = engine.DecodeState(jnp.array([5, 6], jnp.int32), jnp.full((2, 1), -1, jnp.int32),
+                               jax.random.split(jax.random.key(0), 2), jnp.full((2,), 4, jnp.int32),
+                               jnp.zeros((2,), bool), jnp.zeros((2,), bool))
     logits = jnp.zeros((2, 8)).at[1, 3].set(jnp.nan)
     after = engine.sample_next(state, logits, jnp.array([-1], jnp.int32), SamplingParams(temperature=0))
-    assert after.token.tolist() == [0, engine.NONFINITE_LOGITS] and bool(after.stopped)
+    assert after.token.tolist() == [0, engine.NONFINITE_LOGITS] and after.stopped.tolist() == [False, True]

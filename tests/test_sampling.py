@@ -14,12 +14,13 @@ NO_RECENT = jnp.full((1, 4), -1, jnp.int32)
 def draw(logits, params, n=400):
     keys = jax.random.split(jax.random.key(0), n)
     logits = jnp.asarray(logits, jnp.float32)[None]
-    return np.asarray(jax.vmap(lambda k: sample(logits, NO_RECENT, k, params)[0])(keys))
+    return np.asarray(jax.vmap(lambda k: sample(logits, NO_RECENT, k[None], params)[0])(keys))
 
 
 def test_greedy_is_argmax():
     logits = np.array([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]], np.float32)
-    got = sample(jnp.asarray(logits), jnp.full((2, 4), -1), jax.random.key(0), SamplingParams(temperature=0))
+    got = sample(jnp.asarray(logits), jnp.full((2, 4), -1), jax.random.split(jax.random.key(0), 2),
+                 SamplingParams(temperature=0))
     assert got.tolist() == [1, 0]
 
 
@@ -91,7 +92,7 @@ def test_traced_sampler_draws_what_the_static_one_drew(params):
     recent = jnp.asarray(rng.integers(-1, 300, (1, 8)), jnp.int32)
     params = dataclasses.replace(params, repeat_last_n=8)
     keys = jax.random.split(jax.random.key(5), 300)
-    traced = jax.jit(jax.vmap(lambda k, p: sample(logits, recent, k, p), in_axes=(0, None)))
+    traced = jax.jit(jax.vmap(lambda k, p: sample(logits, recent, k[None], p), in_axes=(0, None)))
     expected = jax.vmap(lambda k: reference_sample(logits, recent, k, params))(keys)
     np.testing.assert_array_equal(np.asarray(traced(keys, params.as_arrays())), np.asarray(expected))
 
@@ -101,9 +102,9 @@ def test_new_sampling_values_reuse_the_compiled_sampler():
     logits, recent = jnp.zeros((1, 300)), jnp.full((1, 64), -1, jnp.int32)
     for params in (SamplingParams(), SamplingParams(temperature=0), SamplingParams(temperature=1, top_k=7, top_p=0.5),
                    SamplingParams(top_k=0, min_p=0.2, repeat_penalty=1.1), SamplingParams(top_k=2**31 - 1)):
-        step(logits, recent, jax.random.key(0), params.as_arrays())
+        step(logits, recent, jax.random.key(0)[None], params.as_arrays())
     assert step._cache_size() == 1
-    step(logits, recent, jax.random.key(0), SamplingParams(repeat_last_n=8).as_arrays())
+    step(logits, recent, jax.random.key(0)[None], SamplingParams(repeat_last_n=8).as_arrays())
     assert step._cache_size() == 2  # the window size is static: it sizes the recent-token array
 
 
