@@ -279,7 +279,7 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     for piece in pieces:
         padded = np.zeros((1, chunk), np.int32)
         padded[0, : len(piece)] = piece
-        token, cache = prefill_fn(padded, jnp.int32(len(piece)), jnp.int32(0), recent, subkey, cache)
+        token, cache = prefill_fn(padded, jnp.int32(len(piece)), jnp.int32(0), recent, subkey, params, cache)
     # The first token comes from the prefill; each later one from a decode step, at most one per free position.
     steps_left = min(n_predict - 1, ctx - len(prompt_ids))
     state = start_state(token, recent, key, steps_left)
@@ -290,7 +290,7 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
         nonlocal state, cache, steps_left
         if steps_left > 0:
             n = min(steps_left, DECODE_CHUNK)
-            tokens, state, cache = decode_fn(state, cache)
+            tokens, state, cache = decode_fn(state, params, cache)
             in_flight.append((tokens, n))
             steps_left -= n
 
@@ -336,31 +336,32 @@ def _warmed_up(step, cache):
 
 
 def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams):
-    """(prefill(tokens, n_valid, row, recent, keys, cache) -> (tokens [B], cache), `cache` after a warm-up): the
-    prefill program (prefill_and_sample) for tokens shaped as `padded` [B, T], compiled ahead of time (or loaded:
+    """(prefill(tokens, n_valid, row, recent, keys, params, cache) -> (tokens [B], cache), `cache` after a warm-up):
+    the prefill program (prefill_and_sample) for arguments shaped as these, compiled ahead of time (or loaded:
     programs.py) and warmed up on row 0 without changing the cache's contents, for split and unsplit models alike."""
     compiled = programs.compile_step(prefill_and_sample, padded, jnp.int32(1), jnp.int32(0), recent, keys, m.weights,
                                      cache, m.config, params, donate=("cache",))
 
-    def prefill(tokens, n_valid, row, recent, keys, cache):
+    def prefill(tokens, n_valid, row, recent, keys, params, cache):
         return compiled(tokens, n_valid, row, recent, keys, m.weights, cache, m.config, params)
 
-    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, cache), cache)
+    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, params, cache),
+                               cache)
 
 
 def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):
-    """(decode(state, cache) -> (tokens [DECODE_CHUNK, B], state, cache), `cache` after a warm-up): the decode
-    program (decode_chunk) compiled ahead of time (or loaded) and warmed up (one step of every row) without changing
-    the cache's contents."""
+    """(decode(state, params, cache) -> (tokens [DECODE_CHUNK, B], state, cache), `cache` after a warm-up): the
+    decode program (decode_chunk) for arguments shaped as these, compiled ahead of time (or loaded) and warmed up
+    (one step of every row) without changing the cache's contents."""
     compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
                                      donate=("cache",), n_steps=DECODE_CHUNK)
 
-    def decode(state, cache):
+    def decode(state, params, cache):
         return compiled(state, stop_ids, m.weights, cache, m.config, params)
 
     one_step = dataclasses.replace(state, steps_left=jnp.ones_like(state.steps_left),
                                    stopped=jnp.zeros_like(state.stopped))
-    return decode, _warmed_up(lambda cache: decode(one_step, cache), cache)
+    return decode, _warmed_up(lambda cache: decode(one_step, params, cache), cache)
 
 
 @dataclasses.dataclass

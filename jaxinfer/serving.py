@@ -1,19 +1,10 @@
 """OpenAI-compatible serving without the HTTP layer: request bodies checked into typed requests, responses and
-stream chunks in OpenAI's shapes, stop strings applied on the detokenized text, and a worker thread that runs one
-request at a time through `engine.generate_tokens`, fed from a bounded queue (python -m jaxinfer.server puts HTTP in
-front of it).
+stream chunks in OpenAI's shapes, and stop strings applied on the detokenized text. scheduler.py runs the requests;
+python -m jaxinfer.server puts HTTP in front of both."""
 
-Requests run one after another on one thread: the engine's programs are not shared between threads, and the model
-already takes per-row KV lengths for the continuous batching that will replace this worker."""
-
-import asyncio
 import dataclasses
 import os
-import queue
-import sys
-import threading
 import time
-import traceback
 import uuid
 
 from jaxinfer import engine
@@ -21,8 +12,8 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams
 
 UINT32_MAX = 2**32 - 1
-REPEAT_LAST_N = 64  # fixed: the window's size shapes the compiled step, so a per-request value would recompile
-WARM_UP_TOKENS = 2  # a warm-up request compiles the prefill and decode programs before the server reports ready
+INT32_MAX = 2**31 - 1
+REPEAT_LAST_N = 64  # llama-server's default; fixed: the window's size shapes the compiled programs
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 500: "server_error",
                503: "unavailable_error"}
 
@@ -55,6 +46,7 @@ class Request:
     stop: list[str]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage counts
+    ignore_eos: bool = False  # llama-server's: stop tokens do not end the request (benchmarks of fixed lengths)
 
 
 # ---- reading request bodies ----
@@ -164,11 +156,11 @@ class Parser:
         try:
             engine.check_prompt(len(ids), self.ctx, self.model.config.n_ctx_train)
         except JaxinferError as e:
-            raise RequestError(400, str(e).replace("raise -c/--ctx_size", "start the server with a larger -c"))
+            raise RequestError(400, str(e).replace("raise -c/--ctx_size", "give each slot more context (-c / -np)"))
         room = self.ctx - len(ids)
         max_tokens = room
         for name in max_tokens_names:
-            max_tokens = _integer(body, name, None, 1, 2**31 - 1) or max_tokens
+            max_tokens = _integer(body, name, None, 1, INT32_MAX) or max_tokens
         if _integer(body, "n", 1, 1, 1) != 1:
             raise RequestError(400, "'n' must be 1")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -185,12 +177,15 @@ class Parser:
             params.validate(name=lambda field: f"'{field}'")  # the ranges generate's flags have
         except JaxinferError as e:
             raise RequestError(400, str(e)) from None
+        if _integer(body, "repeat_last_n", REPEAT_LAST_N, -1, INT32_MAX) != REPEAT_LAST_N:
+            raise RequestError(400, f"'repeat_last_n' must be {REPEAT_LAST_N} (the server's repeat-penalty window)")
         seed = _integer(body, "seed", -1, -1, UINT32_MAX)
         stream_options = _field(body, "stream_options", (dict,), "an object", {})
         return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room), params=params,
                        seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
                        stream=_field(body, "stream", (bool,), "a boolean", False),
-                       include_usage=bool(stream_options.get("include_usage")))
+                       include_usage=bool(stream_options.get("include_usage")),
+                       ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False))
 
 
 # ---- text out of tokens ----
@@ -282,118 +277,6 @@ class Responder:
         """stream_options.include_usage's last chunk: no choices, the request's usage."""
         return {**self._envelope("chat.completion.chunk" if self.request.chat else "text_completion", {}),
                 "choices": [], "usage": counts}
-
-
-# ---- the worker ----
-
-@dataclasses.dataclass
-class Event:
-    """What the worker hands to the waiting HTTP handler: a piece of text, the end, or an error."""
-
-    text: str = ""
-    finish_reason: str | None = None  # set on the last event of a request that ended well
-    usage: dict | None = None
-    error: str | None = None  # set on the last event of a request that failed
-
-
-class Job:
-    """A queued request and the channel its events come back on, to the asyncio loop that waits for them."""
-
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
-        self.events: asyncio.Queue[Event] = asyncio.Queue()
-        self.cancelled = threading.Event()  # the client went away: generation for it stops at the next token
-
-    def send(self, event: Event):
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop is closed (server shutting down): nobody is waiting
-            self.cancelled.set()
-
-
-class Worker:
-    """Runs jobs one at a time on its own thread; at most `max_waiting` jobs wait behind the running one."""
-
-    def __init__(self, m: engine.LoadedModel, ctx: int, max_waiting: int, ubatch: int = 512):
-        self.model, self.ctx, self.ubatch = m, ctx, ubatch
-        self.waiting: queue.Queue[Job] = queue.Queue(max_waiting)
-        self.max_waiting = max_waiting
-        self.busy = 0  # 0 or 1: requests generating now
-        self.requests_total = 0
-        self.tokens_generated_total = 0
-        self._lock = threading.Lock()  # the counters are read by the HTTP side while the worker writes them
-        self.thread = threading.Thread(target=self._run, name="jaxinfer-worker", daemon=True)
-
-    def start(self):
-        self.thread.start()
-
-    def warm_up(self):
-        """Compile (or load) the step programs now, so that the first request does not wait for them."""
-        params = SamplingParams(temperature=0.0, repeat_last_n=REPEAT_LAST_N)
-        for _ in engine.generate_tokens(self.model, self.model.tokenizer.encode("hello") or [0], WARM_UP_TOKENS,
-                                        self.ctx, params, seed=0, ubatch=self.ubatch):
-            pass
-
-    def submit(self, job: Job):
-        """Queue `job`, or refuse it with 503 when the queue is full."""
-        try:
-            self.waiting.put_nowait(job)
-        except queue.Full:
-            raise RequestError(503, f"the server is busy: {self.max_waiting} requests are already waiting (the "
-                                    f"queue's limit, --queue); try again later") from None
-        with self._lock:
-            self.requests_total += 1
-
-    def metrics(self) -> dict[str, int]:
-        with self._lock:
-            return {"requests_total": self.requests_total, "tokens_generated_total": self.tokens_generated_total,
-                    "busy_slots": self.busy, "queue_length": self.waiting.qsize()}
-
-    def _run(self):
-        while True:
-            job = self.waiting.get()
-            if job.cancelled.is_set():
-                continue
-            with self._lock:
-                self.busy = 1
-            try:
-                last = self._generate(job)
-            except JaxinferError as e:
-                last = Event(error=str(e))
-            except Exception as e:  # a bug: logged with its traceback here, one line to the client
-                traceback.print_exc(file=sys.stderr)
-                last = Event(error=f"internal error ({type(e).__name__})")
-            with self._lock:
-                self.busy = 0
-            # Sent once the slot is free: a client that has its answer sees /metrics without it.
-            if last is not None:
-                job.send(last)
-
-    def _generate(self, job: Job) -> Event | None:
-        """Generate for `job`, sending its text as it becomes final -> the last event (None: cancelled)."""
-        request, tokenizer = job.request, self.model.tokenizer
-        assembler = TextAssembler(tokenizer, request.stop)
-        stats = engine.GenerationStats()
-        produced = 0
-        tokens = engine.generate_tokens(self.model, request.prompt_ids, request.max_tokens, self.ctx,
-                                        request.params, request.seed, stats, self.ubatch)
-        try:
-            for token in tokens:
-                if job.cancelled.is_set():
-                    return None
-                produced += 1
-                with self._lock:
-                    self.tokens_generated_total += 1
-                if text := assembler.add(token):
-                    job.send(Event(text=text))
-                if assembler.stopped:
-                    break
-        finally:
-            tokens.close()  # a generator left mid-way: its device buffers are freed now, not at collection
-        if tail := assembler.finish():
-            job.send(Event(text=tail))
-        finish_reason = "stop" if assembler.stopped or stats.stop_reason == "end of text" else "length"
-        return Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), produced))
 
 
 def model_id(path: str) -> str:

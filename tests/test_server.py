@@ -16,13 +16,14 @@ from jaxinfer import engine
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
-# Large enough that a LONG request takes seconds (~1 ms a token on 2 cores) and is still generating when its client
+# Large enough that a LONG request takes seconds (~1 ms a token on 2 cores) and is still generating when its
 # disconnects; short requests take ~20 ms.
-SPEC = SyntheticSpec(n_ctx=4096, n_embd=256, n_ff=1024, n_layer=4)
-CTX = SPEC.n_ctx
-LONG = 4000
-QUEUE = 4  # 4 concurrent clients always fit, even while the worker has not yet taken the first from the queue
-PROMPTS = ["1 2 3", "hello the", "abc", "in the"]
+SPEC = SyntheticSpec(n_ctx=16384, n_embd=256, n_ff=1024, n_layer=4)
+CTX = SPEC.n_ctx  # all slots together: each has CTX // SLOTS positions
+SLOTS = 4
+LONG = CTX // SLOTS - 24
+QUEUE = 8  # 8 concurrent clients always fit, even while the scheduler has not yet taken any from the queue
+PROMPTS = ["1 2 3", "hello the", "abc", "in the", "a b a b", "the the hall", "x", "2 3 4 5 6 7"]
 
 
 def free_port() -> int:
@@ -33,7 +34,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
-    return write_model(str(tmp_path_factory.mktemp("server") / "tiny.gguf"), SyntheticSpec(n_ctx=CTX))
+    return write_model(str(tmp_path_factory.mktemp("server") / "tiny.gguf"), SPEC)
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +42,8 @@ def server(model_path):
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", model_path, "--port", str(port),
-                                "-c", str(CTX), "--queue", str(QUEUE)], env=env, stderr=subprocess.PIPE, text=True)
+                                "-c", str(CTX), "-np", str(SLOTS), "--queue", str(QUEUE)], env=env,
+                               stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     saw_loading = False
     deadline = time.monotonic() + 120
@@ -74,7 +76,7 @@ def local(model_path):
     m = engine.load_model(model_path)
 
     def greedy(prompt_ids, n):
-        ids = list(engine.generate_tokens(m, prompt_ids, n, CTX, SamplingParams(temperature=0), seed=0))
+        ids = list(engine.generate_tokens(m, prompt_ids, n, CTX // SLOTS, SamplingParams(temperature=0), seed=0))
         return m.tokenizer.decode(ids), len(ids)
 
     return m, greedy
@@ -113,6 +115,17 @@ def test_completion_at_temperature_0_equals_generate_tokens(client, local):
         assert result.usage.prompt_tokens == len(ids) and result.usage.completion_tokens == n
         assert result.usage.total_tokens == len(ids) + n
         assert result.choices[0].finish_reason == ("length" if n == 12 else "stop")
+
+
+def test_a_prompt_prefilled_in_several_pieces_equals_generate_tokens(client, local):
+    """A 300-token prompt is prefilled in two pieces (256 + 64, scheduler.prefill_pieces) in its slot's row."""
+    m, greedy = local
+    prompt = " ".join(["the hall of 1 2 3"] * 20)
+    ids = m.tokenizer.encode(prompt)
+    assert 256 < len(ids) <= 320
+    expected, n = greedy(ids, 10)
+    result = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=10, temperature=0)
+    assert result.choices[0].text == expected and result.usage.prompt_tokens == len(ids)
 
 
 def test_streamed_completion_equals_the_whole_one(client):
@@ -192,7 +205,9 @@ def test_tokenize_and_detokenize(server, local):
     ({"prompt": "hi", "presence_penalty": 0.5}, 400, "not supported"),
     ({"max_tokens": 4}, 400, "'prompt' is required"),
     ({"prompt": 7}, 400, "'prompt' must be a string"),
-    ({"prompt": "x " * CTX}, 400, "longer than the context"),
+    ({"prompt": "x " * (CTX // SLOTS)}, 400, "longer than the context"),
+    ({"prompt": "hi", "repeat_last_n": 8}, 400, "'repeat_last_n' must be 64"),
+    ({"prompt": "hi", "ignore_eos": 1}, 400, "'ignore_eos' must be a boolean"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' not found"),
 ])
 def test_bad_completion_requests(server, body, status, fragment):
@@ -228,64 +243,94 @@ def test_malformed_json_unknown_routes_and_models(server, client):
     assert_error(nan, 400, "'temperature' must be a finite number")
 
 
-def test_disconnects_cancel_and_a_full_queue_answers_503(server, client):
-    base = server[0]
-    before = metrics(base)
-    body = {"prompt": "hello the", "max_tokens": LONG, "temperature": 0, "stream": True}
-    with httpx.Client(base_url=base, timeout=30) as http:
-        streams = []
-        for _ in range(1 + QUEUE):  # one generating, QUEUE waiting: the queue is full
-            streams.append(http.send(http.build_request("POST", "/v1/completions", json=body), stream=True))
-        # The first one is generating. Its line iterator stays referenced: a dropped one closes the response.
-        lines = streams[0].iter_lines()
-        assert next(line for line in lines if line.startswith("data: {"))
-        assert metrics(base)["jaxinfer_queue_length"] == QUEUE
-        assert_error(httpx.post(f"{base}/v1/completions", json=body), 503, "busy", "queue")
-        for response in streams:  # every client goes away mid-stream
-            response.close()
-    deadline = time.monotonic() + 20
+def wait_until_idle(base, seconds=20) -> dict[str, float]:
+    """/metrics once no slot is busy and nothing waits (failing after `seconds`)."""
+    deadline = time.monotonic() + seconds
     while (now := metrics(base))["jaxinfer_busy_slots"] or now["jaxinfer_queue_length"]:
         assert time.monotonic() < deadline, now
         time.sleep(0.05)
-    # The generating request stopped early and the waiting ones never ran.
-    assert now["jaxinfer_tokens_generated_total"] - before["jaxinfer_tokens_generated_total"] < LONG
+    return now
+
+
+def test_disconnects_free_their_slots_and_a_full_queue_answers_503(server, client):
+    base = server[0]
+    before = metrics(base)
+    body = {"prompt": "hello the", "max_tokens": LONG, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=base, timeout=30) as http:
+        def send(n):
+            return [http.send(http.build_request("POST", "/v1/completions", json=body), stream=True) for _ in range(n)]
+
+        streams = send(SLOTS)  # every slot generating
+        # Their line iterators stay referenced: a dropped one closes the response.
+        lines = [stream.iter_lines() for stream in streams]
+        for generating in lines:
+            assert next(line for line in generating if line.startswith("data: {"))
+        streams += send(QUEUE)  # and QUEUE waiting: the queue is full
+        now = metrics(base)
+        assert now["jaxinfer_busy_slots"] == SLOTS and now["jaxinfer_queue_length"] == QUEUE, now
+        assert all(stream.status_code == 200 for stream in streams)
+        assert_error(httpx.post(f"{base}/v1/completions", json=body), 503, "busy", "queue")
+        for response in streams:  # every client goes away mid-stream
+            response.close()
+    now = wait_until_idle(base)
+    # The generating requests stopped early and the waiting ones never ran.
+    assert now["jaxinfer_tokens_generated_total"] - before["jaxinfer_tokens_generated_total"] < SLOTS * LONG
     after = client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=4, temperature=0)
     assert after.usage.completion_tokens == 4 or after.choices[0].finish_reason == "stop"
-    assert metrics(base)["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + 1 + QUEUE + 1
+    assert metrics(base)["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + SLOTS + QUEUE + 1
 
 
 def test_a_non_streaming_client_that_gives_up_cancels_its_request(server, client):
     base = server[0]
     before = metrics(base)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json={"prompt": "abc", "max_tokens": LONG, "temperature": 0},
-                   timeout=0.5)
-    deadline = time.monotonic() + 20
-    while (now := metrics(base))["jaxinfer_busy_slots"]:
-        assert time.monotonic() < deadline, now
-        time.sleep(0.05)
+        httpx.post(f"{base}/v1/completions", json={"prompt": "abc", "max_tokens": LONG, "temperature": 0,
+                                                   "ignore_eos": True}, timeout=0.3)
+    now = wait_until_idle(base)
     assert now["jaxinfer_tokens_generated_total"] - before["jaxinfer_tokens_generated_total"] < LONG
     assert client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=2, temperature=0).choices
 
 
-def test_concurrent_clients_each_get_their_own_text(client):
-    lengths = [5, 9, 7, 11]
-    alone = [client.completions.create(model="tiny.gguf", prompt=p, max_tokens=n, temperature=0).choices[0].text
-             for p, n in zip(PROMPTS, lengths)]
-    together = [None] * len(PROMPTS)
+def test_ignore_eos_generates_max_tokens(client):
+    result = client.completions.create(model="tiny.gguf", prompt="abc", max_tokens=40, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert result.usage.completion_tokens == 40 and result.choices[0].finish_reason == "length"
 
-    def run(i):
-        chunks = client.completions.create(model="tiny.gguf", prompt=PROMPTS[i], max_tokens=lengths[i],
-                                           temperature=0, stream=i % 2 == 0)
-        together[i] = "".join(c.choices[0].text for c in chunks) if i % 2 == 0 else chunks.choices[0].text
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+REQUESTS = [  # (prompt, max_tokens, sampling): greedy and seeded draws with their own values, mixed in one batch
+    (prompt, 5 + 3 * i, {"temperature": 0} if i % 2 else {
+        "temperature": 0.9, "top_p": 0.9, "seed": 100 + i,
+        "extra_body": {"top_k": 0 if i % 4 else 20, "repeat_penalty": 1.2}})  # llama-server's fields
+    for i, prompt in enumerate(PROMPTS)]
+
+
+def test_concurrent_clients_each_get_what_they_get_alone(server, client):
+    """8 clients, different prompts, lengths and sampling values (greedy, and seeded draws over top-k or the whole
+    vocabulary), at once on 4 slots: each gets the text and counts it gets alone (4 wait in the queue, then join
+    the running batch as slots free up)."""
+    def run(prompt, n, sampling, stream):
+        result = client.completions.create(model="tiny.gguf", prompt=prompt, max_tokens=n, stream=stream,
+                                           **({"stream_options": {"include_usage": True}} if stream else {}),
+                                           **sampling)
+        if not stream:
+            return result.choices[0].text, result.usage.completion_tokens
+        chunks = list(result)
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens
+
+    alone = [run(*request, stream=False) for request in REQUESTS]
+    together = [None] * len(REQUESTS)
+
+    def client_thread(i):
+        together[i] = run(*REQUESTS[i], stream=i % 2 == 0)
+
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(len(REQUESTS))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     assert together == alone
-    assert len(set(alone)) == len(alone)  # different prompts and lengths: a mix-up would show
+    assert len({text for text, _ in alone}) == len(alone)  # different prompts and lengths: a mix-up would show
+    assert wait_until_idle(server[0])["jaxinfer_busy_slots"] == 0
 
 
 def test_metrics_count_requests_and_tokens(server, client):
@@ -296,6 +341,8 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert after["jaxinfer_requests_total"] == before["jaxinfer_requests_total"] + 1
     assert after["jaxinfer_tokens_generated_total"] == before["jaxinfer_tokens_generated_total"] + 3
     assert after["jaxinfer_busy_slots"] == 0 and after["jaxinfer_queue_length"] == 0
+    assert after["jaxinfer_slots"] == SLOTS and after["jaxinfer_tokens_per_second"] > 0
+    assert after["process_resident_memory_bytes"] > 0
 
 
 def test_a_model_that_cannot_load_stops_the_server_with_one_error_line():

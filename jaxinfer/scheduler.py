@@ -1,0 +1,317 @@
+"""Continuous batching for the server: `-np` slots, one row each of one KV cache, advanced together by one
+compiled decode program, with requests joining and leaving between its chunks.
+
+    queue (bounded) -> free slot -> prefill, one chunk per round, of its own cache row (prefill_and_sample, row = slot)
+                                 -> decode: every decoding slot, DECODE_CHUNK steps per round (decode_chunk)
+                                 -> finished, cancelled or failed: the slot is free at once
+
+One thread runs the rounds (the engine's programs are not shared between threads); HTTP handlers hand it Jobs and
+wait for their Events. Per-slot sampling values, PRNG keys, step budgets and stop rules are rows of the decode
+program's arrays, so a request never recompiles anything. A slot's tokens depend only on its own row: the decode
+program's rows are computed independently, a prefill runs one slot alone, and rows that sit out a step neither
+write nor advance. So a request gives the same tokens alone and in a full batch (tested at temperature 0)."""
+
+import asyncio
+import dataclasses
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import engine, model
+from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
+
+# Prompts are prefilled in pieces of these sizes (each one compiled program): the largest that the rest of the
+# prompt fills at least half of, the last padded. A 70-token prompt is 64 + 16 (6 real), not 256.
+PREFILL_CHUNKS = (16, 64, 256)
+NO_STEP = -1  # decode_chunk's token where a row took no step
+
+
+def prefill_pieces(n_prompt: int, start: int, cache_len: int) -> list[tuple[int, int]]:
+    """(offset, chunk size) of each prefill piece of a prompt of n_prompt tokens whose first `start` are in the cache
+    already, none reaching past `cache_len` (a multiple of the smallest chunk)."""
+    pieces, offset = [], start
+    while offset < n_prompt:
+        left = n_prompt - offset
+        fits = [size for size in PREFILL_CHUNKS if offset + size <= cache_len]
+        covering = [size for size in fits if left <= size <= 2 * left]
+        size = min(covering) if covering else max([s for s in fits if s <= left] or fits[:1])
+        pieces.append((offset, size))
+        offset += min(size, left)
+    return pieces
+
+
+@dataclasses.dataclass
+class Event:
+    """What the scheduler hands to the waiting HTTP handler: a piece of text, the end, or an error."""
+
+    text: str = ""
+    finish_reason: str | None = None  # set on the last event of a request that ended well
+    usage: dict | None = None
+    error: str | None = None  # set on the last event of a request that failed
+
+
+class Job:
+    """A queued request and the channel its events come back on, to the asyncio loop that waits for them."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request, self.loop = request, loop
+        self.events: asyncio.Queue[Event] = asyncio.Queue()
+        self.cancelled = threading.Event()  # the client went away: its slot is freed at the next round
+
+    def send(self, event: Event):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed (server shutting down): nobody is waiting
+            self.cancelled.set()
+
+
+@dataclasses.dataclass
+class Slot:
+    """A request in a slot: prefilling while `pieces` remain, then decoding."""
+
+    job: Job
+    assembler: TextAssembler
+    pieces: list[tuple[int, int]]
+    recent: np.ndarray  # int32 [1, REPEAT_LAST_N]: the prompt's last tokens
+    key: jax.Array  # the request's PRNG key after the prefill's subkey was split off
+    prefill_key: jax.Array  # [1]
+    limit: int  # tokens it may generate: max_tokens, within the slot's context
+    produced: int = 0
+
+    @property
+    def decoding(self) -> bool:
+        return not self.pieces
+
+
+def _seed_keys(seed: int):
+    key, subkey = jax.random.split(jax.random.key(seed))  # as engine.generate_tokens splits a seed
+    return key, subkey[None]
+
+
+class Scheduler:
+    """`n_slots` slots of `slot_ctx` positions each; at most `max_waiting` requests wait for a free one."""
+
+    def __init__(self, m: engine.LoadedModel, n_slots: int, slot_ctx: int, max_waiting: int):
+        self.model, self.n_slots, self.slot_ctx, self.max_waiting = m, n_slots, slot_ctx, max_waiting
+        smallest = PREFILL_CHUNKS[0]
+        self.cache_len = -(-slot_ctx // smallest) * smallest
+        self.stop_ids = np.array(sorted(m.tokenizer.stop_ids) or [-1], np.int32)
+        self.waiting: queue.Queue[Job] = queue.Queue(max_waiting)
+        self.slots: list[Slot | None] = [None] * n_slots
+        self.counters = dict.fromkeys(("requests_total", "prompt_tokens_total", "tokens_generated_total"), 0)
+        self.busy_seconds = 0.0  # time spent in rounds with a slot busy
+        self._lock = threading.Lock()  # counters and slots are read by the HTTP side while the scheduler writes them
+        self.thread = threading.Thread(target=self._run, name="jaxinfer-scheduler", daemon=True)
+
+    # ---- set-up ----
+
+    def warm_up(self):
+        """Compile (or load) the prefill programs and the decode program now, so that no request waits for them."""
+        m = self.model
+        row_params = dataclasses.replace(SamplingParams(temperature=0.0).as_arrays(), repeat_last_n=REPEAT_LAST_N)
+        recent = np.full((1, REPEAT_LAST_N), -1, np.int32)
+        self._reset()
+        self.prefill = {}
+        for size in PREFILL_CHUNKS:
+            if size <= self.cache_len:
+                self.prefill[size], self.cache = engine.prefill_function(
+                    m, np.zeros((1, size), np.int32), recent, _seed_keys(0)[1], self.cache, row_params)
+        self.decode, self.cache = engine.decode_function(m, self.state, self.cache, self.params, self.stop_ids)
+
+    def _reset(self):
+        """An empty cache and every slot's decode row stopped."""
+        n = self.n_slots
+        self.cache = model.init_cache(self.model.config, n, self.cache_len)
+        self.params = dataclasses.replace(SamplingParams(), temperature=np.zeros(n, np.float32),
+                                          top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
+                                          min_p=np.zeros(n, np.float32), repeat_penalty=np.ones(n, np.float32),
+                                          repeat_last_n=REPEAT_LAST_N)
+        self.state = engine.DecodeState(jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32),
+                                        jax.random.split(jax.random.key(0), n), jnp.zeros(n, jnp.int32),
+                                        jnp.ones(n, bool), jnp.zeros(n, bool))
+
+    def start(self):
+        self.thread.start()
+
+    # ---- what the HTTP side calls ----
+
+    def submit(self, job: Job):
+        """Queue `job`, or refuse it with 503 when the queue is full."""
+        try:
+            self.waiting.put_nowait(job)
+        except queue.Full:
+            raise RequestError(503, f"the server is busy: all {self.n_slots} slots are generating and "
+                                    f"{self.max_waiting} requests are waiting (the queue's limit, --queue); try again "
+                                    f"later") from None
+        with self._lock:
+            self.counters["requests_total"] += 1
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            busy = sum(slot is not None for slot in self.slots)
+            generated, seconds = self.counters["tokens_generated_total"], self.busy_seconds
+            return {**self.counters, "busy_seconds_total": round(seconds, 3), "slots": self.n_slots,
+                    "busy_slots": busy, "queue_length": self.waiting.qsize(),
+                    "tokens_per_second": round(generated / seconds, 2) if seconds else 0.0}
+
+    # ---- the rounds ----
+
+    def _run(self):
+        while True:
+            self._admit(block=not any(self.slots))
+            started = time.perf_counter()
+            try:
+                self._round()
+            except Exception as e:  # a bug: logged with its traceback, one line to each client it cut short
+                traceback.print_exc(file=sys.stderr)
+                for row, slot in enumerate(self.slots):
+                    if slot is not None:
+                        self._finish(row, Event(error=f"internal error ({type(e).__name__})"))
+                self._reset()  # a program that failed may have consumed the donated cache
+            with self._lock:
+                self.busy_seconds += time.perf_counter() - started
+
+    def _admit(self, block: bool):
+        """Move waiting jobs into free slots (waiting for one when `block`: nothing else to do)."""
+        for row in range(self.n_slots):
+            if self.slots[row] is None:
+                job = self._next_job(block)
+                if job is None:
+                    return
+                self._start(row, job)
+                block = False
+
+    def _next_job(self, block: bool) -> Job | None:
+        while True:
+            try:
+                job = self.waiting.get(block=block)
+            except queue.Empty:
+                return None
+            if not job.cancelled.is_set():
+                return job
+
+    def _start(self, row: int, job: Job):
+        request = job.request
+        ids = request.prompt_ids
+        recent = np.full((1, REPEAT_LAST_N), -1, np.int32)
+        kept = ids[-REPEAT_LAST_N:]
+        recent[0, REPEAT_LAST_N - len(kept):] = kept
+        key, prefill_key = _seed_keys(request.seed)
+        slot = Slot(job, TextAssembler(self.model.tokenizer, request.stop),
+                    prefill_pieces(len(ids), 0, self.cache_len), recent, key, prefill_key,
+                    limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1))
+        self.cache = dataclasses.replace(self.cache, length=self.cache.length.at[row].set(0))
+        with self._lock:
+            self.slots[row] = slot
+            self.counters["prompt_tokens_total"] += len(ids)
+
+    def _round(self):
+        """Free cancelled slots; one prefill piece for each prefilling slot; one decode chunk for the decoding."""
+        for row, slot in enumerate(self.slots):
+            if slot is not None and slot.job.cancelled.is_set():
+                self._free(row)
+        for row, slot in enumerate(self.slots):
+            if slot is not None and not slot.decoding:
+                self._prefill(row, slot)
+        if any(slot is not None and slot.decoding for slot in self.slots):
+            self._decode()
+
+    def _prefill(self, row: int, slot: Slot):
+        request = slot.job.request
+        offset, size = slot.pieces.pop(0)
+        piece = request.prompt_ids[offset:offset + size]
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :len(piece)] = piece
+        token, self.cache = self.prefill[size](tokens, jnp.int32(len(piece)), jnp.int32(row), slot.recent,
+                                               slot.prefill_key, request.params.as_arrays(), self.cache)
+        if slot.pieces:
+            return
+        first = int(token[0])
+        self._set_row(row, token=first, recent=slot.recent[0], keys=slot.key, steps_left=slot.limit - 1,
+                      stopped=False, ignore_eos=request.ignore_eos)
+        p = request.params
+        self.params = dataclasses.replace(self.params, **{
+            name: _with(getattr(self.params, name), row, getattr(p, name))
+            for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")})
+        self._take(row, first)
+
+    def _decode(self):
+        tokens, self.state, self.cache = self.decode(self.state, self.params, self.cache)
+        tokens = np.asarray(tokens)
+        for row, slot in enumerate(self.slots):
+            if slot is None or not slot.decoding:
+                continue
+            for token in tokens[:, row].tolist():
+                if token == NO_STEP or self._take(row, token):
+                    break
+
+    def _set_row(self, row: int, **values):
+        self.state = dataclasses.replace(self.state, **{
+            name: getattr(self.state, name).at[row].set(value) for name, value in values.items()})
+
+    # ---- a slot's tokens ----
+
+    def _take(self, row: int, token: int) -> bool:
+        """Hand `token` of the request in slot `row` to its client -> whether the request ended."""
+        slot = self.slots[row]
+        request = slot.job.request
+        if token == engine.NONFINITE_LOGITS:
+            position = len(request.prompt_ids) + slot.produced
+            return self._finish(row, Event(error=f"the model's logits are NaN or infinite at position {position} "
+                                                 f"(corrupt weights?)"))
+        if token in self.stop_ids and not request.ignore_eos:
+            return self._finish(row, self._last_event(slot, "stop"))
+        slot.produced += 1
+        with self._lock:
+            self.counters["tokens_generated_total"] += 1
+        if text := slot.assembler.add(token):
+            slot.job.send(Event(text=text))
+        if slot.assembler.stopped:
+            return self._finish(row, self._last_event(slot, "stop"))
+        if slot.produced >= slot.limit:
+            return self._finish(row, self._last_event(slot, "length"))
+        return False
+
+    def _last_event(self, slot: Slot, finish_reason: str) -> Event:
+        if tail := slot.assembler.finish():
+            slot.job.send(Event(text=tail))
+        return Event(finish_reason=finish_reason, usage=usage(len(slot.job.request.prompt_ids), slot.produced))
+
+    def _finish(self, row: int, last: Event) -> bool:
+        """End the request in slot `row` with `last`, sent once the slot is free: a client that has its answer sees
+        /metrics without it."""
+        job = self.slots[row].job
+        self._free(row)
+        job.send(last)
+        return True
+
+    def _free(self, row: int):
+        self._set_row(row, stopped=True)
+        with self._lock:
+            self.slots[row] = None
+
+
+def _with(values: np.ndarray, row: int, value) -> np.ndarray:
+    """A copy of `values` with row `row` set: arrays handed to a program are never written again (on the CPU the
+    program may read them in place while it runs)."""
+    values = values.copy()
+    values[row] = value
+    return values
+
+
+def resident_memory_bytes() -> int | None:
+    """This process's resident memory (Linux), for /metrics."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
