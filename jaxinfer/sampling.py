@@ -60,7 +60,8 @@ class SamplingParams:
 
 def apply_repeat_penalty(logits, recent, penalty):
     """logits [B, V]; recent [B, N] token ids, -1 for empty slots; penalty one value or a [B, 1] column. Seen tokens'
-    positive logits are divided by the penalty and negative ones multiplied (llama.cpp's rule); a penalty of 1 leaves every logit exactly as it was."""
+    positive logits are divided by the penalty and negative ones multiplied (llama.cpp's rule); a penalty of 1 leaves
+    every logit exactly as it was."""
     vocab = logits.shape[-1]
     slots = jnp.where(recent >= 0, recent, vocab)  # empty slots fall outside the vocabulary and are dropped
     seen = jax.vmap(lambda s: jnp.zeros(vocab, bool).at[s].set(True, mode="drop"))(slots)

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import engine, model
-from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
 
