@@ -225,7 +225,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
-    return ffi::Error::InvalidArgument("cached_attention: q must be [B, T, H, hd], k and v [L, B, S, H_kv, hd]");
+    return ffi::Error::InvalidArgument("cached_attention: q must be [B, T, H, hd], k and v [L, R, S, H_kv, hd]");
   }
   const ffi::DataType cache_type = k.element_type();
   if ((cache_type != ffi::DataType::F32 && cache_type != ffi::DataType::F16) || v.element_type() != cache_type) {
@@ -233,10 +233,11 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   }
   const bool f16 = cache_type == ffi::DataType::F16;
   const int64_t batch = qd[0], n_query = qd[1], n_head = qd[2], head_dim = qd[3];
-  const int64_t n_layer = kd[0], max_len = kd[2], n_head_kv = kd[3];
-  if (kd[1] != batch || kd[4] != head_dim || n_head_kv <= 0 || n_head % n_head_kv != 0) {
-    return ffi::Error::InvalidArgument("cached_attention: q [B, T, H, hd] and caches [L, B, S, H_kv, hd] disagree "
-                                       "on B or hd, or H is not a multiple of H_kv");
+  // The queries' rows are the cache's first B of R (a server's decode step over its first busy slots).
+  const int64_t n_layer = kd[0], cache_rows = kd[1], max_len = kd[2], n_head_kv = kd[3];
+  if (cache_rows < batch || kd[4] != head_dim || n_head_kv <= 0 || n_head % n_head_kv != 0) {
+    return ffi::Error::InvalidArgument("cached_attention: q [B, T, H, hd] and caches [L, R, S, H_kv, hd] disagree "
+                                       "(R < B, or on hd), or H is not a multiple of H_kv");
   }
   if (!std::equal(qd.begin(), qd.end(), out->dimensions().begin(), out->dimensions().end())) {
     return ffi::Error::InvalidArgument("cached_attention: the output must have q's shape [B, T, H, hd]");
@@ -263,7 +264,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     deepest = std::max(deepest, start + n_query);
   }
   const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;  // row: one position of one layer's cache
-  const int64_t elem = f16 ? 2 : 4, layer_bytes = layer * batch * max_len * row * elem;
+  const int64_t elem = f16 ? 2 : 4, layer_bytes = layer * cache_rows * max_len * row * elem;
   const char* ks = static_cast<const char*>(k.untyped_data()) + layer_bytes;
   const char* vs = static_cast<const char*>(v.untyped_data()) + layer_bytes;
   const float* qs = q.typed_data();

@@ -185,12 +185,22 @@ def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams) ->
                                stopped=stopped)
 
 
-@partial(jax.jit, static_argnames=("n_steps",), donate_argnames=("cache",))
-def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, n_steps: int):
+def leading_rows(tree, n: int):
+    """The first n rows of every per-row leaf of `tree` (a value shared by all rows, a scalar, stays)."""
+    return jax.tree.map(lambda a: a[:n] if jnp.ndim(a) else a, tree)
+
+
+@partial(jax.jit, static_argnames=("n_steps", "rows"), donate_argnames=("cache",))
+def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, n_steps: int, rows: int | None = None):
     """Up to `n_steps` decode steps, each feeding every active row's latest token and sampling its next, in one XLA
     while loop; a row stops when its steps_left runs out or a token in `stop_ids` [S] comes out (that token is
     kept), and the loop ends early when no row is active. Rows not active write nothing and keep their state.
-    -> (tokens [n_steps, B], -1 where a row took no step; state; cache)."""
+    With `rows`, only the first `rows` rows of the state, sampling values and cache take part (a server's busy
+    slots, kept first): the step costs what they do. -> (tokens [n_steps, rows or B], -1 where a row took no step;
+    state; cache)."""
+    whole = state
+    if rows is not None:
+        state, params = leading_rows(state, rows), leading_rows(params, rows)
 
     def more(carry):
         step, state, _, _ = carry
@@ -207,6 +217,8 @@ def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, n_st
 
     tokens = jnp.full((n_steps, state.token.shape[0]), -1, jnp.int32)
     _, state, cache, tokens = jax.lax.while_loop(more, decode, (jnp.int32(0), state, cache, tokens))
+    if rows is not None:
+        state = jax.tree.map(lambda all_rows, first: all_rows.at[:rows].set(first), whole, state)
     return tokens, state, cache
 
 
@@ -349,12 +361,13 @@ def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: Sampli
                                cache)
 
 
-def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray):
-    """(decode(state, params, cache) -> (tokens [DECODE_CHUNK, B], state, cache), `cache` after a warm-up): the
-    decode program (decode_chunk) for arguments shaped as these, compiled ahead of time (or loaded) and warmed up
-    (one step of every row) without changing the cache's contents."""
+def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray,
+                    rows: int | None = None):
+    """(decode(state, params, cache) -> (tokens [DECODE_CHUNK, rows or B], state, cache), `cache` after a warm-up):
+    the decode program (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of
+    time (or loaded) and warmed up (one step of every row) without changing the cache's contents."""
     compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
-                                     donate=("cache",), n_steps=DECODE_CHUNK)
+                                     donate=("cache",), n_steps=DECODE_CHUNK, rows=rows)
 
     def decode(state, params, cache):
         return compiled(state, stop_ids, m.weights, cache, m.config, params)

@@ -119,8 +119,8 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0):
         if q.shape[1] == 1:
             return flash_attention.decode_attention(q[:, 0], keys, values, starts, interpret=interpret)[:, None]
         return flash_attention.attention(q, keys, values, starts, interpret=interpret)
-    whole_cache = layer is not None and keys.shape[1] == batch  # then row is 0
-    if whole_cache and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
+    first_rows = layer is not None and isinstance(row, int) and row == 0  # the kernel reads the cache's first B rows
+    if first_rows and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
         return cpu_kernels().cached_attention(q, keys, values, layer, starts)
     if layer is not None:
         return attention.cached_attention(q, keys, values, layer, q_pos, row=row,
@@ -218,10 +218,10 @@ def prefill(tokens, n_valid, weights: Weights, cache: KVCache, cfg: Config, row=
 
 @partial(jax.jit, donate_argnames=("cache",))
 def decode_step(tokens, weights: Weights, cache: KVCache, cfg: Config, active=None):
-    """tokens [B] -> (logits [B, n_vocab] for each row's next position, the cache advanced by one). Given `active`
-    [B] bool, rows not active write nothing and keep their length (their logits mean nothing): a server's free
-    slots, and slots that are prefilling or done."""
-    n_valid = None if active is None else active.astype(jnp.int32)
-    hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache, n_valid=n_valid)
-    return logits(hidden[:, 0], weights, cfg), dataclasses.replace(
-        cache, length=cache.length + (1 if n_valid is None else n_valid))
+    """tokens [B] for the cache's first B rows (all of them, or a server's busy slots) -> (logits [B, n_vocab] for
+    each row's next position, those rows advanced by one). Given `active` [B] bool, rows not active write nothing
+    and keep their length (their logits mean nothing): a server's slots that are prefilling or done."""
+    batch = tokens.shape[0]
+    n_valid = jnp.ones(batch, jnp.int32) if active is None else active.astype(jnp.int32)
+    hidden, cache, _ = forward(tokens[:, None], weights, cfg, cache, n_valid=None if active is None else n_valid)
+    return logits(hidden[:, 0], weights, cfg), dataclasses.replace(cache, length=cache.length.at[:batch].add(n_valid))

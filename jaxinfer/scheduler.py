@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +33,38 @@ from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler
 # prompt fills at least half of, the last padded. A 70-token prompt is 64 + 16 (6 real), not 256.
 PREFILL_CHUNKS = (16, 64, 256)
 NO_STEP = -1  # decode_chunk's token where a row took no step
+SAMPLING_VALUES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")  # per slot, traced
+
+
+# The small operations between the programs, jitted with fixed argument types so that each compiles once, in the
+# warm-up (as eager operations, a Python int here and a NumPy one there compiled anew in the first requests).
+
+@partial(jax.jit, donate_argnames=("cache",))
+def _move_row(cache: model.KVCache, state: engine.DecodeState, source, target):
+    """Row `source` of the cache (its K/V of every layer, and its length) and of the decode state copied into row
+    `target`."""
+    cache = model.KVCache(cache.k.at[:, target].set(cache.k[:, source]),
+                          cache.v.at[:, target].set(cache.v[:, source]),
+                          cache.length.at[target].set(cache.length[source]))
+    return cache, jax.tree.map(lambda a: a.at[target].set(a[source]), state)
+
+
+@jax.jit
+def _empty_row(length, row):
+    return length.at[row].set(0)
+
+
+@jax.jit
+def _start_row(state: engine.DecodeState, row, token, recent, key, steps_left, ignore_eos) -> engine.DecodeState:
+    """The state with row `row` decoding from `token` after `recent`."""
+    return engine.DecodeState(state.token.at[row].set(token), state.recent.at[row].set(recent),
+                              state.keys.at[row].set(key), state.steps_left.at[row].set(steps_left),
+                              state.stopped.at[row].set(False), state.ignore_eos.at[row].set(ignore_eos))
+
+
+@jax.jit
+def _stop_row(state: engine.DecodeState, row) -> engine.DecodeState:
+    return dataclasses.replace(state, stopped=state.stopped.at[row].set(True))
 
 
 def prefill_pieces(n_prompt: int, start: int, cache_len: int) -> list[tuple[int, int]]:
@@ -61,12 +94,14 @@ class Event:
 class Job:
     """A queued request and the channel its events come back on, to the asyncio loop that waits for them."""
 
-    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-        self.request, self.loop = request, loop
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop | None):
+        self.request, self.loop = request, loop  # no loop: nobody waits (the scheduler's warm-up)
         self.events: asyncio.Queue[Event] = asyncio.Queue()
         self.cancelled = threading.Event()  # the client went away: its slot is freed at the next round
 
     def send(self, event: Event):
+        if self.loop is None:
+            return
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
         except RuntimeError:  # the loop is closed (server shutting down): nobody is waiting
@@ -104,6 +139,9 @@ class Scheduler:
         smallest = PREFILL_CHUNKS[0]
         self.cache_len = -(-slot_ctx // smallest) * smallest
         self.stop_ids = np.array(sorted(m.tokenizer.stop_ids) or [-1], np.int32)
+        # A decode step over the first b rows costs what b rows do (the quantized products cost per token); with busy
+        # slots kept first (_compact), one program per power of two covers them, a lone request at one row's cost.
+        self.buckets = sorted({min(2**i, n_slots) for i in range(n_slots.bit_length() + 1)})
         self.waiting: queue.Queue[Job] = queue.Queue(max_waiting)
         self.slots: list[Slot | None] = [None] * n_slots
         self.counters = dict.fromkeys(("requests_total", "prompt_tokens_total", "tokens_generated_total"), 0)
@@ -124,7 +162,20 @@ class Scheduler:
             if size <= self.cache_len:
                 self.prefill[size], self.cache = engine.prefill_function(
                     m, np.zeros((1, size), np.int32), recent, _seed_keys(0)[1], self.cache, row_params)
-        self.decode, self.cache = engine.decode_function(m, self.state, self.cache, self.params, self.stop_ids)
+        self.decode = {}  # busy rows -> the decode program over the first that many rows
+        for rows in self.buckets:
+            self.decode[rows], self.cache = engine.decode_function(m, self.state, self.cache, self.params,
+                                                                   self.stop_ids, rows)
+        # Requests of two tokens, and a row moved onto itself: the small operations between the programs (a slot's
+        # rows set, moved, freed) compile now too, not in the first requests (~0.2 s). Twice: the first run starts
+        # from arrays that no program has returned yet, which a jit's cache tells apart.
+        for _ in range(2):
+            self._start(0, Job(Request(chat=False, prompt_ids=[0], max_tokens=2, params=SamplingParams(
+                repeat_last_n=REPEAT_LAST_N), seed=0, stop=[], stream=False, include_usage=False), None))
+            while self.slots[0] is not None:
+                self._round()
+            self._move(0, 0)
+        self.counters = dict.fromkeys(self.counters, 0)
 
     def _reset(self):
         """An empty cache and every slot's decode row stopped."""
@@ -208,16 +259,18 @@ class Scheduler:
         slot = Slot(job, TextAssembler(self.model.tokenizer, request.stop),
                     prefill_pieces(len(ids), 0, self.cache_len), recent, key, prefill_key,
                     limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1))
-        self.cache = dataclasses.replace(self.cache, length=self.cache.length.at[row].set(0))
+        self.cache = dataclasses.replace(self.cache, length=_empty_row(self.cache.length, np.int32(row)))
         with self._lock:
             self.slots[row] = slot
             self.counters["prompt_tokens_total"] += len(ids)
 
     def _round(self):
-        """Free cancelled slots; one prefill piece for each prefilling slot; one decode chunk for the decoding."""
+        """Free cancelled slots and move busy ones first; one prefill piece for each prefilling slot; one decode chunk
+        for the decoding."""
         for row, slot in enumerate(self.slots):
             if slot is not None and slot.job.cancelled.is_set():
                 self._free(row)
+        self._compact()
         for row, slot in enumerate(self.slots):
             if slot is not None and not slot.decoding:
                 self._prefill(row, slot)
@@ -234,28 +287,40 @@ class Scheduler:
                                                slot.prefill_key, request.params.as_arrays(), self.cache)
         if slot.pieces:
             return
-        first = int(token[0])
-        self._set_row(row, token=first, recent=slot.recent[0], keys=slot.key, steps_left=slot.limit - 1,
-                      stopped=False, ignore_eos=request.ignore_eos)
+        first = int(np.asarray(token)[0])
+        self.state = _start_row(self.state, np.int32(row), np.int32(first), slot.recent[0], slot.key,
+                                np.int32(slot.limit - 1), np.bool_(request.ignore_eos))
         p = request.params
         self.params = dataclasses.replace(self.params, **{
-            name: _with(getattr(self.params, name), row, getattr(p, name))
-            for name in ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")})
+            name: _with(getattr(self.params, name), row, getattr(p, name)) for name in SAMPLING_VALUES})
         self._take(row, first)
 
+    def _compact(self):
+        """Move the last busy slots into free rows before them, so that the busy rows are the first."""
+        while (busy := [row for row, slot in enumerate(self.slots) if slot is not None]) and busy[-1] >= len(busy):
+            source, target = busy[-1], self.slots.index(None)
+            self._move(source, target)
+            with self._lock:
+                self.slots[target], self.slots[source] = self.slots[source], None
+            self.state = _stop_row(self.state, np.int32(source))
+
+    def _move(self, source: int, target: int):
+        """Row `source` of the cache, decode state and sampling values copied into row `target`."""
+        self.cache, self.state = _move_row(self.cache, self.state, np.int32(source), np.int32(target))
+        self.params = dataclasses.replace(self.params, **{
+            name: _with(getattr(self.params, name), target, getattr(self.params, name)[source])
+            for name in SAMPLING_VALUES})
+
     def _decode(self):
-        tokens, self.state, self.cache = self.decode(self.state, self.params, self.cache)
+        rows = next(b for b in self.buckets if all(slot is None for slot in self.slots[b:]))
+        tokens, self.state, self.cache = self.decode[rows](self.state, self.params, self.cache)
         tokens = np.asarray(tokens)
-        for row, slot in enumerate(self.slots):
+        for row, slot in enumerate(self.slots[:rows]):
             if slot is None or not slot.decoding:
                 continue
             for token in tokens[:, row].tolist():
                 if token == NO_STEP or self._take(row, token):
                     break
-
-    def _set_row(self, row: int, **values):
-        self.state = dataclasses.replace(self.state, **{
-            name: getattr(self.state, name).at[row].set(value) for name, value in values.items()})
 
     # ---- a slot's tokens ----
 
@@ -294,7 +359,7 @@ class Scheduler:
         return True
 
     def _free(self, row: int):
-        self._set_row(row, stopped=True)
+        self.state = _stop_row(self.state, np.int32(row))
         with self._lock:
             self.slots[row] = None
 

@@ -36,6 +36,19 @@ def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+def test_the_queries_may_be_the_first_rows_of_a_larger_cache():
+    """A server's decode step over its first 2 busy slots of 4: query row b reads cache row b, and the other rows
+    (NaN here) are never read."""
+    k, v = caches(3, 2, 4, 96, 3, 64, 70)
+    k[:, 2:] = v[:, 2:] = np.nan
+    q = np.random.default_rng(4).normal(size=(2, 1, 9, 64)).astype(np.float32)
+    starts = jnp.array([69, 12], jnp.int32)
+    got = jax.jit(cpu_ext.cached_attention)(q, k, v, jnp.int32(1), starts)
+    expected = cpu_ext.cached_attention_reference(q, np.nan_to_num(k[:, :2]), np.nan_to_num(v[:, :2]), 1, starts)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert not np.isnan(np.asarray(got)).any()
+
+
 def test_cached_attention_kernel_rejects_positions_outside_the_cache():
     k, v = caches(0, 2, 1, 8, 1, 16, 8)
     q = np.zeros((1, 2, 2, 16), np.float32)
@@ -45,6 +58,8 @@ def test_cached_attention_kernel_rejects_positions_outside_the_cache():
         jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 2, 0))
     with pytest.raises(Exception, match="disagree"):
         jax.block_until_ready(cpu_ext.cached_attention(np.zeros((1, 2, 2, 8), np.float32), k, v, 0, 0))
+    with pytest.raises(Exception, match="disagree"):  # more query rows than cache rows
+        jax.block_until_ready(cpu_ext.cached_attention(np.zeros((2, 2, 2, 16), np.float32), k, v, 0, 0))
     with pytest.raises(Exception, match="both be f32 or both f16"):
         jax.block_until_ready(cpu_ext.cached_attention(q, k, v.astype(np.float16), 0, 0))
 
