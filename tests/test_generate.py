@@ -193,6 +193,30 @@ def test_decode_chunk_stops_after_a_stop_token(make_model):
     assert bool(state.stopped) and cache.length.tolist() == [first_stop + 1]
 
 
+def test_decode_chunk_over_the_first_rows_leaves_the_others_as_they_were(make_model):
+    """rows=2 of a 4-row state and cache: the first two rows decode as a 2-row state and cache do, with their own
+    sampling values (one greedy, one drawing); rows 2 and 3 of the state and cache are untouched."""
+    m = engine.load_model(make_model())
+    params = dataclasses.replace(SamplingParams(), temperature=np.array([0.0, 1.0, 0.0, 0.0], np.float32),
+                                 top_k=np.zeros(4, np.int32), top_p=np.ones(4, np.float32),
+                                 min_p=np.zeros(4, np.float32), repeat_penalty=np.ones(4, np.float32), repeat_last_n=4)
+    state = engine.DecodeState(jnp.array([5, 9, 11, 12], jnp.int32), jnp.full((4, 4), -1, jnp.int32),
+                               jax.random.split(jax.random.key(3), 4), jnp.full((4,), 5, jnp.int32),
+                               jnp.zeros((4,), bool), jnp.zeros((4,), bool))
+    no_stop = jnp.array([-1], jnp.int32)
+    first_rows = engine.leading_rows(state, 2), engine.leading_rows(params, 2)
+    expected, expected_state, expected_cache = engine.decode_chunk(
+        first_rows[0], no_stop, m.weights, model.init_cache(m.config, 2, 16), m.config, first_rows[1], n_steps=4)
+    tokens, after, cache = engine.decode_chunk(state, no_stop, m.weights, model.init_cache(m.config, 4, 16), m.config,
+                                               params, n_steps=4, rows=2)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(expected))
+    assert cache.length.tolist() == [4, 4, 0, 0] and not np.asarray(cache.k)[:, 2:].any()
+    np.testing.assert_array_equal(np.asarray(cache.k)[:, :2], np.asarray(expected_cache.k))
+    for name in ("token", "recent", "steps_left"):
+        np.testing.assert_array_equal(np.asarray(getattr(after, name))[:2], np.asarray(getattr(expected_state, name)))
+        np.testing.assert_array_equal(np.asarray(getattr(after, name))[2:], np.asarray(getattr(state, name))[2:])
+
+
 def test_generation_ends_when_the_context_is_full(make_model):
     m = engine.load_model(make_model())
     prompt = m.tokenizer.encode("hello the")

@@ -189,6 +189,36 @@ def test_sequences_at_different_depths_give_the_logits_each_gives_alone(make_mod
         np.testing.assert_allclose(batched[row], alone, rtol=0, atol=1e-5 * np.abs(alone).max(), err_msg=f"{row=}")
 
 
+@pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
+def test_slots_of_a_larger_cache_prefill_and_decode_as_each_does_alone(make_model, kernel):
+    """A server's slots: two prompts prefill one at a time into rows 2 and 0 of a 4-row cache (prefill's row), then
+    decode steps advance the cache's first 3 rows with row 1 not active: each sequence's logits are those it gives
+    alone, and rows 1 and 3 stay as they were (empty)."""
+    m = engine.load_model(make_model(n_head=4, n_head_kv=2), exact=True)
+    config = m.config.replan(attention=kernel)
+    rng = np.random.default_rng(8)
+    prompts = {2: rng.integers(0, config.n_vocab, size=5), 0: rng.integers(0, config.n_vocab, size=11)}
+    steps = rng.integers(0, config.n_vocab, size=(3, 3)).astype(np.int32)
+    cache = model.init_cache(config, 4, 40)
+    got = {}
+    for row, prompt in prompts.items():
+        padded = np.zeros((1, 16), np.int32)
+        padded[0, :len(prompt)] = prompt
+        logits, cache = model.prefill(padded, jnp.int32(len(prompt)), m.weights, cache, config, jnp.int32(row))
+        got[row] = [np.asarray(logits)[0]]
+    assert cache.length.tolist() == [11, 0, 5, 0]
+    for step in steps.T:
+        logits, cache = model.decode_step(step, m.weights, cache, config, jnp.array([True, False, True]))
+        for row in prompts:
+            got[row].append(np.asarray(logits)[row])
+    assert cache.length.tolist() == [14, 0, 8, 0]
+    assert not np.asarray(cache.k)[:, 1::2].any() and not np.asarray(cache.v)[:, 1::2].any()
+    for row, prompt in prompts.items():
+        alone = prefill_and_decode_alone(m.weights, config, prompt, steps[row])
+        np.testing.assert_allclose(np.stack(got[row]), alone, rtol=0, atol=1e-5 * np.abs(alone).max(),
+                                   err_msg=f"{row=}")
+
+
 def test_prefill_takes_one_count_for_every_row_or_one_per_row(make_model):
     """A scalar n_valid applies to every row (the single-sequence callers pass one); [B] counts advance each row by
     its own."""
