@@ -31,7 +31,9 @@ flags.DEFINE_integer("top_k", 40, "top-k sampling; 0 disables")
 flags.DEFINE_float("top_p", 0.95, "top-p (nucleus) sampling; 1.0 disables")
 flags.DEFINE_float("min_p", 0.05, "min-p sampling; 0.0 disables")
 flags.DEFINE_float("repeat_penalty", 1.0, "penalty for tokens among the last --repeat_last_n; 1.0 disables")
-flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the repeat penalty considers")
+flags.DEFINE_integer("repeat_last_n", 64, "how many recent tokens the penalties consider")
+flags.DEFINE_float("frequency_penalty", 0.0, "subtracted from a recent token's logit once per occurrence; 0 disables")
+flags.DEFINE_float("presence_penalty", 0.0, "subtracted from the logit of a token among the recent ones; 0 disables")
 flags.DEFINE_integer("seed", -1, "random seed, 0 to 4294967295; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
 define_split_flags()
@@ -83,8 +85,10 @@ def main(argv):
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     from jaxinfer.sampling import SamplingParams
 
-    params = SamplingParams(FLAGS.temp, FLAGS.top_k, FLAGS.top_p, FLAGS.min_p, FLAGS.repeat_penalty,
-                            FLAGS.repeat_last_n).validate()
+    params = SamplingParams(temperature=FLAGS.temp, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
+                            repeat_penalty=FLAGS.repeat_penalty, repeat_last_n=FLAGS.repeat_last_n,
+                            frequency_penalty=FLAGS.frequency_penalty,
+                            presence_penalty=FLAGS.presence_penalty).validate()
     text = read_prompt()
 
     from jaxinfer import engine, runtime, sparsity

@@ -31,6 +31,10 @@ class SamplingParams:
     min_p: float = 0.05  # 0.0 disables
     repeat_penalty: float = 1.0  # 1.0 disables
     repeat_last_n: int = dataclasses.field(default=64, metadata={"static": True})  # recent tokens penalized
+    # OpenAI's penalties as llama.cpp applies them, over the same recent tokens: minus frequency_penalty times a
+    # token's count there, minus presence_penalty once if it is there at all. 0 disables.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def validate(self, name=lambda field: FLAGS.get(field, f"--{field}")):
         """Raise a JaxinferError naming the first value out of range (NaN and infinities included), by its flag or, with
@@ -42,6 +46,8 @@ class SamplingParams:
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
             ("repeat_penalty", self.repeat_penalty > 0, "a finite number > 0"),
             ("repeat_last_n", 0 <= self.repeat_last_n <= INT32_MAX, f"in [0, {INT32_MAX}]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
         ]
         for field, in_range, allowed in checks:
             value = getattr(self, field)
@@ -55,18 +61,20 @@ class SamplingParams:
         return dataclasses.replace(
             self, temperature=np.float32(self.temperature), top_k=np.int32(min(self.top_k, INT32_MAX)),
             top_p=np.float32(self.top_p), min_p=np.float32(self.min_p),
-            repeat_penalty=np.float32(self.repeat_penalty))
+            repeat_penalty=np.float32(self.repeat_penalty), frequency_penalty=np.float32(self.frequency_penalty),
+            presence_penalty=np.float32(self.presence_penalty))
 
 
-def apply_repeat_penalty(logits, recent, penalty):
-    """logits [B, V]; recent [B, N] token ids, -1 for empty slots; penalty one value or a [B, 1] column. Seen tokens'
-    positive logits are divided by the penalty and negative ones multiplied (llama.cpp's rule); a penalty of 1 leaves
-    every logit exactly as it was."""
+def apply_penalties(logits, recent, repeat, frequency=0.0, presence=0.0):
+    """logits [B, V]; recent [B, N] token ids, -1 for empty slots; each penalty one value or a [B, 1] column.
+    llama.cpp's penalties sampler: a seen token's positive logit is divided by `repeat` and a negative one multiplied,
+    then `frequency` times its count among the recent tokens and `presence` are subtracted. Neutral values (1, 0, 0)
+    leave every logit exactly as it was."""
     vocab = logits.shape[-1]
     slots = jnp.where(recent >= 0, recent, vocab)  # empty slots fall outside the vocabulary and are dropped
-    seen = jax.vmap(lambda s: jnp.zeros(vocab, bool).at[s].set(True, mode="drop"))(slots)
-    penalized = jnp.where(logits > 0, logits / penalty, logits * penalty)
-    return jnp.where(seen, penalized, logits)
+    counts = jax.vmap(lambda s: jnp.zeros(vocab, jnp.float32).at[s].add(1.0, mode="drop"))(slots)
+    penalized = jnp.where(logits > 0, logits / repeat, logits * repeat) - counts * frequency - presence
+    return jnp.where(counts > 0, penalized, logits)
 
 
 def _rows(value, batch: int):
@@ -102,7 +110,8 @@ def sample(logits, recent, keys, params: SamplingParams):
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape
     if params.repeat_last_n > 0:
-        logits = apply_repeat_penalty(logits, recent, _rows(params.repeat_penalty, batch))
+        logits = apply_penalties(logits, recent, _rows(params.repeat_penalty, batch),
+                                 _rows(params.frequency_penalty, batch), _rows(params.presence_penalty, batch))
     fast = min(FAST_TOP_K, vocab)
     greedy = _rows(params.temperature, batch)[:, 0] <= 0
     top_k = _rows(params.top_k, batch)[:, 0]

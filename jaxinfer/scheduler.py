@@ -33,7 +33,8 @@ from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler
 # prompt fills at least half of, the last padded. A 70-token prompt is 64 + 16 (6 real), not 256.
 PREFILL_CHUNKS = (16, 64, 256)
 NO_STEP = -1  # decode_chunk's token where a row took no step
-SAMPLING_VALUES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty")  # per slot, traced
+SAMPLING_VALUES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
+                   "presence_penalty")  # per slot, traced
 
 
 # The small operations between the programs, jitted with fixed argument types so that each compiles once, in the
@@ -184,7 +185,8 @@ class Scheduler:
         self.params = dataclasses.replace(SamplingParams(), temperature=np.zeros(n, np.float32),
                                           top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
                                           min_p=np.zeros(n, np.float32), repeat_penalty=np.ones(n, np.float32),
-                                          repeat_last_n=REPEAT_LAST_N)
+                                          frequency_penalty=np.zeros(n, np.float32),
+                                          presence_penalty=np.zeros(n, np.float32), repeat_last_n=REPEAT_LAST_N)
         self.state = engine.DecodeState(jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32),
                                         jax.random.split(jax.random.key(0), n), jnp.zeros(n, jnp.int32),
                                         jnp.ones(n, bool), jnp.zeros(n, bool))

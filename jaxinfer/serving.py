@@ -63,13 +63,6 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=No
     return value
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = _field(body, name, (int, float), "a number", default)
-    if not low <= value <= high:  # NaN is in no range
-        raise RequestError(400, f"'{name}' must be a finite number in [{low:g}, {high:g}], got {value}")
-    return value
-
-
 def _integer(body: dict, name: str, default: int | None, low: int, high: int) -> int | None:
     value = _field(body, name, (int,), "an integer", default)
     if value is not None and not low <= value <= high:
@@ -163,16 +156,15 @@ class Parser:
             max_tokens = _integer(body, name, None, 1, INT32_MAX) or max_tokens
         if _integer(body, "n", 1, 1, 1) != 1:
             raise RequestError(400, "'n' must be 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if _number(body, name, 0.0, -2.0, 2.0) != 0:
-                raise RequestError(400, f"'{name}' is not supported; use 'repeat_penalty' (llama.cpp's)")
         params = SamplingParams(
             temperature=_field(body, "temperature", (int, float), "a number", 0.8),
             top_k=_field(body, "top_k", (int,), "an integer", 40),
             top_p=_field(body, "top_p", (int, float), "a number", 0.95),
             min_p=_field(body, "min_p", (int, float), "a number", 0.05),
             repeat_penalty=_field(body, "repeat_penalty", (int, float), "a number", 1.0),
-            repeat_last_n=REPEAT_LAST_N)
+            repeat_last_n=REPEAT_LAST_N,
+            frequency_penalty=_field(body, "frequency_penalty", (int, float), "a number", 0.0),
+            presence_penalty=_field(body, "presence_penalty", (int, float), "a number", 0.0))
         try:
             params.validate(name=lambda field: f"'{field}'")  # the ranges generate's flags have
         except JaxinferError as e:

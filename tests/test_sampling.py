@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams, apply_repeat_penalty, sample
+from jaxinfer.sampling import SamplingParams, apply_penalties, sample
 
 NO_RECENT = jnp.full((1, 4), -1, jnp.int32)
 
@@ -49,13 +49,27 @@ def test_temperature_sampling_follows_the_distribution():
 
 def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
     logits = jnp.array([[2.0, -2.0, 2.0, -2.0]])
-    got = apply_repeat_penalty(logits, jnp.array([[0, 1, -1]]), 2.0)
+    got = apply_penalties(logits, jnp.array([[0, 1, -1]]), 2.0)
     np.testing.assert_allclose(np.asarray(got), [[1.0, -4.0, 2.0, -2.0]])
+
+
+def test_frequency_and_presence_penalties_subtract_per_count_and_once_as_llama_cpp():
+    """Token 0 seen twice, token 1 once, token 2 not: llama.cpp's penalties sampler (repeat first, then
+    count * frequency + presence subtracted), per row with its own values."""
+    logits = jnp.array([[2.0, -2.0, 2.0, 1.0], [2.0, -2.0, 2.0, 1.0]])
+    recent = jnp.array([[0, 1, 0, -1], [0, 1, 0, -1]])
+    got = apply_penalties(logits, recent, jnp.array([[2.0], [1.0]]), jnp.array([[0.5], [0.0]]),
+                          jnp.array([[0.25], [1.0]]))
+    np.testing.assert_allclose(np.asarray(got), [[1.0 - 1.0 - 0.25, -4.0 - 0.5 - 0.25, 2.0, 1.0],
+                                                 [2.0 - 1.0, -2.0 - 1.0, 2.0, 1.0]])
+    neutral = apply_penalties(logits, recent, 1.0, 0.0, 0.0)
+    np.testing.assert_array_equal(np.asarray(neutral), np.asarray(logits))
 
 
 @pytest.mark.parametrize("field,value,flag", [
     ("temperature", -1.0, "--temp "), ("top_k", -1, "--top_k"), ("top_p", 0.0, "--top_p"), ("top_p", 1.5, "--top_p"),
-    ("min_p", 2.0, "--min_p"), ("repeat_penalty", 0.0, "--repeat_penalty"), ("repeat_last_n", -2, "--repeat_last_n")])
+    ("min_p", 2.0, "--min_p"), ("repeat_penalty", 0.0, "--repeat_penalty"), ("repeat_last_n", -2, "--repeat_last_n"),
+    ("frequency_penalty", 2.5, "--frequency_penalty"), ("presence_penalty", -3.0, "--presence_penalty")])
 def test_bad_values_are_rejected_naming_the_flag(field, value, flag):
     with pytest.raises(JaxinferError, match=flag):
         SamplingParams(**{field: value}).validate()
@@ -65,8 +79,9 @@ def reference_sample(logits, recent, key, params: SamplingParams):
     """The sampler before its values were traced (static values, lax.top_k of exactly top_k): the traced one must
     draw the same tokens from the same keys."""
     logits = logits.astype(jnp.float32)
-    if params.repeat_penalty != 1.0 and params.repeat_last_n > 0:
-        logits = apply_repeat_penalty(logits, recent, params.repeat_penalty)
+    if params.repeat_last_n > 0:
+        logits = apply_penalties(logits, recent, params.repeat_penalty, params.frequency_penalty,
+                                 params.presence_penalty)
     if params.temperature <= 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     k = params.top_k if 0 < params.top_k < logits.shape[-1] else logits.shape[-1]
@@ -84,7 +99,9 @@ def reference_sample(logits, recent, key, params: SamplingParams):
     SamplingParams(), SamplingParams(temperature=1.3, top_k=1), SamplingParams(temperature=2.0, top_k=128),
     SamplingParams(temperature=2.0, top_k=129, top_p=1.0, min_p=0.0), SamplingParams(top_k=0, top_p=0.9),
     SamplingParams(temperature=3.0, top_k=300, top_p=1.0, min_p=0.01, repeat_penalty=1.3),
-    SamplingParams(temperature=1.0, top_k=5000, top_p=0.5, min_p=0.0, repeat_penalty=0.7)])
+    SamplingParams(temperature=1.0, top_k=5000, top_p=0.5, min_p=0.0, repeat_penalty=0.7),
+    SamplingParams(temperature=0.9, top_k=50, frequency_penalty=0.8, presence_penalty=-0.5),
+    SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=2.0)])
 def test_traced_sampler_draws_what_the_static_one_drew(params):
     """Same tokens for the same keys, on both sides of FAST_TOP_K (300 > 128 tokens) and with top_k beyond it."""
     rng = np.random.default_rng(1)

@@ -202,7 +202,8 @@ def test_tokenize_and_detokenize(server, local):
     ({"prompt": "hi", "stop": [1]}, 400, "'stop'"),
     ({"prompt": "hi", "n": 2}, 400, "'n'"),
     ({"prompt": "hi", "stream": "yes"}, 400, "'stream'"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "not supported"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "'presence_penalty' must be in [-2, 2]"),
+    ({"prompt": "hi", "frequency_penalty": "a lot"}, 400, "'frequency_penalty' must be a number"),
     ({"max_tokens": 4}, 400, "'prompt' is required"),
     ({"prompt": 7}, 400, "'prompt' must be a string"),
     ({"prompt": "x " * (CTX // SLOTS)}, 400, "longer than the context"),
@@ -299,7 +300,7 @@ def test_ignore_eos_generates_max_tokens(client):
 
 REQUESTS = [  # (prompt, max_tokens, sampling): greedy and seeded draws with their own values, mixed in one batch
     (prompt, 5 + 3 * i, {"temperature": 0} if i % 2 else {
-        "temperature": 0.9, "top_p": 0.9, "seed": 100 + i,
+        "temperature": 0.9, "top_p": 0.9, "seed": 100 + i, "frequency_penalty": 0.1 * i, "presence_penalty": 0.3,
         "extra_body": {"top_k": 0 if i % 4 else 20, "repeat_penalty": 1.2}})  # llama-server's fields
     for i, prompt in enumerate(PROMPTS)]
 
