@@ -219,18 +219,25 @@ class Scheduler:
 
     def _run(self):
         while True:
-            self._admit(block=not any(self.slots))
-            started = time.perf_counter()
-            try:
-                self._round()
-            except Exception as e:  # a bug: logged with its traceback, one line to each client it cut short
-                traceback.print_exc(file=sys.stderr)
-                for row, slot in enumerate(self.slots):
-                    if slot is not None:
-                        self._finish(row, Event(error=f"internal error ({type(e).__name__})"))
-                self._reset()  # a program that failed may have consumed the donated cache
+            self.run_round(wait=True)
+
+    def run_round(self, wait: bool):
+        """Admit waiting requests into free slots (first waiting for one, with `wait`, when no slot is busy), then
+        one round. A failure is a bug: logged with its traceback, and each request it cut short gets an error."""
+        self._admit(block=wait and not any(self.slots))
+        started = time.perf_counter()
+        try:
+            self._round()
+        except Exception as e:  # a bug: logged with its traceback, one line to each client it cut short
+            traceback.print_exc(file=sys.stderr)
+            jobs = [slot.job for slot in self.slots if slot is not None]
             with self._lock:
-                self.busy_seconds += time.perf_counter() - started
+                self.slots = [None] * self.n_slots
+            self._reset()  # a program that failed may have consumed the donated cache: not touched again
+            for job in jobs:
+                job.send(Event(error=f"internal error ({type(e).__name__})"))
+        with self._lock:
+            self.busy_seconds += time.perf_counter() - started
 
     def _admit(self, block: bool):
         """Move waiting jobs into free slots (waiting for one when `block`: nothing else to do)."""
@@ -239,7 +246,11 @@ class Scheduler:
                 job = self._next_job(block)
                 if job is None:
                     return
-                self._start(row, job)
+                try:
+                    self._start(row, job)
+                except Exception as e:  # a bug: the request still gets its answer
+                    traceback.print_exc(file=sys.stderr)
+                    job.send(Event(error=f"internal error ({type(e).__name__})"))
                 block = False
 
     def _next_job(self, block: bool) -> Job | None:

@@ -1,9 +1,15 @@
-"""scheduler.py's pieces of a prompt (the server's tests, test_server.py, drive the scheduler end to end: slots,
-queue, cancellation, batched against alone)."""
+"""scheduler.py's pieces of a prompt, and the scheduler run round by round in this process (the server's tests,
+test_server.py, drive it end to end: slots, queue, cancellation, batched against alone)."""
+
+import asyncio
 
 import pytest
 
-from jaxinfer.scheduler import PREFILL_CHUNKS, prefill_pieces
+from jaxinfer import engine
+from jaxinfer.sampling import SamplingParams
+from jaxinfer.scheduler import PREFILL_CHUNKS, Event, Job, Scheduler, prefill_pieces
+from jaxinfer.serving import Parser
+from jaxinfer.synthetic import SyntheticSpec, write_model
 
 
 @pytest.mark.parametrize("n_prompt", [1, 7, 8, 15, 16, 17, 40, 70, 255, 256, 300, 1000, 1007])
@@ -25,3 +31,63 @@ def test_a_prompt_near_the_end_of_the_cache_takes_smaller_pieces():
     assert prefill_pieces(1000, 0, 1008) == [(0, 256), (256, 256), (512, 256), (768, 64), (832, 64), (896, 64),
                                              (960, 16), (976, 16), (992, 16)]
     assert prefill_pieces(70, 0, 1024) == [(0, 64), (64, 16)]  # not one 256-token piece, 186 of them padding
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return engine.load_model(write_model(str(tmp_path_factory.mktemp("scheduler") / "tiny.gguf"),
+                                        SyntheticSpec(n_ctx=256)))
+
+
+def drain(loop, job) -> list[Event]:
+    """The events the scheduler has sent `job` so far (its sends are callbacks on `loop`)."""
+    loop.run_until_complete(asyncio.sleep(0))
+    events = []
+    while not job.events.empty():
+        events.append(job.events.get_nowait())
+    return events
+
+
+def run_until_idle(scheduler: Scheduler):
+    for _ in range(100):
+        scheduler.run_round(wait=False)
+        if not any(scheduler.slots) and scheduler.waiting.empty():
+            return
+    raise AssertionError("the scheduler did not finish its requests in 100 rounds")
+
+
+def test_a_failing_round_ends_its_requests_with_an_error_and_the_scheduler_serves_on(tiny, capsys):
+    """A bug in a round (here the decode program raising) reaches each request in a slot as an error event, frees
+    every slot, and the next request is served as if nothing happened."""
+    scheduler = Scheduler(tiny, n_slots=2, slot_ctx=64, max_waiting=4)
+    scheduler.warm_up()
+    loop = asyncio.new_event_loop()
+    parser = Parser(tiny, "tiny.gguf", 64)
+
+    def job(prompt):
+        return Job(parser.completion({"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}), loop)
+
+    def broken(*args):
+        raise RuntimeError("the program failed")
+
+    programs = scheduler.decode
+    scheduler.decode = dict.fromkeys(programs, broken)
+    cut_short = [job("hello the"), job("abc")]
+    for one in cut_short:
+        scheduler.submit(one)
+    run_until_idle(scheduler)
+    for one in cut_short:
+        assert [event.error for event in drain(loop, one)][-1] == "internal error (RuntimeError)"
+    assert "the program failed" in capsys.readouterr().err
+    assert scheduler.metrics()["busy_slots"] == 0
+
+    scheduler.decode = programs
+    served = job("hello the")
+    scheduler.submit(served)
+    run_until_idle(scheduler)
+    events = drain(loop, served)
+    expected = list(engine.generate_tokens(tiny, served.request.prompt_ids, 8, 64, SamplingParams(temperature=0),
+                                           seed=0, stop_ids=frozenset()))
+    assert "".join(event.text for event in events) == tiny.tokenizer.decode(expected)
+    assert events[-1].finish_reason == "length" and events[-1].usage["completion_tokens"] == 8
+    loop.close()
