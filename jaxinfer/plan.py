@@ -13,6 +13,9 @@ A frozen, static value built from the devices, the flags and the model's shapes;
     split FFN, cold    host memory (pinned_host), compute_on("device_host"), cpu_ext's row-sparse kernels
     down projection    neuron-major where cpu_ext's kernel is fast   transposed, one row per neuron
 
+With `tp` > 1 (--tp) the weights are cut over the process's first `tp` devices, the same on either backend
+(sharding.py).
+
 On a CPU-only machine the "device" and the "host" are the same cores: a split runs the same one program that it runs
 beside a GPU, which is how CI tests it.
 """

@@ -31,6 +31,9 @@ from jaxinfer.plan import Plan
 from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, QuantArray
 
 AXIS = "tp"
+# The shard_maps run unchecked (check_vma=False): with the check, every loop whose initial carry is built inside the
+# map (the online softmax of attention.cached_attention) would need a pcast to "varying" in model code. The
+# all-reduces are placed by hand (all_reduce), and the tests hold the results to the single-device run's.
 ROWS, COLS = 0, 1  # the axis of a [rows, cols] weight that is cut over the devices
 # Layer fields cut over the devices (the others are replicated). Rows are a layer's output features (heads,
 # neurons); columns its input features, whose partial products are summed by `all_reduce`.
