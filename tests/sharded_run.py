@@ -5,7 +5,8 @@ JAX starts, and the test process has started it with one):
 
 For each --tp in TP...: logits of model.prefill (two rows of a three-row cache from row 1, at different prompt
 lengths), of two model.decode_steps (the second with one row sitting out), and the greedy token ids of
-engine.generate_tokens (its compiled prefill and decode-chunk programs), saved as OUT.npz["{tp}/{what}"]."""
+engine.generate_tokens (its compiled prefill and decode-chunk programs), and whether model.forward observes the
+FFNs (one device only), saved as OUT.npz["{tp}/{what}"]."""
 
 import sys
 
@@ -17,6 +18,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer import engine, model, sparsity  # noqa: E402
+from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 
 PROMPT = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 0, 0, 0]]
@@ -32,8 +34,13 @@ def run(path: str, spec: str, exact: bool, tp: int) -> dict:
                                       jnp.array([True, False, True]))
     tokens = list(engine.generate_tokens(m, PROMPT[0], 12, 64, SamplingParams(temperature=0), seed=0,
                                          stop_ids=frozenset()))
+    try:  # FFN traces are cut by neurons: observing them is for one device
+        model.forward(np.asarray(PROMPT, np.int32), m.weights, m.config, observe=lambda index, trace: trace.active)
+        observed = True
+    except JaxinferError:
+        observed = False
     return {"prefill": prefill, "decode": first, "decode_active": np.asarray(second)[[0, 2]], "lengths": cache.length,
-            "tokens": np.asarray(tokens)}
+            "tokens": np.asarray(tokens), "observed": observed}
 
 
 def main():

@@ -55,6 +55,8 @@ def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, e
                                        err_msg=f"--tp {tp} {what}")
         np.testing.assert_array_equal(runs[f"{tp}/lengths"], runs["1/lengths"])
         np.testing.assert_array_equal(runs[f"{tp}/tokens"], runs["1/tokens"])
+        assert not runs[f"{tp}/observed"]  # refused with a JaxinferError
+    assert runs["1/observed"]
     assert runs["1/lengths"].tolist() == [2, 9, 7]  # rows 1 and 2 prefilled, all decoded, row 1 sat out once
     assert len(runs["1/tokens"]) == 12
 
@@ -111,8 +113,9 @@ def test_cli_says_which_shape_cannot_be_cut(make_model):
     (dict(n_head_kv=2), 4, "attention is cut by KV heads and the model has 2 (4 query heads), not a multiple of 4"),
     (dict(n_vocab=263), 2, "the model's 263 tokens are not a multiple of 2"),
     (dict(n_ff=96), 2, "blk.0.ffn_down [128, 96] (Q8_0) is cut by columns on whole 32-value blocks: 96 / 2 is not"),
-    (dict(n_embd=64), 4, "blk.0.attn_output [64, 64] (Q8_0) is cut by columns on whole "
-                                                "32-value blocks: 64 / 4"),
+    (dict(n_embd=64), 4, "blk.0.attn_output [64, 64] (Q8_0) is cut by columns on whole 32-value blocks: 64 / 4"),
+    (dict(n_embd=256, n_ff=512, weight_type=Q.Q4_K), 2, "blk.0.attn_output [256, 256] (Q4_K) is cut by columns on "
+                                                       "whole 256-value blocks: 256 / 2 is not a multiple of 256"),
 ])
 def test_shapes_that_cannot_be_cut(make_model, fields, tp, message):
     m = engine.load_model(make_model(**{**SHAPE, **fields}))
