@@ -89,9 +89,8 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     (`sparsity.apply`, down projections in `down_t_type`, gate/hidden thresholds from `thresholds_file`, by default
     the model's sidecar), then, given `vram_budget_gib`, split it between accelerator and host (`split_model`) for a
     KV cache of `ctx` positions (capped at the training context; None: the training context); `tp` > 1 cuts it over
-    that many devices (sharding.py; not with a split). Prints nothing: the
-    CLIs print `describe()` (in `loaded`, called before the split, so that the line comes out even when the split
-    fails) and the split's summary."""
+    that many devices (sharding.py; not with a split). Prints nothing: the CLIs print `describe()` (in `loaded`,
+    called before the split, so that the line comes out even when the split fails) and the split's summary."""
     if tp > 1 and vram_budget_gib is not None:
         raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split (--vram-budget) yet")
     m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type, tp), sparsity_spec, down_t_type,
