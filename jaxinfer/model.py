@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jaxinfer import attention, sharding, sparse_ffn
 from jaxinfer.config import CACHE_TYPES, Config
 from pallas_kernels import attention as flash_attention
-from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products, take_rows
+from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products
 
 
 @jax.tree_util.register_dataclass
@@ -182,7 +182,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             written = steps < n_valid[:, None]
             length = jnp.where(n_valid > 0, length, 0)
         positions = length[:, None] + steps
-    x = take_rows(weights.token_embd, tokens)
+    x = sharding.embed(weights.token_embd, tokens, cfg.plan)
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):

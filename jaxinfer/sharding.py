@@ -6,7 +6,9 @@ cache are cut into shards, and the `shard_map` that runs the one model.forward o
     FFN         ffn_gate / ffn_up rows, ffn_down columns, ffn_down_t rows (neurons), -> partial sums, psum
                 the predictor's fc2 rows (its neurons); fc1 and the thresholds replicated
     output      rows (the vocabulary): each device computes its slice of the logits
-    the rest    token_embd, the norms and the activations between blocks replicated
+    token_embd  rows (the vocabulary): each device looks up the tokens it holds, psum (one per forward); a tied
+                output head is the same cut array
+    the rest    the norms and the activations between blocks replicated
 
 Weights stay in their GGML formats: a shard of rows is whole rows, a shard of columns whole blocks (a row of a
 [rows, cols] weight is cols / block_size consecutive blocks, so columns are cut on block boundaries, which needs
@@ -22,13 +24,14 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from gguf import GGML_QUANT_SIZES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
-from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, QuantArray
+from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, QuantArray, take_rows
 
 AXIS = "tp"
 # The shard_maps run unchecked (check_vma=False): with the check, every loop whose initial carry is built inside the
@@ -99,7 +102,7 @@ def weight_specs(weights, tp: int):
                                                           LAYER_CUTS.get(f.name), tp)
                                             for f in dataclasses.fields(layer)})
               for i, layer in enumerate(weights.layers)]
-    return dataclasses.replace(weights, token_embd=_spec("token_embd", weights.token_embd, None, tp), layers=layers,
+    return dataclasses.replace(weights, token_embd=_spec("token_embd", weights.token_embd, ROWS, tp), layers=layers,
                                output_norm=P(), output=_spec("output", weights.output, ROWS, tp))
 
 
@@ -121,13 +124,14 @@ def _place(tree, specs, tp: int):
 
 def shard_weights(weights, cfg):
     """The weights placed on the plan's devices, each cut as weight_specs says (checked first: a JaxinferError
-    names the tensor that cannot be cut, and why); unchanged with one device. A tied output head becomes its own
-    vocabulary-cut copy beside the replicated embedding."""
+    names the tensor that cannot be cut, and why); unchanged with one device. A tied output head stays the
+    embedding itself (both are cut by vocabulary)."""
     tp = cfg.plan.tp
     if tp == 1:
         return weights
     check_model(cfg, tp)
-    return _place(weights, weight_specs(weights, tp), tp)
+    placed = _place(weights, weight_specs(weights, tp), tp)
+    return dataclasses.replace(placed, output=placed.token_embd) if weights.output is weights.token_embd else placed
 
 
 def shard_cache(cache, plan: Plan):
@@ -154,6 +158,19 @@ def all_reduce(x, plan: Plan):
     """Inside the shard_map: the sum over the devices of their partial results (after attn_output, after the FFN's
     down projection); x itself with one device."""
     return x if plan.tp == 1 else jax.lax.psum(x, AXIS)
+
+
+def embed(table: QuantArray, tokens, plan: Plan):
+    """The embedding rows of `tokens` -> f32 [*tokens.shape, d] (quant.take_rows). Inside the shard_map the table is
+    cut by vocabulary: each device gives the rows it holds and zeros for the others, and their sum is every row,
+    exactly."""
+    if plan.tp == 1:
+        return take_rows(table, tokens)
+    held_rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(AXIS) * held_rows
+    held = (local >= 0) & (local < held_rows)
+    rows = take_rows(table, jnp.where(held, local, 0))
+    return jax.lax.psum(jnp.where(held[..., None], rows, 0.0), AXIS)
 
 
 def forward_on_shards(body, tokens, weights, cfg, cache, observe, n_valid, row):

@@ -39,12 +39,13 @@ def sharded_runs(tmp_path, model_path, spec="dense", exact=False, tps=(1, 2, 4))
     return dict(np.load(out))
 
 
-@pytest.mark.parametrize("spec, exact", [("dense", True), ("dense", False), ("hidden:0.5", False),
-                                         ("predictor", False)])
-def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, exact):
+@pytest.mark.parametrize("spec, exact, tied", [("dense", True, False), ("dense", False, True),
+                                               ("hidden:0.5", False, True), ("predictor", False, False)])
+def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, exact, tied):
     """prefill (rows from a row offset, different prompt lengths), decode steps (one with a row sitting out) and
-    generate_tokens' greedy ids, with the weights cut 2 and 4 ways, against one device."""
-    path = make_model(**SHAPE, sparsity=0.8 if spec == "predictor" else None)
+    generate_tokens' greedy ids, with the weights cut 2 and 4 ways, against one device; an output head of its own
+    and one tied to the embedding."""
+    path = make_model(**SHAPE, sparsity=0.8 if spec == "predictor" else None, tied_output=tied)
     if spec.startswith("hidden"):  # |h| under the threshold: inactive
         sparsity.save_thresholds(path, "hidden", {0.5: np.full(2, 0.05, np.float32)}, "test")
     runs = sharded_runs(tmp_path, path, spec, exact)
