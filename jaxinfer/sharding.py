@@ -17,7 +17,7 @@ cols / N a multiple of the block size: 32, or 256 for K-quants); a neuron-major 
 divided), so quant.matmul runs the cpu_ext kernels on the local shard as on a small model. What cannot be cut is a
 one-line JaxinferError saying why.
 
-With one device (Plan.tp 1) every function here is the identity and no mesh exists.
+With one device (Plan.tp 1) nothing is cut, no mesh exists and no shard_map runs: the model runs as it always did.
 """
 
 import dataclasses
