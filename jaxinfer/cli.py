@@ -68,6 +68,23 @@ def define_split_flags():
     check_range("vram_budget", 0, MAX_VRAM_GIB, sentinel=-1)
 
 
+def define_tp_flag():
+    """--tp, tensor parallelism (generate, perplexity); read by request_devices before JAX starts."""
+    flags.DEFINE_integer("tp", 1, "tensor parallelism: cut the model's weights over this many devices (attention by "
+                         "heads, the FFN by neurons, the output head by vocabulary); on a CPU, as many virtual CPU "
+                         "devices sharing its cores")
+    check_range("tp", 1)
+
+
+def request_devices(tp: int):
+    """On a CPU backend, `tp` devices for --tp: JAX's jax_num_cpu_devices, which must be set before JAX runs its
+    first operation (the CLIs call this first thing in main). GPUs are counted as they are."""
+    if tp > 1:
+        import jax
+
+        jax.config.update("jax_num_cpu_devices", tp)
+
+
 def split_requested() -> bool:
     """Whether the parsed flags ask for a hot/cold split. The split's other flags without --vram-budget do nothing,
     which a warning line says rather than ignoring them silently."""

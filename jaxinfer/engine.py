@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import activation_profile, attention, hybrid, model, placement, programs, quant, sparsity
+from jaxinfer import activation_profile, attention, hybrid, model, placement, programs, quant, sharding, sparsity
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -60,18 +60,21 @@ class LoadedModel:
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
-               exact: bool = False, cache_type: str = "f32") -> LoadedModel:
+               exact: bool = False, cache_type: str = "f32", tp: int = 1) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
     products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
-    kernels. `cache_type` ("f32", "f16") is the KV cache's element type."""
+    kernels. `cache_type` ("f32", "f16") is the KV cache's element type. `tp` > 1 cuts the weights over the first
+    `tp` devices (tensor parallelism, sharding.py: a JaxinferError when the process has fewer devices or the model's
+    shapes cannot be cut so)."""
     if cache_type not in CACHE_TYPES:
         raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
-    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib), cache_type=cache_type)
-    weights = jax.block_until_ready(load_weights(gguf, cfg, exact))
+    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib, tp), cache_type=cache_type)
+    sharding.check_model(cfg, tp)
+    weights = jax.block_until_ready(sharding.shard_weights(load_weights(gguf, cfg, exact), cfg))
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
 
@@ -80,16 +83,20 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
                 down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                 cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
                 activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False,
-                thresholds_file: str | None = None,
+                thresholds_file: str | None = None, tp: int = 1,
                 loaded: Callable[[LoadedModel], None] | None = None) -> LoadedModel:
     """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
     (`sparsity.apply`, down projections in `down_t_type`, gate/hidden thresholds from `thresholds_file`, by default
     the model's sidecar), then, given `vram_budget_gib`, split it between accelerator and host (`split_model`) for a
-    KV cache of `ctx` positions (capped at the training context; None: the training context). Prints nothing: the
-    CLIs print `describe()` (in `loaded`, called before the split, so that the line comes out even when the split
-    fails) and the split's summary."""
-    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type), sparsity_spec, down_t_type,
+    KV cache of `ctx` positions (capped at the training context; None: the training context); `tp` > 1 cuts it over
+    that many devices (sharding.py; not with a split). Prints nothing: the CLIs print `describe()` (in `loaded`,
+    called before the split, so that the line comes out even when the split fails) and the split's summary."""
+    if tp > 1 and vram_budget_gib is not None:
+        raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split (--vram-budget) yet")
+    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type, tp), sparsity_spec, down_t_type,
                        thresholds_file)
+    # A sparse mode stores the down projections anew (transposed or neuron-major): they are cut like the others.
+    m = dataclasses.replace(m, weights=sharding.shard_weights(m.weights, m.config))
     if loaded is not None:
         loaded(m)
     if vram_budget_gib is not None:

@@ -13,10 +13,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import attention, sparse_ffn
+from jaxinfer import attention, sharding, sparse_ffn
 from jaxinfer.config import CACHE_TYPES, Config
 from pallas_kernels import attention as flash_attention
-from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products, take_rows
+from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +64,8 @@ class KVCache:
 def init_cache(cfg: Config, batch: int, max_len: int) -> KVCache:
     shape = (cfg.n_layer, batch, max_len, cfg.n_head_kv, cfg.head_dim)
     dtype = CACHE_TYPES[cfg.cache_type]
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    cache = KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+    return sharding.shard_cache(cache, cfg.plan)
 
 
 def rms_norm(x, gamma, eps):
@@ -135,9 +136,10 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
     K/V are written; the others are not (a row sitting out a prefill chunk, padding)."""
     b, t, _ = x.shape
     q, k, v = matmuls(x, (layer.attn_q, layer.attn_k, layer.attn_v))
-    q = rope(q.reshape(b, t, cfg.n_head, cfg.head_dim), positions, cfg)
-    k = rope(k.reshape(b, t, cfg.n_head_kv, cfg.head_dim), positions, cfg)
-    v = v.reshape(b, t, cfg.n_head_kv, cfg.head_dim)
+    # Heads counted from the products: all of them, or one device's share under tensor parallelism (sharding.py).
+    q = rope(q.reshape(b, t, -1, cfg.head_dim), positions, cfg)
+    k = rope(k.reshape(b, t, -1, cfg.head_dim), positions, cfg)
+    v = v.reshape(b, t, -1, cfg.head_dim)
     if cache is None:
         out = attention_kernel(q, k, v, positions, cfg)
     else:
@@ -152,7 +154,7 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
             v=cache.v.at[index, rows, at].set(v.astype(cache.v.dtype), mode="drop", unique_indices=True),
         )
         out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index, row=row)
-    return matmul(out.reshape(b, t, cfg.n_head * cfg.head_dim), layer.attn_output), cache
+    return sharding.all_reduce(matmul(out.reshape(b, t, -1), layer.attn_output), cfg.plan), cache
 
 
 def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None, n_valid=None, row=0):
@@ -165,9 +167,10 @@ def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None,
     `n_valid` [B], only the first n_valid[b] tokens of batch row b write K/V (0: the row's cache is left as it was,
     and it attends from position 0: a row sitting out costs no attention over its context).
     `observe(layer_index, sparse_ffn.FFNTrace) -> pytree`, if given, is called in every layer and `observed` is the
-    list of its results: profiling and calibration see exactly what inference computes."""
+    list of its results: profiling and calibration see exactly what inference computes.
+    With the weights cut over several devices (cfg.plan.tp) it runs on each over its shards (sharding.py)."""
     with products(cfg.plan.products):
-        return _forward(tokens, weights, cfg, cache, observe, n_valid, row)
+        return sharding.forward_on_shards(_forward, tokens, weights, cfg, cache, observe, n_valid, row)
 
 
 def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, observe, n_valid, row):
@@ -179,7 +182,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             written = steps < n_valid[:, None]
             length = jnp.where(n_valid > 0, length, 0)
         positions = length[:, None] + steps
-    x = take_rows(weights.token_embd, tokens)
+    x = sharding.embed(weights.token_embd, tokens, cfg.plan)
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
@@ -188,7 +191,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             x = x + attn_out
             ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
                                             trace=observe is not None)
-            x = x + ffn_out
+            x = x + sharding.all_reduce(ffn_out, cfg.plan)
             if observe is not None:
                 observed.append(observe(index, trace))
     return rms_norm(x, weights.output_norm, cfg.rms_eps), cache, observed
@@ -197,7 +200,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
 def logits(hidden, weights: Weights, cfg: Config):
     """Final-normed hidden [..., d] -> logits [..., n_vocab]."""
     with products(cfg.plan.products):
-        return matmul(hidden, weights.output)
+        return sharding.head_on_shards(matmul, hidden, weights.output, cfg.plan)
 
 
 @partial(jax.jit, donate_argnames=("cache",))

@@ -32,6 +32,7 @@ def _cli_main(argv):
     f = flags.FLAGS
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.request_devices(f.tp)
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     saving = bool(f.kl_divergence_base) and not f.kl_divergence
@@ -44,7 +45,7 @@ def _cli_main(argv):
     # The split comes below, once the windows per batch are known: it is priced for the KV cache they allocate.
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
-                           thresholds_file=f.thresholds)
+                           thresholds_file=f.thresholds, tp=f.tp)
     print(f"{m.describe()}, --sparsity {spec}\n{m.config.plan.describe()}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
 
@@ -113,6 +114,7 @@ def main():
     flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
     define_split_flags()
+    cli.define_tp_flag()
     flags.adopt_module_key_flags(cli)
     check_range("ctx_size", cli.MIN_WINDOW)
     check_range("chunks", 1, sentinel=-1)

@@ -13,6 +13,9 @@ A frozen, static value built from the devices, the flags and the model's shapes;
     split FFN, cold    host memory (pinned_host), compute_on("device_host"), cpu_ext's row-sparse kernels
     down projection    neuron-major where cpu_ext's kernel is fast   transposed, one row per neuron
 
+With `tp` > 1 (--tp) the weights are cut over the process's first `tp` devices, the same on either backend
+(sharding.py).
+
 On a CPU-only machine the "device" and the "host" are the same cores: a split runs the same one program that it runs
 beside a GPU, which is how CI tests it.
 """
@@ -26,6 +29,7 @@ import os
 import jax
 
 from jaxinfer import jax_compat, quant
+from jaxinfer.errors import JaxinferError
 
 SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")  # which FFN neurons run for a token (sparse_ffn.py)
 PRODUCTS = ("cpu_ext", "xla")
@@ -44,17 +48,36 @@ class Plan:
     hot_ffn: str = "xla"  # a split's device part with a predictor, one of HOT_FFN (sparse_ffn.ffn)
     neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
     host_memory_kind: str = "pinned_host"  # where a split's cold parts live
+    tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
 
     def describe(self) -> str:
         bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
         down = "neuron-major" if self.neuron_major else "transposed"
+        devices = "" if self.tp == 1 else (f", tensor-parallel over {self.tp} devices (heads, neurons and vocabulary "
+                                           f"cut {self.tp} ways, an all-reduce after attention and after the FFN)")
         return (f"plan: {self.backend} backend, FFN {self.ffn_sparsity}, products {self.products}, attention "
                 f"{self.attention}{bound}, split FFN hot {self.hot_ffn} / cold {self.host_products} in "
-                f"{self.host_memory_kind}, down projection {down} when sparse")
+                f"{self.host_memory_kind}, down projection {down} when sparse{devices}")
 
 
-def make_plan(attn_max_batch_mib: float | None = None) -> Plan:
-    """The plan for this process's devices, for a dense FFN (sparsity.apply sets the mode)."""
+def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1) -> Plan:
+    """The plan for this process's devices, for a dense FFN (sparsity.apply sets the mode), with the weights cut over
+    its first `tp` devices (sharding.py; a JaxinferError when it has fewer)."""
+    check_devices(tp)
+    return dataclasses.replace(_device_plan(attn_max_batch_mib), tp=tp)
+
+
+def check_devices(tp: int) -> None:
+    """`tp` devices are there to cut the weights over."""
+    if tp < 1:
+        raise JaxinferError(f"--tp must be at least 1, got {tp}")
+    have = len(jax.devices())
+    if tp > have:
+        raise JaxinferError(f"--tp {tp} needs {tp} devices, this process has {have} ({jax.default_backend()}); on a "
+                            f"CPU, set jax_num_cpu_devices before JAX starts (the CLIs set it from --tp)")
+
+
+def _device_plan(attn_max_batch_mib: float | None) -> Plan:
     backend = jax.default_backend()
     kernels = quant.cpu_kernels()
     host_products = "cpu_ext" if kernels is not None else "xla"

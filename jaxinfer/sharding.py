@@ -1,0 +1,210 @@
+"""Tensor parallelism over a 1-D mesh of the process's devices (`--tp N`, `Plan.tp`): how a model's weights and KV
+cache are cut into shards, and the `shard_map` that runs the one model.forward on each device's shards.
+
+    attention   attn_q / attn_k / attn_v rows (whole heads; a device's query heads use its own KV heads), the KV
+                cache by KV heads, attn_output columns                              -> partial sums, psum
+    FFN         ffn_gate / ffn_up rows, ffn_down columns, ffn_down_t rows (neurons), -> partial sums, psum
+                the predictor's fc2 rows (its neurons); fc1 and the thresholds replicated
+    output      rows (the vocabulary): each device computes its slice of the logits
+    token_embd  rows (the vocabulary): each device looks up the tokens it holds, psum (one per forward); a tied
+                output head is the same cut array
+    the rest    the norms and the activations between blocks replicated
+
+Weights stay in their GGML formats: a shard of rows is whole rows, a shard of columns whole blocks (a row of a
+[rows, cols] weight is cols / block_size consecutive blocks, so columns are cut on block boundaries, which needs
+cols / N a multiple of the block size: 32, or 256 for K-quants); a neuron-major down projection is cut on its
+32-neuron blocks. Inside the shard_map each device's QuantArrays are views of its own shard (their static shapes
+divided), so quant.matmul runs the cpu_ext kernels on the local shard as on a small model. What cannot be cut is a
+one-line JaxinferError saying why.
+
+With one device (Plan.tp 1) nothing is cut, no mesh exists and no shard_map runs: the model runs as it always did.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from gguf import GGML_QUANT_SIZES
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxinfer.errors import JaxinferError
+from jaxinfer.plan import Plan
+from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, QuantArray, take_rows
+
+AXIS = "tp"
+# The shard_maps run unchecked (check_vma=False): with the check, every loop whose initial carry is built inside the
+# map (the online softmax of attention.cached_attention) would need a pcast to "varying" in model code. The
+# all-reduces are placed by hand (all_reduce), and the tests hold the results to the single-device run's.
+ROWS, COLS = 0, 1  # the axis of a [rows, cols] weight that is cut over the devices
+# Layer fields cut over the devices (the others are replicated). Rows are a layer's output features (heads,
+# neurons); columns its input features, whose partial products are summed by `all_reduce`.
+LAYER_CUTS = {"attn_q": ROWS, "attn_k": ROWS, "attn_v": ROWS, "attn_output": COLS, "ffn_gate": ROWS, "ffn_up": ROWS,
+              "ffn_down": COLS, "ffn_down_t": ROWS, "fc2": ROWS}
+NEURON_BLOCK = 32  # neurons per block of a neuron-major down projection (quant.pack_neuron_major)
+CACHE_SPEC = P(None, None, None, AXIS, None)  # KV caches [n_layer, B, max_len, n_head_kv, hd]: by KV heads
+
+
+@functools.cache
+def mesh(tp: int) -> jax.sharding.Mesh:
+    """The first `tp` devices of the process in a 1-D mesh. Auto axes: outside the shard_map (sampling the
+    vocabulary-sharded logits) XLA decides the communication."""
+    return jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp])
+
+
+def check_model(cfg, tp: int) -> None:
+    """The model's heads and vocabulary can be cut `tp` ways (each weight's blocks are checked as it is cut)."""
+    if tp == 1:
+        return
+    if cfg.n_head_kv % tp:
+        raise JaxinferError(f"--tp {tp}: attention is cut by KV heads and the model has {cfg.n_head_kv} "
+                            f"({cfg.n_head} query heads), not a multiple of {tp}")
+    if cfg.n_vocab % tp:
+        raise JaxinferError(f"--tp {tp}: the output head is cut by vocabulary and the model's {cfg.n_vocab} tokens "
+                            f"are not a multiple of {tp}")
+
+
+def _cut_spec(name: str, w: QuantArray, axis: int, tp: int) -> QuantArray:
+    """w with its data replaced by the PartitionSpec that cuts `axis` of the weight `tp` ways, checked on whole
+    blocks: w's own pytree structure, so that it is a spec tree for w."""
+    rows, cols = w.shape
+    described = f"{name} [{rows}, {cols}] ({w.qtype.name})"
+    if w.layout == NEURON_MAJOR:  # data [n_ff / 32, bytes]: one row of data per 32 neurons
+        if rows % (NEURON_BLOCK * tp):
+            raise JaxinferError(f"--tp {tp}: {described}, neuron-major, is cut on blocks of {NEURON_BLOCK} neurons: "
+                                f"{rows} / {tp} is not a multiple of {NEURON_BLOCK}")
+    elif axis == ROWS:
+        if rows % tp:
+            raise JaxinferError(f"--tp {tp}: {described} cannot be cut into {tp} equal row shards")
+    else:
+        block = 1 if w.qtype in FLOAT_TYPES else GGML_QUANT_SIZES[w.qtype][0]
+        if cols % (block * tp):
+            raise JaxinferError(f"--tp {tp}: {described} is cut by columns on whole {block}-value blocks: {cols} / "
+                                f"{tp} is not a multiple of {block}")
+    return dataclasses.replace(w, data=P(AXIS, None) if axis == ROWS else P(None, AXIS))
+
+
+def _spec(name: str, value, axis: int | None, tp: int):
+    """The spec tree of one field: None stays None, a cut QuantArray its _cut_spec, anything else replicated."""
+    if value is None:
+        return None
+    if isinstance(value, list):
+        raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split of the FFN (--vram-budget)")
+    if axis is None:
+        return jax.tree.map(lambda _: P(), value)
+    return _cut_spec(name, value, axis, tp)
+
+
+def weight_specs(weights, tp: int):
+    """The PartitionSpec tree of a model.Weights (see the module docstring)."""
+    layers = [dataclasses.replace(layer, **{f.name: _spec(f"blk.{i}.{f.name}", getattr(layer, f.name),
+                                                          LAYER_CUTS.get(f.name), tp)
+                                            for f in dataclasses.fields(layer)})
+              for i, layer in enumerate(weights.layers)]
+    return dataclasses.replace(weights, token_embd=_spec("token_embd", weights.token_embd, ROWS, tp), layers=layers,
+                               output_norm=P(), output=_spec("output", weights.output, ROWS, tp))
+
+
+def cache_specs(cache):
+    """The PartitionSpec tree of a model.KVCache (None for no cache): K and V by KV heads, lengths replicated."""
+    if cache is None:
+        return None
+    return dataclasses.replace(cache, k=CACHE_SPEC, v=CACHE_SPEC, length=P())
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, P)
+
+
+def _place(tree, specs, tp: int):
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh(tp), spec), specs, is_leaf=_is_spec)
+    return jax.device_put(tree, shardings)
+
+
+def shard_weights(weights, cfg):
+    """The weights placed on the plan's devices, each cut as weight_specs says (checked first: a JaxinferError
+    names the tensor that cannot be cut, and why); unchanged with one device. A tied output head stays the
+    embedding itself (both are cut by vocabulary)."""
+    tp = cfg.plan.tp
+    if tp == 1:
+        return weights
+    check_model(cfg, tp)
+    placed = _place(weights, weight_specs(weights, tp), tp)
+    return dataclasses.replace(placed, output=placed.token_embd) if weights.output is weights.token_embd else placed
+
+
+def shard_cache(cache, plan: Plan):
+    """A new KV cache placed on the plan's devices by KV heads (inside a jitted function: constrained so)."""
+    return cache if plan.tp == 1 else _place(cache, cache_specs(cache), plan.tp)
+
+
+def _local_view(tree, specs, tp: int):
+    """Inside the shard_map: each cut QuantArray's static shape divided to its local shard's."""
+    def local(value, spec):
+        if not isinstance(value, QuantArray):
+            return value
+        axis = ROWS if spec.data == P(AXIS, None) else COLS if spec.data == P(None, AXIS) else None
+        if axis is None:
+            return value
+        shape = list(value.shape)
+        shape[axis] //= tp
+        return dataclasses.replace(value, shape=tuple(shape))
+
+    return jax.tree.map(local, tree, specs, is_leaf=lambda x: isinstance(x, QuantArray))
+
+
+def all_reduce(x, plan: Plan):
+    """Inside the shard_map: the sum over the devices of their partial results (after attn_output, after the FFN's
+    down projection); x itself with one device."""
+    return x if plan.tp == 1 else jax.lax.psum(x, AXIS)
+
+
+def embed(table: QuantArray, tokens, plan: Plan):
+    """The embedding rows of `tokens` -> f32 [*tokens.shape, d] (quant.take_rows). Inside the shard_map the table is
+    cut by vocabulary: each device gives the rows it holds and zeros for the others, and their sum is every row,
+    exactly."""
+    if plan.tp == 1:
+        return take_rows(table, tokens)
+    held_rows = table.shape[0]
+    local = tokens - jax.lax.axis_index(AXIS) * held_rows
+    held = (local >= 0) & (local < held_rows)
+    rows = take_rows(table, jnp.where(held, local, 0))
+    return jax.lax.psum(jnp.where(held[..., None], rows, 0.0), AXIS)
+
+
+def forward_on_shards(body, tokens, weights, cfg, cache, observe, n_valid, row):
+    """body(tokens, weights, cfg, cache, observe, n_valid, row) (model._forward) run on every device over its
+    shards of the weights and the cache (shard_map), its hidden states coming out replicated and its cache cut by
+    KV heads; body itself with one device. A Python `row` stays static (cpu_ext attention reads the first rows)."""
+    tp = cfg.plan.tp
+    if tp == 1:
+        return body(tokens, weights, cfg, cache, observe, n_valid, row)
+    if observe is not None:
+        raise JaxinferError(f"observing the FFNs (profile, calibrate, train_predictor) runs on one device, not "
+                            f"--tp {tp}")
+    w_specs, c_specs = weight_specs(weights, tp), cache_specs(cache)
+    static_row = isinstance(row, int)
+
+    def shard(tokens, weights, cache, n_valid, row_arg):
+        return body(tokens, _local_view(weights, w_specs, tp), cfg, cache, None, n_valid,
+                    row if static_row else row_arg)
+
+    run = jax.shard_map(shard, mesh=mesh(tp), in_specs=(P(), w_specs, c_specs, P(), P()),
+                        out_specs=(P(), c_specs, P()), check_vma=False)
+    return run(tokens, weights, cache, n_valid, None if static_row else row)
+
+
+def head_on_shards(product, hidden, head: QuantArray, plan: Plan):
+    """product(hidden [..., d], head) -> logits [..., n_vocab], each device computing the logits of its rows of the
+    head (the vocabulary cut `plan.tp` ways; the result is cut so too); product itself with one device."""
+    if plan.tp == 1:
+        return product(hidden, head)
+    spec = _cut_spec("output", head, ROWS, plan.tp)
+    lead = hidden.shape[:-1]
+
+    def shard(hidden, head):
+        return product(hidden, _local_view(head, spec, plan.tp))
+
+    run = jax.shard_map(shard, mesh=mesh(plan.tp), in_specs=(P(), spec), out_specs=P(None, AXIS), check_vma=False)
+    return run(hidden.reshape(-1, hidden.shape[-1]), head).reshape(*lead, -1)
