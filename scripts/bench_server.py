@@ -1,7 +1,8 @@
 """Serving speed under concurrency: N clients stream completions from a running OpenAI-compatible server (python -m
 jaxinfer.server, or llama.cpp's llama-server on the same model) at once, each sending --requests requests one after
 another; for each N of --clients: the aggregate generated tokens/s (all tokens over the wall time of the whole
-measurement), time to first token and inter-token latency (gaps between streamed chunks), p50 and p95.
+measurement), time to first token, inter-token latency (gaps between streamed chunks) and time per output token
+(a request's time from its first chunk to its last over its tokens after the first), p50 and p95.
 
     python scripts/bench_server.py [--url http://127.0.0.1:8080] [--clients 1,4,8] [--requests 4]
         [--max_tokens 128] [--endpoint completions|chat] [--warmup 4] [--json]
@@ -66,6 +67,9 @@ def measure(clients: int, first_index: int) -> tuple[dict, list[str]]:
     done = [o for o in outcomes if o.completed]
     ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
     gaps = [gap for o in done for gap in o.gaps_s]
+    # Time per output token after the first, per request: unlike the gaps, the same whether a server streams each
+    # token as it comes or several at once.
+    tpots = [sum(o.gaps_s) / (o.tokens - 1) for o in done if o.tokens > 1 and o.gaps_s]
     tokens = sum(o.tokens for o in done)
     finish_reasons: dict[str, int] = {}
     for o in done:
@@ -73,13 +77,14 @@ def measure(clients: int, first_index: int) -> tuple[dict, list[str]]:
     return {"clients": clients, "requests": len(specs), "tokens": tokens, "wall_s": round(wall, 3),
             "tokens_per_s": round(tokens / wall, 2), "ttft_ms_p50": server_client.percentile_ms(ttfts, 50),
             "ttft_ms_p95": server_client.percentile_ms(ttfts, 95), "itl_ms_p50": server_client.percentile_ms(gaps, 50),
-            "itl_ms_p95": server_client.percentile_ms(gaps, 95), "errors": len(outcomes) - len(done),
+            "itl_ms_p95": server_client.percentile_ms(gaps, 95), "tpot_ms_p50": server_client.percentile_ms(tpots, 50),
+            "tpot_ms_p95": server_client.percentile_ms(tpots, 95), "errors": len(outcomes) - len(done),
             "finish_reasons": finish_reasons}, [o.error for o in outcomes if not o.completed]
 
 
 def table(results: list[dict]) -> str:
     columns = ("clients", "requests", "tokens", "wall_s", "tokens_per_s", "ttft_ms_p50", "ttft_ms_p95", "itl_ms_p50",
-               "itl_ms_p95", "errors")
+               "itl_ms_p95", "tpot_ms_p50", "tpot_ms_p95", "errors")
     rows = [columns] + [tuple("-" if r[c] is None else str(r[c]) for c in columns) for r in results]
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows)
