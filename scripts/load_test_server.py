@@ -3,8 +3,10 @@ rounds of --requests requests from --clients concurrent clients, of mixed prompt
 and not, completions and chat, every --cancel_every-th one given up by its client (a stream closed after its first
 chunks, or a plain request abandoned after --cancel_after_s). It checks that
 
-- every request that was not given up completes (a finish_reason; a stream ends with data: [DONE]) or fails cleanly
-  (an OpenAI-style JSON error: 503 when the queue is full counts here, and is counted apart);
+- every request that was not given up completes (a finish_reason; a stream ends with data: [DONE]) or is refused
+  cleanly because the queue is full (503 with an OpenAI-style JSON error, counted apart); any other JSON error (a
+  400 for a prompt longer than a slot's context, a 500) is counted and fails the test too, as does a broken exchange
+  (no [DONE], a non-JSON error, a dropped connection, no answer within --timeout);
 - after each round /metrics shows no busy slot and nothing queued within --settle_s (jaxinfer_busy_slots and
   jaxinfer_queue_length, or llama-server's llamacpp:requests_processing and requests_deferred);
 - the server's resident memory (process_resident_memory_bytes from /metrics, else /proc/--pid) after the last round
@@ -13,9 +15,11 @@ chunks, or a plain request abandoned after --cancel_after_s). It checks that
     python scripts/load_test_server.py [--url http://127.0.0.1:8080] [--requests 200] [--clients 16]
         [--cancel_every 7] [--rounds 2] [--max_tokens 64] [--pid PID] [--json]
 
-Everything runs against the given URL and stops by itself. What /metrics does not report (no slots, no memory) is
-said in the report and not checked. The exit status is 1 when a check fails (the reasons on stderr), 2 when the
-server cannot be reached; with --json the last line is the report as one JSON object.
+Everything runs against the given URL and stops by itself. What /metrics does not report (no slots, no memory) is said
+in the report and not checked. The longest prompts are 160 words (~200 tokens of a real tokenizer, ~900 of the
+synthetic test models' characters), plus up to --max_tokens: each slot needs that much context. The exit status is 1
+when a check fails (the reasons on stderr), 2 when the server cannot be reached; with --json the last line is the
+report as one JSON object.
 """
 
 import json
@@ -109,6 +113,8 @@ def run_round(number: int, specs: list[server_client.RequestSpec]) -> tuple[dict
     outcomes, wall = server_client.run_concurrently(FLAGS.url, specs, FLAGS.clients, FLAGS.timeout)
     broken = [(i, o) for i, o in enumerate(outcomes) if o.error is not None and not o.clean]
     refused = sum(o.clean and o.status == 503 for o in outcomes)
+    # The requests are valid: an error other than a full queue's 503 is the server's fault (or too small a context).
+    errors = [(i, o) for i, o in enumerate(outcomes) if o.clean and o.status != 503]
     state = settle(FLAGS.url, FLAGS.settle_s)
     if state["memory_bytes"] is None and FLAGS.pid is not None:
         state["memory_bytes"], state["memory_source"] = resident_bytes(FLAGS.pid), f"/proc/{FLAGS.pid}"
@@ -118,12 +124,14 @@ def run_round(number: int, specs: list[server_client.RequestSpec]) -> tuple[dict
               "completed": sum(o.completed for o in outcomes),
               "cancelled": sum(o.cancelled for o in outcomes),
               "cancel_planned": sum(s.cancel_after_chunks is not None or s.cancel_after_s is not None for s in specs),
-              "refused_503": refused, "other_clean_errors": sum(o.clean for o in outcomes) - refused,
-              "broken": len(broken), "tokens": sum(o.tokens for o in outcomes if o.completed), **state}
-    failures = [f"round {number}: request {i} ({'stream' if specs[i].stream else 'plain'}) did not end cleanly: "
-                f"{o.error}" for i, o in broken[:5]]
-    if len(broken) > 5:
-        failures.append(f"round {number}: {len(broken) - 5} more requests did not end cleanly")
+              "refused_503": refused, "other_clean_errors": len(errors), "broken": len(broken),
+              "tokens": sum(o.tokens for o in outcomes if o.completed), **state}
+    failures = []
+    for what, failed in (("did not end cleanly", broken), ("failed", errors)):
+        failures += [f"round {number}: request {i} ({'stream' if specs[i].stream else 'plain'}) {what}: {o.error}"
+                     for i, o in failed[:3]]
+        if len(failed) > 3:
+            failures.append(f"round {number}: {len(failed) - 3} more requests {what}")
     if state["slots_reported"] and (state["busy_slots"] or state["queue_length"]):
         failures.append(f"round {number}: /metrics still shows {state['busy_slots']:g} busy slots and "
                         f"{state['queue_length']:g} queued {FLAGS.settle_s:g} s after the last answer")

@@ -18,8 +18,10 @@ import pytest
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-CTX = 2048  # the longest prompt of the scripts' mix is ~900 tokens of the synthetic tokenizer, plus 64 generated
 SLOTS = 4
+# Each of the slots gets -c / -np positions: the longest prompt of the scripts' mix is ~900 tokens of the synthetic
+# tokenizer (characters), plus up to 64 generated.
+CTX = 1024 * SLOTS
 
 
 def free_port() -> int:
@@ -46,13 +48,14 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def start_server(model_path):
-    """start_server(queue) -> (base URL, pid) of a server that answers /health with 200; all stopped at the end."""
+    """start_server(queue, ctx) -> (base URL, pid) of a server that answers /health with 200; all stopped at the
+    end."""
     processes, slots = [], slot_args()
 
-    def start(queue: int):
+    def start(queue: int, ctx: int = CTX):
         port = free_port()
         process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", model_path, "--port", str(port),
-                                    "-c", str(CTX), "--queue", str(queue), *slots],
+                                    "-c", str(ctx), "--queue", str(queue), *slots],
                                    env=dict(os.environ, JAX_PLATFORMS="cpu"), stderr=subprocess.PIPE, text=True)
         processes.append(process)
         base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
@@ -110,6 +113,18 @@ def test_load_test_200_requests_16_clients_two_rounds(server):
         assert r["broken"] == 0 and r["cancelled"] > 0 and r["tokens"] > 0
         assert r["slots_reported"] and r["busy_slots"] == 0 and r["queue_length"] == 0
     assert report["memory"]["reported"] and report["memory"]["growth_bytes"] <= report["memory"]["bound_bytes"]
+
+
+def test_load_test_fails_on_errors_other_than_a_full_queue(start_server):
+    """The mix's longer prompts do not fit a small context: 400s, clean, but not what valid requests may get."""
+    base, _ = start_server(32, ctx=256)
+    result = run("scripts/load_test_server.py", "--url", base, "--requests", "8", "--clients", "2", "--rounds", "1",
+                 "--max_tokens", "8", "--cancel_every", "0", "--json")
+    assert result.returncode == 1, result.stderr
+    report = last_json(result)
+    assert not report["ok"] and report["rounds"][0]["other_clean_errors"] > 0 and report["rounds"][0]["broken"] == 0
+    assert re.match(r"round 1: request \d+ \((stream|plain)\) failed: 400: ", report["failures"][0]), report
+    assert result.stderr.strip().splitlines()[-1].startswith("error: load test failed: round 1: request ")
 
 
 def test_load_test_counts_a_full_queue_as_clean_refusals(start_server):
