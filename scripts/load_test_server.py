@@ -86,6 +86,8 @@ def settle(base: str, settle_s: float) -> dict:
     start = time.monotonic()
     while True:
         samples = server_client.metrics(base)
+        if MEMORY_METRIC in samples:
+            samples[MEMORY_METRIC] = int(samples[MEMORY_METRIC])
         names = next((pair for pair in SLOT_METRICS if all(name in samples for name in pair)), None)
         if names is None:
             return {"slots_reported": False, "memory_bytes": samples.get(MEMORY_METRIC)}
