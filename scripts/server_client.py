@@ -157,8 +157,9 @@ def _read_stream(response: httpx.Response, spec: RequestSpec, outcome: Outcome, 
             outcome.cancelled = outcome.finish_reason is None
             if outcome.cancelled:
                 return  # leaving the `with` closes the connection mid-stream
-    if outcome.error is None and not outcome.done:
-        outcome.error = "the stream ended without data: [DONE]"
+    if not outcome.done:  # even after an error event: the end of a stream is always data: [DONE]
+        after = f" (after {outcome.error})" if outcome.error else ""
+        outcome.error, outcome.clean = f"the stream ended without data: [DONE]{after}", False
     elif outcome.error is None and outcome.finish_reason is None:
         outcome.error = "the stream ended without a finish_reason"
 
