@@ -1,8 +1,10 @@
 """scripts/bench_server.py and scripts/load_test_server.py against the real server process (python -m jaxinfer.server)
 on a tiny synthetic model: the benchmark counts what was generated, and the issue's load test (200 requests from 16
 concurrent clients, mixed lengths, some cancelled, two rounds) passes in full: every request completes or fails
-cleanly, no slot is left busy, resident memory stays put."""
+cleanly, no slot is left busy, resident memory stays put; and, without a server, how the shared client
+(scripts/server_client.py) judges what a server sends."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -22,6 +24,16 @@ SLOTS = 4
 # Each of the slots gets -c / -np positions: the longest prompt of the scripts' mix is ~900 tokens of the synthetic
 # tokenizer (characters), plus up to 64 generated.
 CTX = 1024 * SLOTS
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+server_client = load_script("server_client")
 
 
 def free_port() -> int:
@@ -143,3 +155,33 @@ def test_scripts_explain_an_unreachable_server_in_one_line(script):
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("error: cannot reach the server at http://127.0.0.1:"), result.stderr
+
+
+def sse(*chunks) -> bytes:
+    return b"".join(b"data: " + (c if isinstance(c, bytes) else json.dumps(c).encode()) + b"\n\n" for c in chunks)
+
+
+@pytest.mark.parametrize("status, body, expected", [
+    # llama-server: one chunk per token, usage on the finish_reason chunk.
+    (200, sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+              {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 2}}, b"[DONE]"),
+     {"completed": True, "tokens": 2, "content_chunks": 2, "finish_reason": "length"}),
+    # ours: text held back and released in one chunk, usage in a last chunk without choices.
+    (200, sse({"choices": [{"text": "ab"}]}, {"choices": [{"text": "", "finish_reason": "stop"}]},
+              {"choices": [], "usage": {"completion_tokens": 3}}, b"[DONE]"),
+     {"completed": True, "tokens": 3, "content_chunks": 1, "finish_reason": "stop"}),
+    (200, sse({"choices": [{"text": "a"}]}, {"choices": [{"text": "", "finish_reason": "length"}]}),
+     {"completed": False, "clean": False, "error": "the stream ended without data: [DONE]"}),
+    (200, sse({"error": {"message": "boom"}}, b"[DONE]"),
+     {"completed": False, "clean": True, "error": "error event: boom"}),
+    (503, json.dumps({"error": {"message": "busy", "code": 503}}).encode(),
+     {"completed": False, "clean": True, "status": 503, "error": "503: busy"}),
+    (500, b"Internal Server Error", {"completed": False, "clean": False}),
+    (200, sse(b"{not json"), {"completed": False, "clean": False}),
+])
+def test_client_judges_what_a_server_sends(status, body, expected):
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    with httpx.Client(transport=transport) as client:
+        outcome = server_client.send(client, "http://server", server_client.RequestSpec("p", 2), read_timeout_s=5)
+    for name, value in expected.items():
+        assert getattr(outcome, name) == value, (name, outcome)
