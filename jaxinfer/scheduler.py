@@ -29,9 +29,9 @@ from jaxinfer import engine, model
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
 
-# Prompts are prefilled in pieces of these sizes (each one compiled program): the largest that the rest of the
-# prompt fills at least half of, the last padded. A 70-token prompt is 64 + 16 (6 real), not 256.
-PREFILL_CHUNKS = (16, 64, 256)
+# Prompts are prefilled in pieces of these sizes (each one compiled program): the largest that the rest of the prompt
+# fills, the last padded to the smallest: less than 16 tokens of padding (a 70-token prompt is 64 + 16, 6 real).
+PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 NO_STEP = -1  # decode_chunk's token where a row took no step
 SAMPLING_VALUES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
                    "presence_penalty")  # per slot, traced
@@ -73,12 +73,10 @@ def prefill_pieces(n_prompt: int, start: int, cache_len: int) -> list[tuple[int,
     already, none reaching past `cache_len` (a multiple of the smallest chunk)."""
     pieces, offset = [], start
     while offset < n_prompt:
-        left = n_prompt - offset
         fits = [size for size in PREFILL_CHUNKS if offset + size <= cache_len]
-        covering = [size for size in fits if left <= size <= 2 * left]
-        size = min(covering) if covering else max([s for s in fits if s <= left] or fits[:1])
+        size = max([size for size in fits if size <= n_prompt - offset], default=PREFILL_CHUNKS[0])
         pieces.append((offset, size))
-        offset += min(size, left)
+        offset += min(size, n_prompt - offset)
     return pieces
 
 

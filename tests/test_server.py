@@ -118,7 +118,7 @@ def test_completion_at_temperature_0_equals_generate_tokens(client, local):
 
 
 def test_a_prompt_prefilled_in_several_pieces_equals_generate_tokens(client, local):
-    """A 300-token prompt is prefilled in two pieces (256 + 64, scheduler.prefill_pieces) in its slot's row."""
+    """A 300-token prompt is prefilled in pieces (256 + 32 + 16, scheduler.prefill_pieces) in its slot's row."""
     m, greedy = local
     prompt = " ".join(["the hall of 1 2 3"] * 20)
     ids = m.tokenizer.encode(prompt)
