@@ -47,12 +47,6 @@ def run(*args, timeout=120):
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
-def slot_args() -> list[str]:
-    """-np SLOTS once the server has continuous batching (its --help lists -np); until then it has one slot."""
-    help_text = run("-m", "jaxinfer.server", "--help").stdout
-    return ["-np", str(SLOTS)] if re.search(r"(^|[\s,])-np\b", help_text) else []
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_model(str(tmp_path_factory.mktemp("load") / "tiny.gguf"), SyntheticSpec(n_ctx=CTX))
@@ -62,7 +56,7 @@ def model_path(tmp_path_factory):
 def start_server(model_path):
     """start_server(queue, ctx) -> (base URL, pid) of a server that answers /health with 200; all stopped at the
     end."""
-    processes, slots = [], slot_args()
+    processes, slots = [], ["-np", str(SLOTS)]
 
     def start(queue: int, ctx: int = CTX):
         port = free_port()
