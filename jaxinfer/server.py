@@ -35,6 +35,7 @@ flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
 define_split_flags()
+cli.define_tp_flag()
 flags.adopt_module_key_flags(cli)
 check_range("port", 0, 65535)
 check_range("ctx_size", 1)
@@ -82,7 +83,7 @@ class Service:
                                    attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
                                    vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
                                    activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
-                                   thresholds_file=FLAGS.thresholds,
+                                   thresholds_file=FLAGS.thresholds, tp=FLAGS.tp,
                                    loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}",
                                                           file=sys.stderr))
             if m.split is not None:
@@ -266,6 +267,7 @@ def sse(payload: dict) -> str:
 def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    cli.request_devices(FLAGS.tp)
     import uvicorn
 
     service = Service()

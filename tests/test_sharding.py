@@ -138,3 +138,45 @@ def test_neuron_major_down_is_cut_on_blocks_of_32_neurons(make_model):
 def test_more_devices_than_the_process_has(make_model):
     with pytest.raises(JaxinferError, match="--tp 2 needs 2 devices, this process has 1"):
         engine.load_model(make_model(**SHAPE), tp=2)
+
+
+def test_the_server_with_tp_2_answers_as_one_device(make_model):
+    """python -m jaxinfer.server --tp 2 (2 slots): the slots' cache and programs cut over two devices give the greedy
+    text that generate_tokens gives on one."""
+    import socket
+    import time
+
+    import httpx
+
+    from jaxinfer.sampling import SamplingParams
+
+    path = make_model(**SHAPE)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", path, "--port", str(port), "-c", "256",
+                                "-np", "2", "--tp", "2"], env=env(), stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the server did not report ready in 120 s"
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        m = engine.load_model(path)
+        for prompt in ("hello the", "abc abc"):
+            ids = m.tokenizer.encode(prompt)
+            expected = list(engine.generate_tokens(m, ids, 10, 128, SamplingParams(temperature=0), seed=0,
+                                                   stop_ids=frozenset()))
+            reply = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                               "ignore_eos": True}, timeout=60).json()
+            assert reply["choices"][0]["text"] == m.tokenizer.decode(expected)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    assert "tensor-parallel over 2 devices" in process.stderr.read()  # the plan line it printed
