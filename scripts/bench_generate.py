@@ -185,11 +185,16 @@ def compare_with_split(m) -> dict[str, float]:
 def run_llama_bench(path, pp, tg) -> dict[str, float]:
     """llama-bench's best repetition of each test, in tokens/s, keyed like ours (pp128, tg64)."""
     command = [FLAGS.llama_bench, "-m", path, "-t", str(FLAGS.threads), "-p", ",".join(pp), "-n", str(tg), "-r",
-               str(FLAGS.repetitions), "-d", str(FLAGS.depth), "-o", "json"]
+               str(FLAGS.repetitions), "-o", "json"]
+    if FLAGS.depth:  # -d only when asked: builds from before llama-bench had it reject even "-d 0"
+        command += ["-d", str(FLAGS.depth)]
     try:
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise JaxinferError(f"llama-bench failed: {e}") from None
+        done = subprocess.run(command, capture_output=True, text=True)
+    except OSError as e:
+        raise JaxinferError(f"llama-bench could not run: {e}") from None
+    if done.returncode != 0:
+        said = " | ".join(done.stderr.strip().splitlines()[-4:]) or "nothing on stderr"
+        raise JaxinferError(f"llama-bench exited with status {done.returncode}: {said}")
     results = {}
     for row in json.loads(done.stdout):
         test = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"

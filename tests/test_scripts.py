@@ -81,6 +81,41 @@ def test_bench_generate_times_deep_in_the_context(tmp_path):
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
 
 
+FAKE_LLAMA_BENCH = """#!{python}
+import json, sys
+args = sys.argv[1:]
+if "-d" in args:
+    sys.exit("error: invalid parameter for argument: -d")  # an older llama-bench
+if "{fail}":
+    print("loading model\\nllama_model_load: error loading model: {fail}", file=sys.stderr)
+    sys.exit(1)
+pp = args[args.index("-p") + 1].split(",")
+print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "samples_ts": [100.0, 120.0]}} for p in pp]
+                 + [{{"n_prompt": 0, "n_gen": int(args[args.index("-n") + 1]), "samples_ts": [50.0]}}]))
+"""
+
+
+def test_bench_generate_runs_llama_bench_without_depth_and_shows_why_it_failed(tmp_path):
+    """--llama_bench passes -d only with --depth (older builds reject "-d 0"), reads its JSON, and a failing
+    llama-bench is one error line with the end of its stderr."""
+    model = str(tmp_path / "plain.gguf")
+    assert run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "1", "--n_embd", "64",
+               "--n_ff", "128", "--weight_type", "Q8_0").returncode == 0
+    for fail in ("", "unknown model architecture"):
+        fake = tmp_path / f"llama-bench{len(fail)}"
+        fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, fail=fail))
+        fake.chmod(0o755)
+        result = run("scripts/bench_generate.py", "-m", model, "--pp", "8", "--tg", "4", "-c", "32", "--repetitions",
+                     "1", "--llama_bench", str(fake), "--json")
+        if not fail:
+            assert result.returncode == 0, result.stderr
+            assert "llama.cpp pp8: 120.0 tokens/s" in result.stdout + result.stderr
+        else:
+            assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+            last = result.stderr.strip().splitlines()[-1]
+            assert last.startswith("error: llama-bench exited with status 1") and fail in last, last
+
+
 def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
     result = run("scripts/bench_sparse_kernels.py", "--types", "Q5_K,Q4_1", "--shapes", "256x512", "--tokens", "1",
                  "--sparsity", "0.5", "--calls", "2", "--repeats", "1")
