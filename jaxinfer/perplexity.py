@@ -67,7 +67,8 @@ def _cli_main(argv):
         tokens = np.asarray(m.tokenizer.encode(text), np.int32)
         print(f"tokenized {f.file}: {len(tokens)} tokens in {time.perf_counter() - start:.2f} s", file=sys.stderr)
         n_ctx, n_chunks, source = ctx_size, f.chunks, f.file
-    n_seq = cli.windows_per_batch(f.batch_size, n_ctx, len(tokens) // n_ctx)
+    n_windows = len(tokens) // n_ctx if n_chunks < 0 else min(n_chunks, len(tokens) // n_ctx)  # those asked for
+    n_seq = cli.windows_per_batch(f.batch_size, n_ctx, n_windows)
     print(f"evaluating {source}: n_ctx={n_ctx}, {n_seq} windows per batch", file=sys.stderr)
     if split:
         m = engine.split_model(m, f.vram_budget, n_ctx, f.activation_dir, f.reset_gpu_index, batch=n_seq)

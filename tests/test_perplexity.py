@@ -133,10 +133,12 @@ def test_cli_writes_base_then_compares(make_model, tmp_path):
     assert second.returncode == 0, second.stderr
     assert "same top-1 100.00%" in second.stdout
     assert first.stdout.split("|")[0] == second.stdout.split("|")[0]  # same PPL line
-    capped = run_cli("-m", model_path, "-f", str(text), "-c", "128")  # beyond the model's 64: as in generate
+    # -c beyond the model's 64 is capped as in generate; --chunks 2 evaluates 2 windows in one batch, not -b 512's 8
+    # (6 of them padding)
+    capped = run_cli("-m", model_path, "-f", str(text), "-c", "128", "--chunks", "2", "-b", "512")
     assert capped.returncode == 0, capped.stderr
     assert "note: -c 128 exceeds the model's training context; using 64" in capped.stderr
-    assert "n_ctx=64" in capped.stderr
+    assert "n_ctx=64, 2 windows per batch" in capped.stderr
 
 
 def current_umask() -> int:
