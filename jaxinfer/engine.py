@@ -369,12 +369,12 @@ def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: Sampli
 
 
 def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray,
-                    rows: int | None = None):
+                    rows: int | None = None, n_steps: int = DECODE_CHUNK):
     """(decode(state, params, cache) -> (tokens [DECODE_CHUNK, rows or B], state, cache), `cache` after a warm-up):
     the decode program (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of
     time (or loaded) and warmed up (one step of every row) without changing the cache's contents."""
     compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
-                                     donate=("cache",), n_steps=DECODE_CHUNK, rows=rows)
+                                     donate=("cache",), n_steps=n_steps, rows=rows)
 
     def decode(state, params, cache):
         return compiled(state, stop_ids, m.weights, cache, m.config, params)
