@@ -1,12 +1,16 @@
 """Shared command-line plumbing: llama.cpp-style flag spellings, flag values checked as the command line is parsed,
 one-line flag errors, --help, and the notes every CLI prints the same way."""
 
+import contextlib
 import logging as std_logging
+import os
 import shutil
 import sys
 import textwrap
 
 from absl import flags, logging
+
+from jaxinfer.errors import JaxinferError
 
 INT32_MAX = 2**31 - 1  # counts reach the compiled programs as int32
 MAX_VRAM_GIB = 2.0**20  # 1 PiB: far beyond any accelerator; larger budgets are typos
@@ -76,13 +80,91 @@ def define_tp_flag():
     check_range("tp", 1)
 
 
-def request_devices(tp: int):
-    """On a CPU backend, `tp` devices for --tp: JAX's jax_num_cpu_devices, which must be set before JAX runs its
-    first operation (the CLIs call this first thing in main). GPUs are counted as they are."""
-    if tp > 1:
+def define_dp_flag():
+    """--dp, data parallelism of an evaluation (perplexity); read by join_processes before JAX starts."""
+    flags.DEFINE_integer("dp", 1, "data parallelism: spread the windows of each batch over this many devices, the "
+                         "model whole on each (default over several processes: all their devices); not with --tp")
+    check_range("dp", 1)
+
+
+def define_process_flags():
+    """The flags of a run over several processes, on one host or several (generate, perplexity)."""
+    flags.DEFINE_string("coordinator", None, "HOST:PORT where process 0 serves the coordinator of a run over several "
+                        "processes (jax.distributed; every process gives the same); default: $JAX_COORDINATOR_ADDRESS")
+    flags.DEFINE_integer("num_processes", 1, "processes running the model together, each started with the same "
+                         "flags and its own --process_id; --tp (--dp) then counts all their devices")
+    flags.DEFINE_integer("process_id", 0, "this process's rank, 0 to --num_processes - 1; process 0 serves the "
+                         "coordinator and prints the results")
+    flags.DEFINE_integer("join_timeout", 45, "seconds a process waits for the coordinator and every process to join "
+                         "before it gives up with an error")
+    check_range("num_processes", 1)
+    check_range("process_id", 0)
+    check_range("join_timeout", 1, 3600)
+
+
+def join_processes(evaluates: bool = False) -> tuple[int, int]:
+    """Start JAX for --tp (and --dp, for an evaluation): -> (tp, dp), the devices the model is cut over and the
+    devices evaluation windows are spread over. With --num_processes N this process joins the others first
+    (distributed.initialize), --tp and --dp count all their devices, and without either the model is cut over
+    (an evaluation's windows spread over) one device of every process. On a CPU each process gets its share of
+    the devices as virtual CPU devices."""
+    f = flags.FLAGS
+    processes = f.num_processes
+    tp, dp = f.tp, f.dp if evaluates else 1
+    if processes == 1:
+        if f["coordinator"].present or f["process_id"].present:
+            raise JaxinferError("--coordinator and --process_id are for a run over several processes: give "
+                                "--num_processes too")
+        request_devices(tp * dp)
+        return tp, dp
+    coordinator = f.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not coordinator:
+        raise JaxinferError(f"--num_processes {processes} needs --coordinator HOST:PORT (where process 0 serves)")
+    if f.process_id >= processes:
+        raise JaxinferError(f"--process_id {f.process_id} is not below --num_processes {processes}")
+    if tp == 1 and dp == 1:
+        tp, dp = (1, processes) if evaluates else (processes, 1)
+    if (tp * dp) % processes:
+        flag, count = ("--dp", dp) if dp > 1 else ("--tp", tp)
+        raise JaxinferError(f"{flag} {count} devices cannot be shared equally by {processes} processes")
+    request_devices(tp * dp // processes)
+    from jaxinfer import distributed
+
+    distributed.initialize(coordinator, processes, f.process_id, f.join_timeout)
+    return tp, dp
+
+
+def request_devices(count: int):
+    """On a CPU backend, `count` devices for this process (--tp, --dp): JAX's jax_num_cpu_devices, which must be set
+    before JAX runs its first operation (the CLIs call this first thing in main). GPUs are counted as they are."""
+    if count > 1:
         import jax
 
-        jax.config.update("jax_num_cpu_devices", tp)
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+@contextlib.contextmanager
+def leader_prints():
+    """Within: only process 0 of a run over several processes prints (the others' stdout and stderr go nowhere);
+    an error leaving the block still comes out of every process, after the streams are back. A failure of the
+    distributed runtime (a peer process died) is a JaxinferError naming this process."""
+    import jax
+
+    if jax.process_count() == 1:
+        yield
+        return
+    try:
+        with contextlib.ExitStack() as stack:
+            if jax.process_index() != 0:
+                quiet = stack.enter_context(open(os.devnull, "w"))
+                stack.enter_context(contextlib.redirect_stdout(quiet))
+                stack.enter_context(contextlib.redirect_stderr(quiet))
+            yield
+    except jax.errors.JaxRuntimeError as e:
+        from jaxinfer import distributed
+
+        raise JaxinferError(f"process {jax.process_index()} of {jax.process_count()}: the run failed, a process "
+                            f"probably died ({distributed.one_line(e)})") from None
 
 
 def split_requested() -> bool:
