@@ -68,19 +68,19 @@ def test_generate_over_two_processes_writes_the_one_process_text(make_model, tmp
     assert_quiet(second)
 
 
-@pytest.mark.parametrize("parallel", [["--dp", "4"], ["--tp", "4"]])
-def test_perplexity_over_two_processes_is_the_one_process_perplexity(make_model, tmp_path, parallel):
-    """Windows spread over the 4 devices of both processes (5 windows: a batch of 4 and one padded to 4), or the
+def test_perplexity_over_two_processes_is_the_one_process_perplexity(make_model, tmp_path):
+    """Windows spread over the 4 devices of both processes (5 windows: a batch of 4 and one padded to 4), and the
     model cut over them."""
     path = make_model(**SHAPE)
     text = tmp_path / "text.txt"
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
     args = ["-m", path, "-f", str(text), "-c", "32", "-b", "128", "--chunks", "5"]
     one = perplexity(run_cli("perplexity", *args))
-    first, second = run_processes(tmp_path, "perplexity", *args, *parallel)
-    assert perplexity(first) == pytest.approx(one, rel=1e-4)
-    assert "5 chunks" in first.stdout and "2 processes" in first.stderr
-    assert_quiet(second)
+    for parallel in (["--dp", "4"], ["--tp", "4"]):
+        first, second = run_processes(tmp_path, "perplexity", *args, *parallel)
+        assert perplexity(first) == pytest.approx(one, rel=1e-4), parallel
+        assert "5 chunks" in first.stdout and "2 processes" in first.stderr
+        assert_quiet(second)
 
 
 def one_error_line(result: subprocess.CompletedProcess) -> str:
