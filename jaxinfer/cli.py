@@ -24,6 +24,7 @@ DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --spars
                     "rows are skipped): same (the model's own; a second rounding), q8_0 (near-lossless, 1.7x the "
                     "bytes of Q4_1), q4_0, q4_1, q5_0 or q5_1")
 SPLIT_ONLY_FLAGS = ("reset_gpu_index", "disable_gpu_index", "activation_dir")
+JOIN_GRACE_S = 5  # jax.distributed's own join timeout runs this much past --join_timeout: ours gives the error line
 
 
 def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
@@ -130,8 +131,47 @@ def join_processes(evaluates: bool = False) -> tuple[int, int]:
     request_devices(tp * dp // processes)
     from jaxinfer import distributed
 
-    distributed.initialize(coordinator, processes, f.process_id, f.join_timeout)
+    waited = (f"the other {processes - 1} processes did not all join" if f.process_id == 0 else
+              f"the coordinator at {coordinator} (process 0) could not be reached")
+    with _exit_after(f.join_timeout, f"process {f.process_id} of {processes}: {waited} within {f.join_timeout} s"):
+        distributed.initialize(coordinator, processes, f.process_id, f.join_timeout + JOIN_GRACE_S)
     return tp, dp
+
+
+def _native_output_to_stderr(stack: contextlib.ExitStack):
+    """Until `stack` closes, what native code writes to the standard output (gloo's "Rank k is connected to n peer
+    ranks" lines) goes to stderr: -> the stream for Python's own output, the real standard output."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+
+    def restore():
+        os.dup2(real, 1)
+        os.close(real)
+
+    stack.callback(restore)
+    return stack.enter_context(open(real, "w", closefd=False))
+
+
+@contextlib.contextmanager
+def _exit_after(seconds: float, message: str):
+    """Within: after `seconds`, print `error: message` and end the process (status 2). For jax.distributed's join,
+    whose own timeout aborts the process with a C++ stack trace (it releases the GIL while it waits, so this
+    watchdog thread runs)."""
+    import threading
+
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def request_devices(count: int):
@@ -155,6 +195,7 @@ def leader_prints():
         return
     try:
         with contextlib.ExitStack() as stack:
+            stack.enter_context(contextlib.redirect_stdout(_native_output_to_stderr(stack)))
             if jax.process_index() != 0:
                 quiet = stack.enter_context(open(os.devnull, "w"))
                 stack.enter_context(contextlib.redirect_stdout(quiet))

@@ -23,8 +23,9 @@ SHUTDOWN_TIMEOUT_S = 10  # at exit, how long a process waits for the others to r
 def initialize(coordinator: str, num_processes: int, process_id: int, timeout_s: int) -> None:
     """Join the run of `num_processes` processes as `process_id`, process 0 serving the coordinator at `coordinator`
     (HOST:PORT) and the others connecting to it: before JAX starts its backends (the CLIs call this first). A
-    coordinator that cannot be reached, or a process that does not come, within `timeout_s` seconds is a
-    JaxinferError."""
+    coordinator that cannot be reached, or a process that does not come, within `timeout_s` seconds ends the
+    process: JAX 0.10's runtime aborts it (its join fails in C++, not as a Python error; the CLIs print their own
+    error line first, cli.join_processes). A failure that does come back to Python is a JaxinferError."""
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise JaxinferError(f"--coordinator must be HOST:PORT, got {coordinator!r}")
