@@ -35,10 +35,8 @@ def initialize(coordinator: str, num_processes: int, process_id: int, timeout_s:
                                    shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
                                    cluster_detection_method="deactivate")  # every value is given: probe nothing
     except (RuntimeError, ValueError) as e:
-        waited = (f"the other {num_processes - 1} processes did not all join" if process_id == 0 else
-                  f"the coordinator at {coordinator} (process 0) could not be reached")
-        raise JaxinferError(f"process {process_id} of {num_processes}: {waited} within {timeout_s} s "
-                            f"({one_line(e)})") from None
+        raise JaxinferError(f"process {process_id} of {num_processes} could not join the run at {coordinator}: "
+                            f"{one_line(e)}") from None
 
 
 def one_line(error: Exception, limit: int = 300) -> str:
