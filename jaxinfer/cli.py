@@ -187,7 +187,7 @@ def request_devices(count: int):
 def leader_prints():
     """Within: only process 0 of a run over several processes prints (the others' stdout and stderr go nowhere);
     an error leaving the block still comes out of every process, after the streams are back. A failure of the
-    distributed runtime (a peer process died) is a JaxinferError naming this process."""
+    distributed runtime (a peer process died) ends the process with an `error:` line naming it (status 2)."""
     import jax
 
     if jax.process_count() == 1:
@@ -204,8 +204,13 @@ def leader_prints():
     except jax.errors.JaxRuntimeError as e:
         from jaxinfer import distributed
 
-        raise JaxinferError(f"process {jax.process_index()} of {jax.process_count()}: the run failed, a process "
-                            f"probably died ({distributed.one_line(e)})") from None
+        # Ended here, not by exit_on_error: JAX's shutdown at exit would wait for the dead process, then abort with a
+        # C++ stack trace. Process 0's progress bar may have left its line unfinished.
+        leader = jax.process_index() == 0
+        print(f"{chr(10) if leader else ''}error: process {jax.process_index()} of {jax.process_count()}: the run "
+              f"failed, a process probably died ({distributed.one_line(e)})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
 
 
 def split_requested() -> bool:

@@ -78,6 +78,7 @@ def test_perplexity_over_two_processes_is_the_one_process_perplexity(make_model,
     text.write_text("the quick brown fox jumps over the lazy dog " * 20)
     args = ["-m", path, "-f", str(text), "-c", "32", "-b", "128", "--chunks", "5"]
     one = perplexity(run_cli("perplexity", *args))
+    assert perplexity(run_cli("perplexity", *args, "--dp", "2")) == pytest.approx(one, rel=1e-4)  # one process
     for parallel in (["--dp", "4"], ["--tp", "4"]):
         first, second = run_processes(tmp_path, "perplexity", *args, *parallel)
         assert perplexity(first) == pytest.approx(one, rel=1e-4), parallel
@@ -106,24 +107,40 @@ def test_a_process_whose_coordinator_or_peer_never_comes_gives_up(make_model, tm
     assert "process 0 of 2: the other 1 processes did not all join within 5 s" in one_error_line(no_peer)
 
 
-def test_a_killed_peer_stops_the_other_process(make_model, tmp_path):
-    """Process 1 is killed once process 0 has loaded the model, before they compute together: process 0 must not
-    wait for it."""
-    path = make_model(**SHAPE)
+def killed_peer(tmp_path, module: str, args: list, shown: str) -> subprocess.CompletedProcess:
+    """Process 0's result when process 1 is killed once process 0's stderr shows `shown`."""
     port = free_port()
-    first, second = (start(tmp_path, "generate", rank, port, "-m", path, "-n", "100", "--temp", "0", "-c", "128",
-                           "--tp", "2") for rank in range(2))
+    first, second = (start(tmp_path, module, rank, port, *args, "--tp", "2") for rank in range(2))
     deadline = time.monotonic() + 120
-    while "loaded" not in first.logs[1].read_text():
+    while shown not in first.logs[1].read_text():
         assert first.poll() is None and time.monotonic() < deadline, first.logs[1].read_text()
         time.sleep(0.05)
     second.send_signal(signal.SIGKILL)
     killed = time.monotonic()
     result = finished(first, BOUND_S)
     assert time.monotonic() - killed < BOUND_S
-    assert result.returncode != 0
-    assert re.search(r"error: process 0 of 2: |another task died", result.stderr), result.stderr
     finished(second, 5)
+    return result
+
+
+def test_a_peer_killed_before_the_run_stops_the_other_process(make_model, tmp_path):
+    """Killed once process 0 has loaded the model, before they compute together: JAX's runtime declares it dead
+    (heartbeats) and ends process 0 with its own message."""
+    args = ["-m", make_model(**SHAPE), "-n", "100", "--temp", "0", "-c", "128"]
+    result = killed_peer(tmp_path, "generate", args, shown="loaded")
+    assert result.returncode != 0
+    assert "another task died" in result.stderr or "error: process 0 of 2: " in result.stderr, result.stderr
+
+
+def test_a_peer_killed_during_the_run_stops_the_other_process_with_an_error_line(make_model, tmp_path):
+    """Killed once the first windows of a long evaluation are scored: process 0's next all-reduce fails, and it
+    says so in one line (status 2)."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog " * 2000)
+    result = killed_peer(tmp_path, "perplexity", ["-m", make_model(**SHAPE), "-f", str(text), "-c", "32", "-b", "32"],
+                         shown="ppl=")
+    assert result.returncode == 2, result.stderr
+    assert "error: process 0 of 2: the run failed, a process probably died (" in one_error_line(result)
 
 
 @pytest.mark.parametrize("args, message", [
