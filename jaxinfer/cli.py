@@ -206,9 +206,9 @@ def leader_prints():
 
         # Ended here, not by exit_on_error: JAX's shutdown at exit would wait for the dead process, then abort with a
         # C++ stack trace. Process 0's progress bar may have left its line unfinished.
-        leader = jax.process_index() == 0
-        print(f"{chr(10) if leader else ''}error: process {jax.process_index()} of {jax.process_count()}: the run "
-              f"failed, a process probably died ({distributed.one_line(e)})", file=sys.stderr, flush=True)
+        newline = "\n" if jax.process_index() == 0 else ""
+        print(f"{newline}error: process {jax.process_index()} of {jax.process_count()}: the run failed, a process "
+              f"probably died ({distributed.one_line(e)})", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(2)
 
