@@ -1,12 +1,16 @@
 """Shared command-line plumbing: llama.cpp-style flag spellings, flag values checked as the command line is parsed,
 one-line flag errors, --help, and the notes every CLI prints the same way."""
 
+import contextlib
 import logging as std_logging
+import os
 import shutil
 import sys
 import textwrap
 
 from absl import flags, logging
+
+from jaxinfer.errors import JaxinferError
 
 INT32_MAX = 2**31 - 1  # counts reach the compiled programs as int32
 MAX_VRAM_GIB = 2.0**20  # 1 PiB: far beyond any accelerator; larger budgets are typos
@@ -20,6 +24,7 @@ DOWN_T_TYPE_HELP = ("type of the down projection transposed for a sparse --spars
                     "rows are skipped): same (the model's own; a second rounding), q8_0 (near-lossless, 1.7x the "
                     "bytes of Q4_1), q4_0, q4_1, q5_0 or q5_1")
 SPLIT_ONLY_FLAGS = ("reset_gpu_index", "disable_gpu_index", "activation_dir")
+JOIN_GRACE_S = 5  # jax.distributed's own join timeout runs this much past --join_timeout: ours gives the error line
 
 
 def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
@@ -76,13 +81,136 @@ def define_tp_flag():
     check_range("tp", 1)
 
 
-def request_devices(tp: int):
-    """On a CPU backend, `tp` devices for --tp: JAX's jax_num_cpu_devices, which must be set before JAX runs its
-    first operation (the CLIs call this first thing in main). GPUs are counted as they are."""
-    if tp > 1:
+def define_dp_flag():
+    """--dp, data parallelism of an evaluation (perplexity); read by join_processes before JAX starts."""
+    flags.DEFINE_integer("dp", 1, "data parallelism: spread the windows of each batch over this many devices, the "
+                         "model whole on each (default over several processes: all their devices); not with --tp")
+    check_range("dp", 1)
+
+
+def define_process_flags():
+    """The flags of a run over several processes, on one host or several (generate, perplexity)."""
+    flags.DEFINE_string("coordinator", None, "HOST:PORT where process 0 serves the coordinator of a run over several "
+                        "processes (jax.distributed; every process gives the same); default: $JAX_COORDINATOR_ADDRESS")
+    flags.DEFINE_integer("num_processes", 1, "processes running the model together, each started with the same "
+                         "flags and its own --process_id; --tp (--dp) then counts all their devices")
+    flags.DEFINE_integer("process_id", 0, "this process's rank, 0 to --num_processes - 1; process 0 serves the "
+                         "coordinator and prints the results")
+    flags.DEFINE_integer("join_timeout", 45, "seconds a process waits for the coordinator and every process to join "
+                         "before it gives up with an error")
+    check_range("num_processes", 1)
+    check_range("process_id", 0)
+    check_range("join_timeout", 1, 3600)
+
+
+def join_processes(evaluates: bool = False) -> tuple[int, int]:
+    """Start JAX for --tp (and --dp, for an evaluation): -> (tp, dp), the devices the model is cut over and the
+    devices evaluation windows are spread over. With --num_processes N this process joins the others first
+    (distributed.initialize), --tp and --dp count all their devices, and without either the model is cut over
+    (an evaluation's windows spread over) one device of every process. On a CPU each process gets its share of
+    the devices as virtual CPU devices."""
+    f = flags.FLAGS
+    processes = f.num_processes
+    tp, dp = f.tp, f.dp if evaluates else 1
+    if processes == 1:
+        if f["coordinator"].present or f["process_id"].present:
+            raise JaxinferError("--coordinator and --process_id are for a run over several processes: give "
+                                "--num_processes too")
+        request_devices(tp * dp)
+        return tp, dp
+    coordinator = f.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not coordinator:
+        raise JaxinferError(f"--num_processes {processes} needs --coordinator HOST:PORT (where process 0 serves)")
+    if f.process_id >= processes:
+        raise JaxinferError(f"--process_id {f.process_id} is not below --num_processes {processes}")
+    if tp == 1 and dp == 1:
+        tp, dp = (1, processes) if evaluates else (processes, 1)
+    if (tp * dp) % processes:
+        flag, count = ("--dp", dp) if dp > 1 else ("--tp", tp)
+        raise JaxinferError(f"{flag} {count} devices cannot be shared equally by {processes} processes")
+    request_devices(tp * dp // processes)
+    from jaxinfer import distributed
+
+    waited = (f"the other {processes - 1} processes did not all join" if f.process_id == 0 else
+              f"the coordinator at {coordinator} (process 0) could not be reached")
+    with _exit_after(f.join_timeout, f"process {f.process_id} of {processes}: {waited} within {f.join_timeout} s"):
+        distributed.initialize(coordinator, processes, f.process_id, f.join_timeout + JOIN_GRACE_S)
+    return tp, dp
+
+
+def _native_output_to_stderr(stack: contextlib.ExitStack):
+    """Until `stack` closes, what native code writes to the standard output (gloo's "Rank k is connected to n peer
+    ranks" lines) goes to stderr: -> the stream for Python's own output, the real standard output."""
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+
+    def restore():
+        os.dup2(real, 1)
+        os.close(real)
+
+    stack.callback(restore)
+    return stack.enter_context(open(real, "w", closefd=False))
+
+
+@contextlib.contextmanager
+def _exit_after(seconds: float, message: str):
+    """Within: after `seconds`, print `error: message` and end the process (status 2). For jax.distributed's join,
+    whose own timeout aborts the process with a C++ stack trace (it releases the GIL while it waits, so this
+    watchdog thread runs)."""
+    import threading
+
+    done = threading.Event()
+
+    def watch():
+        if not done.wait(seconds):
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            os._exit(2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+
+
+def request_devices(count: int):
+    """On a CPU backend, `count` devices for this process (--tp, --dp): JAX's jax_num_cpu_devices, which must be set
+    before JAX runs its first operation (the CLIs call this first thing in main). GPUs are counted as they are."""
+    if count > 1:
         import jax
 
-        jax.config.update("jax_num_cpu_devices", tp)
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+@contextlib.contextmanager
+def leader_prints():
+    """Within: only process 0 of a run over several processes prints (the others' stdout and stderr go nowhere);
+    an error leaving the block still comes out of every process, after the streams are back. A failure of the
+    distributed runtime (a peer process died) ends the process with an `error:` line naming it (status 2)."""
+    import jax
+
+    if jax.process_count() == 1:
+        yield
+        return
+    try:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(contextlib.redirect_stdout(_native_output_to_stderr(stack)))
+            if jax.process_index() != 0:
+                quiet = stack.enter_context(open(os.devnull, "w"))
+                stack.enter_context(contextlib.redirect_stdout(quiet))
+                stack.enter_context(contextlib.redirect_stderr(quiet))
+            yield
+    except jax.errors.JaxRuntimeError as e:
+        from jaxinfer import distributed
+
+        # Ended here, not by exit_on_error: JAX's shutdown at exit would wait for the dead process, then abort with a
+        # C++ stack trace. Process 0's progress bar may have left its line unfinished.
+        newline = "\n" if jax.process_index() == 0 else ""
+        print(f"{newline}error: process {jax.process_index()} of {jax.process_count()}: the run failed, a process "
+              f"probably died ({distributed.one_line(e)})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
 
 
 def split_requested() -> bool:

@@ -60,43 +60,60 @@ class LoadedModel:
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
-               exact: bool = False, cache_type: str = "f32", tp: int = 1) -> LoadedModel:
+               exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
     products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
     kernels. `cache_type` ("f32", "f16") is the KV cache's element type. `tp` > 1 cuts the weights over the first
-    `tp` devices (tensor parallelism, sharding.py: a JaxinferError when the process has fewer devices or the model's
-    shapes cannot be cut so)."""
+    `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
+    shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity)."""
+    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp))
+
+
+def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
+                dp: int) -> LoadedModel:
+    """load_model's model before its weights are placed on the plan's devices (`_placed`). Over several processes
+    the weights stay views of the file, so that each process reads only its own shards."""
     if cache_type not in CACHE_TYPES:
         raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
-    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib, tp), cache_type=cache_type)
+    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib, tp, dp), cache_type=cache_type)
     sharding.check_model(cfg, tp)
-    weights = jax.block_until_ready(sharding.shard_weights(load_weights(gguf, cfg, exact), cfg))
+    weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1)
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
+
+
+def _placed(m: LoadedModel) -> LoadedModel:
+    """`m` with its weights placed on its plan's devices (sharding.shard_weights), the time it took counted in its
+    load_seconds."""
+    start = time.perf_counter()
+    weights = jax.block_until_ready(sharding.shard_weights(m.weights, m.config))
+    return dataclasses.replace(m, weights=weights, load_seconds=m.load_seconds + time.perf_counter() - start)
 
 
 def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = sparsity.SparsitySpec(),
                 down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                 cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
                 activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False,
-                thresholds_file: str | None = None, tp: int = 1,
+                thresholds_file: str | None = None, tp: int = 1, dp: int = 1,
                 loaded: Callable[[LoadedModel], None] | None = None) -> LoadedModel:
     """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
     (`sparsity.apply`, down projections in `down_t_type`, gate/hidden thresholds from `thresholds_file`, by default
     the model's sidecar), then, given `vram_budget_gib`, split it between accelerator and host (`split_model`) for a
     KV cache of `ctx` positions (capped at the training context; None: the training context); `tp` > 1 cuts it over
-    that many devices (sharding.py; not with a split). Prints nothing: the CLIs print `describe()` (in `loaded`,
-    called before the split, so that the line comes out even when the split fails) and the split's summary."""
-    if tp > 1 and vram_budget_gib is not None:
-        raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split (--vram-budget) yet")
-    m = sparsity.apply(load_model(path, attn_max_batch_mib, exact, cache_type, tp), sparsity_spec, down_t_type,
-                       thresholds_file)
-    # A sparse mode stores the down projections anew (transposed or neuron-major): they are cut like the others.
-    m = dataclasses.replace(m, weights=sharding.shard_weights(m.weights, m.config))
+    that many devices, `dp` > 1 places it whole on as many (sharding.py; neither with a split). Prints nothing: the
+    CLIs print `describe()` (in `loaded`, called before the split, so that the line comes out even when the split
+    fails) and the split's summary."""
+    for flag, count in (("--tp", tp), ("--dp", dp)):
+        if count > 1 and vram_budget_gib is not None:
+            raise JaxinferError(f"{flag} {count} does not combine with a hot/cold split (--vram-budget) yet")
+    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp)
+    # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
+    # the others.
+    m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file))
     if loaded is not None:
         loaded(m)
     if vram_budget_gib is not None:
@@ -146,7 +163,7 @@ def prefill_and_sample(tokens, n_valid, row, recent, keys, weights, cache, cfg, 
     """model.prefill of the cache's rows row .. row + B - 1, then each row's next token sampled: generate's prefill
     (row 0 of a one-row cache) and a server slot's (its row of the slots' cache)."""
     logits, cache = model.prefill(tokens, n_valid, weights, cache, cfg, row)
-    return sample_finite(logits, recent, keys, params), cache
+    return sharding.readable(sample_finite(logits, recent, keys, params), cfg.plan), cache
 
 
 # Decode steps run in chunks of up to this many inside one compiled loop, and the next chunk is dispatched before the
@@ -226,6 +243,8 @@ def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, n_st
     _, state, cache, tokens = jax.lax.while_loop(more, decode, (jnp.int32(0), state, cache, tokens))
     if rows is not None:
         state = jax.tree.map(lambda all_rows, first: all_rows.at[:rows].set(first), whole, state)
+    # Over several processes: the tokens are read by each, and the state comes back in as it went in (whole).
+    tokens, state = sharding.readable((tokens, state), cfg.plan)
     return tokens, state, cache
 
 
@@ -357,11 +376,16 @@ def _warmed_up(step, cache):
 def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams):
     """(prefill(tokens, n_valid, row, recent, keys, params, cache) -> (tokens [B], cache), `cache` after a warm-up):
     the prefill program (prefill_and_sample) for arguments shaped as these, compiled ahead of time (or loaded:
-    programs.py) and warmed up on row 0 without changing the cache's contents, for split and unsplit models alike."""
-    compiled = programs.compile_step(prefill_and_sample, padded, jnp.int32(1), jnp.int32(0), recent, keys, m.weights,
-                                     cache, m.config, params, donate=("cache",))
+    programs.py) and warmed up on row 0 without changing the cache's contents, for split and unsplit models alike.
+    Over several processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
+    plan = m.config.plan
+    padded, recent, keys, params = sharding.on_mesh((padded, recent, keys, params), plan)
+    compiled = programs.compile_step(prefill_and_sample, padded, *sharding.on_mesh((jnp.int32(1), jnp.int32(0)), plan),
+                                     recent, keys, m.weights, cache, m.config, params, donate=("cache",))
 
     def prefill(tokens, n_valid, row, recent, keys, params, cache):
+        tokens, n_valid, row, recent, keys, params, cache = sharding.on_mesh(
+            (tokens, n_valid, row, recent, keys, params, cache), plan)
         return compiled(tokens, n_valid, row, recent, keys, m.weights, cache, m.config, params)
 
     return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, params, cache),
@@ -372,11 +396,15 @@ def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingP
                     rows: int | None = None, n_steps: int = DECODE_CHUNK):
     """(decode(state, params, cache) -> (tokens [DECODE_CHUNK, rows or B], state, cache), `cache` after a warm-up):
     the decode program (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of
-    time (or loaded) and warmed up (one step of every row) without changing the cache's contents."""
+    time (or loaded) and warmed up (one step of every row) without changing the cache's contents. Over several
+    processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
+    plan = m.config.plan
+    state, stop_ids, cache, params = sharding.on_mesh((state, stop_ids, cache, params), plan)
     compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
                                      donate=("cache",), n_steps=n_steps, rows=rows)
 
     def decode(state, params, cache):
+        state, params, cache = sharding.on_mesh((state, params, cache), plan)
         return compiled(state, stop_ids, m.weights, cache, m.config, params)
 
     one_step = dataclasses.replace(state, steps_left=jnp.ones_like(state.steps_left),

@@ -12,9 +12,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jaxinfer import model
+from jaxinfer import model, sharding
 from jaxinfer.cli import MIN_WINDOW  # the least -c a logits file can have been written with
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
@@ -96,8 +97,15 @@ def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights, cfg: Confi
 
 @partial(jax.jit, static_argnames=("score", "ubatch"))
 def window_scores(windows, base: tuple, weights, cfg: Config, score, ubatch: int):
-    """score(final hidden states, windows, *base, weights, cfg) of windows [B, n_ctx], in one compiled call."""
-    return score(_window_hidden(windows, weights, cfg, ubatch), windows, *base, weights, cfg)
+    """score(final hidden states, windows, *base, weights, cfg) of windows [B, n_ctx], in one compiled call; with a
+    data-parallel plan each device scores B / dp of the windows (sharding.over_windows). The scores come out whole on
+    every device, for the host of any process to read."""
+    def scores(windows, base, weights):
+        return score(_window_hidden(windows, weights, cfg, ubatch), windows, *base, weights, cfg)
+
+    if cfg.plan.dp > 1:
+        return sharding.over_windows(scores, cfg.plan)(windows, base, weights)
+    return sharding.readable(scores(windows, base, weights), cfg.plan)
 
 
 def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
@@ -228,8 +236,12 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
                      base: LogitsFile | None = None, save_logits=None, progress: bool = True) -> PerplexityResult:
     """Score `windows` [n_chunk, n_ctx] (see `make_windows`) in jitted batches of `n_seq` windows, split between
     device and host memory or not (the one forward). With `base`, also KL divergence against it; with `save_logits`
-    (an open binary file, header written), append llama.cpp records."""
+    (an open binary file, header written), append llama.cpp records. With a data-parallel plan (`Plan.dp`) a batch
+    holds a multiple of dp windows, n_seq rounded up."""
     n_chunk, n_ctx = windows.shape
+    dp = cfg.plan.dp
+    n_seq = -(-n_seq // dp) * dp
+    batch_spec = P(sharding.DATA_AXIS) if dp > 1 else P()
     _, count = scored_positions(n_ctx)
     nll = np.zeros((n_chunk, count), np.float64)
     kl_parts = {"base_nll": np.zeros_like(nll), "kl": np.zeros_like(nll), "same_top": np.zeros_like(nll)}
@@ -243,12 +255,12 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
     score = hidden_kl if base is not None else hidden_logits if save_logits is not None else hidden_nll
     start_time = time.perf_counter()
     first_inputs = base_inputs(slice(0, 1), 1) if base is not None else ()
-    compiled = window_scores.lower(windows[:1].repeat(n_seq, axis=0), first_inputs, weights, cfg, score=score,
-                                   ubatch=ubatch).compile()
+    first = sharding.on_mesh((windows[:1].repeat(n_seq, axis=0), first_inputs), cfg.plan, batch_spec)
+    compiled = window_scores.lower(*first, weights, cfg, score=score, ubatch=ubatch).compile()
     compile_seconds = time.perf_counter() - start_time
 
-    def step(batch, *inputs):
-        return compiled(batch, inputs, weights, cfg)
+    def step(batch, *inputs):  # over several processes, the batch's arrays on the plan's mesh (on_mesh)
+        return compiled(*sharding.on_mesh((batch, inputs), cfg.plan, batch_spec), weights, cfg)
 
     start_time = time.perf_counter()
     bar = tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity")

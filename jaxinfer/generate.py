@@ -38,6 +38,7 @@ flags.DEFINE_integer("seed", -1, "random seed, 0 to 4294967295; -1 picks one")
 flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template as one user turn")
 define_split_flags()
 cli.define_tp_flag()
+cli.define_process_flags()
 flags.adopt_module_key_flags(cli)
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
@@ -84,7 +85,13 @@ def read_prompt() -> str:
 def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cli.request_devices(FLAGS.tp)
+    tp, _ = cli.join_processes()
+    with cli.leader_prints():
+        generate(tp)
+
+
+def generate(tp: int):
+    """The run of main once JAX has started, the model cut over `tp` devices."""
     from jaxinfer.sampling import SamplingParams
 
     params = SamplingParams(temperature=FLAGS.temp, top_k=FLAGS.top_k, top_p=FLAGS.top_p, min_p=FLAGS.min_p,
@@ -98,12 +105,13 @@ def main(argv):
     spec = sparsity.parse_spec(FLAGS.sparsity)
     down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
     split = cli.split_requested()
-    runtime.enable_compilation_cache()
+    if FLAGS.num_processes == 1:  # over several, each process would store the same programs
+        runtime.enable_compilation_cache()
     m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
                            attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
                            vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
                            activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
-                           thresholds_file=FLAGS.thresholds, tp=FLAGS.tp,
+                           thresholds_file=FLAGS.thresholds, tp=tp,
                            loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
     if m.split is not None:

@@ -2,7 +2,9 @@
 
 Tensors go to JAX in their stored format (quantized blocks stay blocks). On the CPU backend `jax.device_put` of a
 64-byte-aligned read-only numpy view is zero-copy, so most weights are served straight from the file mapping, as
-llama.cpp's mmap does; the rest are copied once.
+llama.cpp's mmap does; the rest are copied once. Loaded `on_host`, the weights stay numpy views of the file
+mapping, read only where they are placed: a process of a run over several reads just its own shards
+(sharding.shard_weights, distributed.global_array).
 """
 
 import dataclasses
@@ -98,43 +100,46 @@ def open_gguf(path: str) -> GGUFFile:
     return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors}, magic == POWERINFER_MAGIC)
 
 
-def load_vector(gguf: GGUFFile, name: str):
-    """An F32 vector (checked by validate.check_tensors)."""
-    return jax.device_put(gguf.tensors[name].data.reshape(-1))
+def load_vector(gguf: GGUFFile, name: str, on_host: bool = False):
+    """An F32 vector (checked by validate.check_tensors); with `on_host` the file's numpy view."""
+    data = gguf.tensors[name].data.reshape(-1)
+    return data if on_host else jax.device_put(data)
 
 
-def load_matrix(gguf: GGUFFile, name: str, exact: bool = False) -> QuantArray:
-    """A matrix of a supported type (checked by validate.check_tensors)."""
+def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False) -> QuantArray:
+    """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
+    view."""
     t = gguf.tensors[name]
     w = from_gguf_data(np.asarray(t.data), GGMLQuantizationType(t.tensor_type), tensor_shape(gguf, name, 2))
-    return QuantArray(jax.device_put(w.data), w.qtype, w.shape, exact)
+    return QuantArray(w.data if on_host else jax.device_put(w.data), w.qtype, w.shape, exact)
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
     def matrix(tensor):
-        return load_matrix(gguf, name(tensor), exact)
+        return load_matrix(gguf, name(tensor), exact, on_host)
 
     def optional(tensor):
         return matrix(tensor) if name(tensor) in gguf.tensors else None
 
-    tensors = {field: load_vector(gguf, name(tensor)) if field.endswith("_norm") else matrix(tensor)
+    tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor)
                for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
     down = None if down_t is not None else matrix("ffn_down")
     return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"))
 
 
-def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False) -> Weights:
+def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False) -> Weights:
     """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels. Every
-    tensor is checked against `cfg` first."""
+    tensor is checked against `cfg` first. `on_host`: the arrays are the file's numpy views, for the caller to
+    place (nothing is read yet)."""
     check_tensors(gguf, cfg)
-    token_embd = load_matrix(gguf, "token_embd.weight", exact)
-    layers = [_load_layer(gguf, i, exact) for i in range(cfg.n_layer)]
-    output = load_matrix(gguf, "output.weight", exact) if "output.weight" in gguf.tensors else token_embd
-    return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight"), output)
+    token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host)
+    layers = [_load_layer(gguf, i, exact, on_host) for i in range(cfg.n_layer)]
+    output = load_matrix(gguf, "output.weight", exact, on_host) if "output.weight" in gguf.tensors else token_embd
+    return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
 
 
 def load_config(gguf: GGUFFile) -> Config:

@@ -25,14 +25,22 @@ from jaxinfer.evaluation import evaluate, read_logits_file, write_logits_header
 
 
 def _cli_main(argv):
+    from jaxinfer import cli
+
+    if len(argv) > 1:
+        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    tp, dp = cli.join_processes(evaluates=True)
+    with cli.leader_prints():
+        _evaluate(tp, dp)
+
+
+def _evaluate(tp: int, dp: int):
+    """The run of the CLI once JAX has started, the model cut over `tp` devices or windows spread over `dp`."""
     from absl import flags
 
     from jaxinfer import cli, engine, runtime, sidecar, sparsity
 
     f = flags.FLAGS
-    if len(argv) > 1:
-        raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cli.request_devices(f.tp)
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     saving = bool(f.kl_divergence_base) and not f.kl_divergence
@@ -41,11 +49,14 @@ def _cli_main(argv):
     base = read_logits_file(f.kl_divergence_base) if f.kl_divergence else None
     spec = sparsity.parse_spec(f.sparsity)
     split = cli.split_requested()
-    runtime.enable_compilation_cache()
+    if split and dp > 1:
+        raise JaxinferError(f"--dp {dp} does not combine with a hot/cold split (--vram-budget) yet")
+    if f.num_processes == 1:  # over several, each process would store the same programs
+        runtime.enable_compilation_cache()
     # The split comes below, once the windows per batch are known: it is priced for the KV cache they allocate.
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
-                           thresholds_file=f.thresholds, tp=f.tp)
+                           thresholds_file=f.thresholds, tp=tp, dp=dp)
     print(f"{m.describe()}, --sparsity {spec}\n{m.config.plan.describe()}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
 
@@ -116,6 +127,8 @@ def main():
     flags.DEFINE_bool("kl_divergence", False, "compare with --kl-divergence-base: mean KL divergence, top-1 agreement")
     define_split_flags()
     cli.define_tp_flag()
+    cli.define_dp_flag()
+    cli.define_process_flags()
     flags.adopt_module_key_flags(cli)
     check_range("ctx_size", cli.MIN_WINDOW)
     check_range("chunks", 1, sentinel=-1)

@@ -13,8 +13,9 @@ A frozen, static value built from the devices, the flags and the model's shapes;
     split FFN, cold    host memory (pinned_host), compute_on("device_host"), cpu_ext's row-sparse kernels
     down projection    neuron-major where cpu_ext's kernel is fast   transposed, one row per neuron
 
-With `tp` > 1 (--tp) the weights are cut over the process's first `tp` devices, the same on either backend
-(sharding.py).
+With `tp` > 1 (--tp) the weights are cut over the first `tp` devices, the same on either backend (sharding.py); with
+`dp` > 1 (perplexity's --dp) the windows of an evaluation batch are spread over the first `dp` devices instead. Over
+several processes (distributed.py) the devices are all of theirs, and a plan uses every one.
 
 On a CPU-only machine the "device" and the "host" are the same cores: a split runs the same one program that it runs
 beside a GPU, which is how CI tests it.
@@ -49,32 +50,47 @@ class Plan:
     neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
     host_memory_kind: str = "pinned_host"  # where a split's cold parts live
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
+    dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
 
     def describe(self) -> str:
         bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
         down = "neuron-major" if self.neuron_major else "transposed"
         devices = "" if self.tp == 1 else (f", tensor-parallel over {self.tp} devices (heads, neurons and vocabulary "
                                            f"cut {self.tp} ways, an all-reduce after attention and after the FFN)")
+        if self.dp > 1:
+            devices = f", data-parallel over {self.dp} devices (the windows of a batch spread over them)"
+        processes = jax.process_count()
+        devices += f", {processes} processes" if processes > 1 else ""
         return (f"plan: {self.backend} backend, FFN {self.ffn_sparsity}, products {self.products}, attention "
                 f"{self.attention}{bound}, split FFN hot {self.hot_ffn} / cold {self.host_products} in "
                 f"{self.host_memory_kind}, down projection {down} when sparse{devices}")
 
 
-def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1) -> Plan:
-    """The plan for this process's devices, for a dense FFN (sparsity.apply sets the mode), with the weights cut over
-    its first `tp` devices (sharding.py; a JaxinferError when it has fewer)."""
-    check_devices(tp)
-    return dataclasses.replace(_device_plan(attn_max_batch_mib), tp=tp)
+def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1, dp: int = 1) -> Plan:
+    """The plan for the devices, for a dense FFN (sparsity.apply sets the mode), with the weights cut over the first
+    `tp` devices (sharding.py) or evaluation windows spread over the first `dp` (a JaxinferError when there are
+    fewer)."""
+    check_devices(tp, dp)
+    return dataclasses.replace(_device_plan(attn_max_batch_mib), tp=tp, dp=dp)
 
 
-def check_devices(tp: int) -> None:
-    """`tp` devices are there to cut the weights over."""
-    if tp < 1:
-        raise JaxinferError(f"--tp must be at least 1, got {tp}")
-    have = len(jax.devices())
-    if tp > have:
-        raise JaxinferError(f"--tp {tp} needs {tp} devices, this process has {have} ({jax.default_backend()}); on a "
-                            f"CPU, set jax_num_cpu_devices before JAX starts (the CLIs set it from --tp)")
+def check_devices(tp: int, dp: int = 1) -> None:
+    """`tp` devices are there to cut the weights over (`dp` to spread windows over), all of them when several
+    processes share the run: a process without a device in the mesh would have nothing to compute."""
+    for flag, count in (("--tp", tp), ("--dp", dp)):
+        if count < 1:
+            raise JaxinferError(f"{flag} must be at least 1, got {count}")
+    if tp > 1 and dp > 1:
+        raise JaxinferError(f"--tp {tp} and --dp {dp} do not combine yet: give one of them")
+    flag, count = ("--dp", dp) if dp > 1 else ("--tp", tp)
+    have, processes = len(jax.devices()), jax.process_count()
+    if processes > 1 and count != have:
+        raise JaxinferError(f"{flag} {count} over {processes} processes must use all their {have} devices "
+                            f"({jax.local_device_count()} a process)")
+    if count > have:
+        raise JaxinferError(f"{flag} {count} needs {count} devices, this process has {have} "
+                            f"({jax.default_backend()}); on a CPU, set jax_num_cpu_devices before JAX starts (the CLIs "
+                            f"set it from {flag})")
 
 
 def _device_plan(attn_max_batch_mib: float | None) -> Plan:

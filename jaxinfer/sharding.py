@@ -18,6 +18,14 @@ divided), so quant.matmul runs the cpu_ext kernels on the local shard as on a sm
 one-line JaxinferError saying why.
 
 With one device (Plan.tp 1) nothing is cut, no mesh exists and no shard_map runs: the model runs as it always did.
+
+The mesh may span several processes (distributed.py): its devices are every process's, process by process, and
+each process places only its own devices' shards (a GGUF tensor's rows read from the file for them alone). The
+arrays the host reads (sampled tokens, scores) are then made whole on every device (`readable`), since an array cut
+over several processes cannot be fetched by any of them.
+
+Data parallelism (`--dp N`, `Plan.dp`, perplexity): the windows of an evaluation batch are spread over a 1-D mesh
+of N devices, each running the whole model (weights replicated) on its share (`over_windows`).
 """
 
 import dataclasses
@@ -29,11 +37,13 @@ from gguf import GGML_QUANT_SIZES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer import distributed
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
 from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, QuantArray, take_rows
 
 AXIS = "tp"
+DATA_AXIS = "dp"  # the evaluation windows' axis (data parallelism)
 # The shard_maps run unchecked (check_vma=False): with the check, every loop whose initial carry is built inside the
 # map (the online softmax of attention.cached_attention) would need a pcast to "varying" in model code. The
 # all-reduces are placed by hand (all_reduce), and the tests hold the results to the single-device run's.
@@ -48,9 +58,20 @@ CACHE_SPEC = P(None, None, None, AXIS, None)  # KV caches [n_layer, B, max_len, 
 
 @functools.cache
 def mesh(tp: int) -> jax.sharding.Mesh:
-    """The first `tp` devices of the process in a 1-D mesh. Auto axes: outside the shard_map (sampling the
-    vocabulary-sharded logits) XLA decides the communication."""
-    return jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=jax.devices()[:tp])
+    """The first `tp` devices (of every process, process by process) in a 1-D mesh. Auto axes: outside the
+    shard_map (sampling the vocabulary-sharded logits) XLA decides the communication."""
+    return jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=distributed.devices()[:tp])
+
+
+@functools.cache
+def data_mesh(dp: int) -> jax.sharding.Mesh:
+    """The first `dp` devices in a 1-D mesh over which evaluation windows are spread."""
+    return jax.make_mesh((dp,), (DATA_AXIS,), axis_types=(AxisType.Auto,), devices=distributed.devices()[:dp])
+
+
+def plan_mesh(plan: Plan) -> jax.sharding.Mesh | None:
+    """The mesh the plan runs on: the tensor-parallel or the data-parallel one; None for one device."""
+    return mesh(plan.tp) if plan.tp > 1 else data_mesh(plan.dp) if plan.dp > 1 else None
 
 
 def check_model(cfg, tp: int) -> None:
@@ -117,26 +138,74 @@ def _is_spec(x) -> bool:
     return isinstance(x, P)
 
 
-def _place(tree, specs, tp: int):
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh(tp), spec), specs, is_leaf=_is_spec)
-    return jax.device_put(tree, shardings)
+def _place(tree, specs, on: jax.sharding.Mesh):
+    shardings = jax.tree.map(lambda spec: NamedSharding(on, spec), specs, is_leaf=_is_spec)
+    if jax.process_count() == 1 or _traced(tree):
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(distributed.global_array, tree, shardings)
+
+
+def _traced(tree) -> bool:
+    """Whether `tree` holds values being traced (inside jit, where placing is a sharding constraint)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(tree))
 
 
 def shard_weights(weights, cfg):
     """The weights placed on the plan's devices, each cut as weight_specs says (checked first: a JaxinferError
-    names the tensor that cannot be cut, and why); unchanged with one device. A tied output head stays the
-    embedding itself (both are cut by vocabulary)."""
+    names the tensor that cannot be cut, and why), or whole on every device of a data-parallel plan; unchanged with
+    one device. A tied output head stays the embedding itself (both are cut by vocabulary)."""
     tp = cfg.plan.tp
-    if tp == 1:
+    if cfg.plan.dp > 1:
+        placed = _place(weights, jax.tree.map(lambda _: P(), weights), data_mesh(cfg.plan.dp))
+    elif tp == 1:
         return weights
-    check_model(cfg, tp)
-    placed = _place(weights, weight_specs(weights, tp), tp)
+    else:
+        check_model(cfg, tp)
+        placed = _place(weights, weight_specs(weights, tp), mesh(tp))
     return dataclasses.replace(placed, output=placed.token_embd) if weights.output is weights.token_embd else placed
 
 
 def shard_cache(cache, plan: Plan):
     """A new KV cache placed on the plan's devices by KV heads (inside a jitted function: constrained so)."""
-    return cache if plan.tp == 1 else _place(cache, cache_specs(cache), plan.tp)
+    return cache if plan.tp == 1 else _place(cache, cache_specs(cache), mesh(plan.tp))
+
+
+def on_mesh(tree, plan: Plan, spec: P = P()):
+    """The arrays of `tree` that this process holds whole (numpy or its own jax.Arrays; the inputs of a compiled
+    step) as arrays on the plan's mesh, placed by `spec` (default: whole on every device), when the mesh spans
+    several processes: a compiled program over their devices takes only such global arrays. Unchanged in a single
+    process (JAX places them itself) and for arrays already spanning the processes."""
+    on = plan_mesh(plan)
+    if jax.process_count() == 1 or on is None:
+        return tree
+
+    def put(value):
+        if isinstance(value, jax.Array) and not value.is_fully_addressable:
+            return value
+        return distributed.global_array(value, NamedSharding(on, spec))
+
+    return jax.tree.map(put, tree)
+
+
+def readable(tree, plan: Plan):
+    """Inside jit: the arrays of `tree` made whole on every device of the plan's mesh when it spans several processes,
+    so that each process can read them (sampled tokens, scores): an array cut over processes cannot be fetched.
+    Unchanged in a single process."""
+    on = plan_mesh(plan)
+    if jax.process_count() == 1 or on is None:
+        return tree
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(on, P())), tree)
+
+
+def over_windows(scores, plan: Plan):
+    """scores(windows [B, ...], base (a tuple of [B, ...] arrays), weights) run on every device of the data mesh
+    over its B / dp windows, the weights whole on each (shard_map); each result gathered back whole on every device
+    (all_gather over the batch axis), so that any process reads all of it."""
+    def shard(windows, base, weights):
+        return jax.tree.map(lambda x: jax.lax.all_gather(x, DATA_AXIS, tiled=True), scores(windows, base, weights))
+
+    return jax.shard_map(shard, mesh=data_mesh(plan.dp), in_specs=(P(DATA_AXIS), P(DATA_AXIS), P()), out_specs=P(),
+                         check_vma=False)
 
 
 def _local_view(tree, specs, tp: int):
