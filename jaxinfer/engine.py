@@ -282,6 +282,20 @@ def check_prompt(n_prompt: int, ctx: int, n_ctx_train: int):
                             f"one new token): raise -c/--ctx_size or shorten the prompt")
 
 
+def recent_window(prompt_ids: list[int], n: int) -> np.ndarray:
+    """int32 [1, n]: the prompt's last n tokens, right-aligned, -1 before them (the repeat-penalty window)."""
+    recent = np.full((1, n), -1, np.int32)
+    kept = prompt_ids[-n:]
+    recent[0, n - len(kept):] = kept
+    return recent
+
+
+def seed_keys(seed: int):
+    """(the decode steps' PRNG key, the prefill's keys [1]) of a sequence drawn from `seed`."""
+    key, subkey = jax.random.split(jax.random.key(seed))
+    return key, subkey[None]
+
+
 def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: int, params: SamplingParams,
                     seed: int, stats: GenerationStats | None = None, ubatch: int = 512,
                     stop_ids: frozenset[int] | None = None) -> Iterator[int]:
@@ -298,11 +312,8 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     # One compiled program for all sampling values; a window wider than the context could only hold more empty
     # slots (the same penalty), so it is bounded by the context.
     params = dataclasses.replace(params.as_arrays(), repeat_last_n=min(params.repeat_last_n, ctx))
-    recent = np.full((1, max(params.repeat_last_n, 1)), -1, np.int32)
-    kept = prompt_ids[-recent.shape[1]:]
-    recent[0, recent.shape[1] - len(kept):] = kept
-    key, subkey = jax.random.split(jax.random.key(seed))
-    subkey = subkey[None]
+    recent = recent_window(prompt_ids, max(params.repeat_last_n, 1))
+    key, subkey = seed_keys(seed)
     chunk = _prefill_chunk(len(prompt_ids), ubatch)
     pieces = [prompt_ids[i:i + chunk] for i in range(0, len(prompt_ids), chunk)]
     # Padding of the last piece is written past the prompt: the cache is rounded up so it always fits.
@@ -394,7 +405,7 @@ def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: Sampli
 
 def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray,
                     rows: int | None = None, n_steps: int = DECODE_CHUNK):
-    """(decode(state, params, cache) -> (tokens [DECODE_CHUNK, rows or B], state, cache), `cache` after a warm-up):
+    """(decode(state, params, cache) -> (tokens [n_steps, rows or B], state, cache), `cache` after a warm-up):
     the decode program (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of
     time (or loaded) and warmed up (one step of every row) without changing the cache's contents. Over several
     processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""

@@ -35,6 +35,8 @@ PREFILL_CHUNKS = (16, 32, 64, 128, 256)
 NO_STEP = -1  # decode_chunk's token where a row took no step
 SAMPLING_VALUES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "frequency_penalty",
                    "presence_penalty")  # per slot, traced
+# One row's sampling values as the programs take them (the values of a slot with no request do not matter).
+ROW_PARAMS = dataclasses.replace(SamplingParams(temperature=0.0), repeat_last_n=REPEAT_LAST_N).as_arrays()
 
 
 # The small operations between the programs, jitted with fixed argument types so that each compiles once, in the
@@ -132,11 +134,6 @@ class Slot:
         return not self.pieces
 
 
-def _seed_keys(seed: int):
-    key, subkey = jax.random.split(jax.random.key(seed))  # as engine.generate_tokens splits a seed
-    return key, subkey[None]
-
-
 class Scheduler:
     """`n_slots` slots of `slot_ctx` positions each; at most `max_waiting` requests wait for a free one."""
 
@@ -160,14 +157,13 @@ class Scheduler:
     def warm_up(self):
         """Compile (or load) the prefill programs and the decode program now, so that no request waits for them."""
         m = self.model
-        row_params = dataclasses.replace(SamplingParams(temperature=0.0).as_arrays(), repeat_last_n=REPEAT_LAST_N)
         recent = np.full((1, REPEAT_LAST_N), -1, np.int32)
         self._reset()
         self.prefill = {}
         for size in PREFILL_CHUNKS:
             if size <= self.cache_len:
                 self.prefill[size], self.cache = engine.prefill_function(
-                    m, np.zeros((1, size), np.int32), recent, _seed_keys(0)[1], self.cache, row_params)
+                    m, np.zeros((1, size), np.int32), recent, engine.seed_keys(0)[1], self.cache, ROW_PARAMS)
         self.decode = {}  # busy rows -> the decode program over the first that many rows
         for rows in self.buckets:
             self.decode[rows], self.cache = engine.decode_function(m, self.state, self.cache, self.params,
@@ -187,11 +183,8 @@ class Scheduler:
         """An empty cache and every slot's decode row stopped."""
         n = self.n_slots
         self.cache = model.init_cache(self.model.config, n, self.cache_len)
-        self.params = dataclasses.replace(SamplingParams(), temperature=np.zeros(n, np.float32),
-                                          top_k=np.zeros(n, np.int32), top_p=np.ones(n, np.float32),
-                                          min_p=np.zeros(n, np.float32), repeat_penalty=np.ones(n, np.float32),
-                                          frequency_penalty=np.zeros(n, np.float32),
-                                          presence_penalty=np.zeros(n, np.float32), repeat_last_n=REPEAT_LAST_N)
+        self.params = dataclasses.replace(ROW_PARAMS, **{name: np.full(n, getattr(ROW_PARAMS, name))
+                                                         for name in SAMPLING_VALUES})
         self.state = engine.DecodeState(jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32),
                                         jax.random.split(jax.random.key(0), n), jnp.zeros(n, jnp.int32),
                                         jnp.ones(n, bool), jnp.zeros(n, bool))
@@ -270,10 +263,8 @@ class Scheduler:
     def _start(self, row: int, job: Job):
         request = job.request
         ids = request.prompt_ids
-        recent = np.full((1, REPEAT_LAST_N), -1, np.int32)
-        kept = ids[-REPEAT_LAST_N:]
-        recent[0, REPEAT_LAST_N - len(kept):] = kept
-        key, prefill_key = _seed_keys(request.seed)
+        recent = engine.recent_window(ids, REPEAT_LAST_N)
+        key, prefill_key = engine.seed_keys(request.seed)
         slot = Slot(job, TextAssembler(self.model.tokenizer, request.stop),
                     prefill_pieces(len(ids), 0, self.cache_len), recent, key, prefill_key,
                     limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1))
