@@ -190,6 +190,8 @@ def leader_prints():
     distributed runtime (a peer process died) ends the process with an `error:` line naming it (status 2)."""
     import jax
 
+    from jaxinfer import distributed
+
     if jax.process_count() == 1:
         yield
         return
@@ -201,16 +203,23 @@ def leader_prints():
                 stack.enter_context(contextlib.redirect_stdout(quiet))
                 stack.enter_context(contextlib.redirect_stderr(quiet))
             yield
-    except jax.errors.JaxRuntimeError as e:
-        from jaxinfer import distributed
+    except (jax.errors.JaxRuntimeError, distributed.ProcessLost) as e:
+        exit_lost_process(e)
 
-        # Ended here, not by exit_on_error: JAX's shutdown at exit would wait for the dead process, then abort with a
-        # C++ stack trace. Process 0's progress bar may have left its line unfinished.
-        newline = "\n" if jax.process_index() == 0 else ""
-        print(f"{newline}error: process {jax.process_index()} of {jax.process_count()}: the run failed, a process "
-              f"probably died ({distributed.one_line(e)})", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(2)
+
+def exit_lost_process(error: Exception):
+    """End this process of a run over several processes, whose collective failed with `error` (a peer process died),
+    with an `error:` line naming it (status 2). Not by exit_on_error: JAX's shutdown at exit would wait for the dead
+    process, then abort with a C++ stack trace. Process 0's progress bar may have left its line unfinished."""
+    import jax
+
+    from jaxinfer import distributed
+
+    newline = "\n" if jax.process_index() == 0 else ""
+    print(f"{newline}error: process {jax.process_index()} of {jax.process_count()}: the run failed, a process "
+          f"probably died ({distributed.one_line(error)})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(2)
 
 
 def split_requested() -> bool:

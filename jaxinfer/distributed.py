@@ -9,15 +9,18 @@ waiting: JOIN within the caller's timeout, a silent peer declared dead after HEA
 waits at most SHUTDOWN_TIMEOUT_S for the others at exit.
 """
 
+import json
 import mmap
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from jaxinfer.errors import JaxinferError
 
 HEARTBEAT_TIMEOUT_S = 10  # a process not heard from for this long is dead, and the run fails in every process
 SHUTDOWN_TIMEOUT_S = 10  # at exit, how long a process waits for the others to reach their exit too
+SMALLEST_MESSAGE = 1024  # bytes: shared messages are padded to a power of two from here (each size one program)
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int, timeout_s: int) -> None:
@@ -48,6 +51,29 @@ def one_line(error: Exception, limit: int = 300) -> str:
 def is_leader() -> bool:
     """Whether this process is the one that prints (process 0; the only one without jax.distributed)."""
     return jax.process_index() == 0
+
+
+class ProcessLost(JaxinferError):
+    """A collective between the processes failed: one of them died, or cannot be reached."""
+
+
+def share(message: dict | None) -> dict:
+    """Process 0's `message` (a JSON object; the others give None) -> that message, in every process: how process 0
+    hands the others the inputs only it has (the server's requests), through JAX's own collectives
+    (multihost_utils.broadcast_one_to_all: a psum over every process's devices), as two broadcasts: the length,
+    then the bytes padded to a power of two. ProcessLost if a process is gone."""
+    leader = is_leader()
+    if leader:
+        data = np.frombuffer(json.dumps(message, separators=(",", ":")).encode(), np.uint8)
+    try:
+        size = int(multihost_utils.broadcast_one_to_all(np.array([data.size if leader else 0], np.int32))[0])
+        padded = np.zeros(max(SMALLEST_MESSAGE, 1 << (size - 1).bit_length()), np.uint8)
+        if leader:
+            padded[:size] = data
+        received = multihost_utils.broadcast_one_to_all(padded)
+    except (ValueError, jax.errors.JaxRuntimeError) as e:  # gloo's failures come as either
+        raise ProcessLost(one_line(e)) from None
+    return json.loads(received[:size].tobytes())
 
 
 def devices() -> list:

@@ -9,7 +9,13 @@ One thread runs the rounds (the engine's programs are not shared between threads
 wait for their Events. Per-slot sampling values, PRNG keys, step budgets and stop rules are rows of the decode
 program's arrays, so a request never recompiles anything. A slot's tokens depend only on its own row: the decode
 program's rows are computed independently, a prefill runs one slot alone, and rows that sit out a step neither
-write nor advance. So a request gives the same tokens alone and in a full batch (tested at temperature 0)."""
+write nor advance. So a request gives the same tokens alone and in a full batch (tested at temperature 0).
+
+Over several processes (jax.distributed, the model cut over all their devices) every process runs a replica of the
+scheduler, since each must issue the same programs in the same order: process 0, which serves HTTP, starts each
+round by sharing what only it knows (the requests it admits into which slots, and the slots whose clients went away;
+distributed.share), and then every replica runs the same round on the same tokens. The others only follow
+(`follow`); with nothing to do, process 0 still shares an empty round every IDLE_ROUND_S, and a stop at shutdown."""
 
 import asyncio
 import dataclasses
@@ -25,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import engine, model
+from jaxinfer import distributed, engine, model, sharding
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
 
@@ -37,6 +43,9 @@ SAMPLING_VALUES = ("temperature", "top_k", "top_p", "min_p", "repeat_penalty", "
                    "presence_penalty")  # per slot, traced
 # One row's sampling values as the programs take them (the values of a slot with no request do not matter).
 ROW_PARAMS = dataclasses.replace(SamplingParams(temperature=0.0), repeat_last_n=REPEAT_LAST_N).as_arrays()
+# A scheduler waiting for requests looks again this often: for a stop, and over several processes to share an empty
+# round, so that the other processes (waiting for process 0 in a collective) hear from it and a lost one is noticed.
+IDLE_ROUND_S = 1.0
 
 
 # The small operations between the programs, jitted with fixed argument types so that each compiles once, in the
@@ -137,8 +146,14 @@ class Slot:
 class Scheduler:
     """`n_slots` slots of `slot_ctx` positions each; at most `max_waiting` requests wait for a free one."""
 
-    def __init__(self, m: engine.LoadedModel, n_slots: int, slot_ctx: int, max_waiting: int):
+    def __init__(self, m: engine.LoadedModel, n_slots: int, slot_ctx: int, max_waiting: int,
+                 on_lost_process=lambda error: None):
+        """on_lost_process(error): over several processes, sharing a round failed (distributed.ProcessLost): the
+        rounds cannot go on. Called from the scheduler's thread, which then ends."""
         self.model, self.n_slots, self.slot_ctx, self.max_waiting = m, n_slots, slot_ctx, max_waiting
+        self.on_lost_process = on_lost_process
+        self.replicated = jax.process_count() > 1  # every process runs this scheduler (process 0 leads)
+        self.stopping = threading.Event()
         smallest = PREFILL_CHUNKS[0]
         self.cache_len = -(-slot_ctx // smallest) * smallest
         self.stop_ids = np.array(sorted(m.tokenizer.stop_ids) or [-1], np.int32)
@@ -175,7 +190,7 @@ class Scheduler:
             self._start(0, Job(Request(chat=False, prompt_ids=[0], max_tokens=2, params=SamplingParams(
                 repeat_last_n=REPEAT_LAST_N), seed=0, stop=[], stream=False, include_usage=False), None))
             while self.slots[0] is not None:
-                self._round()
+                self._round(cancelled=[])
             self._move(0, 0)
         self.counters = dict.fromkeys(self.counters, 0)
 
@@ -185,12 +200,22 @@ class Scheduler:
         self.cache = model.init_cache(self.model.config, n, self.cache_len)
         self.params = dataclasses.replace(ROW_PARAMS, **{name: np.full(n, getattr(ROW_PARAMS, name))
                                                          for name in SAMPLING_VALUES})
-        self.state = engine.DecodeState(jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32),
-                                        jax.random.split(jax.random.key(0), n), jnp.zeros(n, jnp.int32),
-                                        jnp.ones(n, bool), jnp.zeros(n, bool))
+        self.state = self._global(engine.DecodeState(
+            jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32), jax.random.split(jax.random.key(0), n),
+            jnp.zeros(n, jnp.int32), jnp.ones(n, bool), jnp.zeros(n, bool)))
+
+    def _global(self, values):
+        """`values` (this process's own arrays) as the programs take them: over several processes, arrays on the
+        model's mesh (sharding.on_mesh); unchanged in one."""
+        return sharding.on_mesh(values, self.model.config.plan)
 
     def start(self):
         self.thread.start()
+
+    def stop(self, timeout: float):
+        """End the rounds (over several processes: the others' too) within about `timeout` seconds."""
+        self.stopping.set()
+        self.thread.join(timeout)
 
     # ---- what the HTTP side calls ----
 
@@ -216,16 +241,42 @@ class Scheduler:
     # ---- the rounds ----
 
     def _run(self):
-        while True:
-            self.run_round(wait=True)
+        try:
+            while not self.stopping.is_set():
+                self.run_round(wait=True)
+            if self.replicated:
+                distributed.share({"stop": True})
+        except distributed.ProcessLost as e:
+            self.on_lost_process(e)
 
     def run_round(self, wait: bool):
         """Admit waiting requests into free slots (first waiting for one, with `wait`, when no slot is busy), then
-        one round. A failure is a bug: logged with its traceback, and each request it cut short gets an error."""
-        self._admit(block=wait and not any(self.slots))
-        started = time.perf_counter()
+        one round: over several processes, shared with the others first."""
+        admitted = self._admissions(block=wait and not any(self.slots))
+        cancelled = [row for row, slot in enumerate(self.slots) if slot is not None and slot.job.cancelled.is_set()]
+        if self.replicated:
+            distributed.share({"admit": [[row, dataclasses.asdict(job.request)] for row, job in admitted],
+                               "cancel": cancelled})
+        self._run_shared(admitted, cancelled)
+
+    def follow(self):
+        """Run the rounds that process 0 shares, until it stops (over several processes, in every other process)."""
+        while "stop" not in (shared := distributed.share(None)):
+            admitted = [(row, Job(_request(fields), None)) for row, fields in shared["admit"]]
+            self._run_shared(admitted, shared["cancel"])
+
+    def _run_shared(self, admitted: list[tuple[int, Job]], cancelled: list[int]):
+        """Start the admitted requests, then the round. A failure is a bug: logged with its traceback, and each
+        request it cut short gets an error (every replica fails alike: they run the same programs)."""
+        for row, job in admitted:
+            try:
+                self._start(row, job)
+            except Exception as e:  # a bug: the request still gets its answer
+                traceback.print_exc(file=sys.stderr)
+                job.send(Event(error=f"internal error ({type(e).__name__})"))
+        busy, started = any(self.slots), time.perf_counter()
         try:
-            self._round()
+            self._round(cancelled)
         except Exception as e:  # a bug: logged with its traceback, one line to each client it cut short
             traceback.print_exc(file=sys.stderr)
             jobs = [slot.job for slot in self.slots if slot is not None]
@@ -235,26 +286,25 @@ class Scheduler:
             for job in jobs:
                 job.send(Event(error=f"internal error ({type(e).__name__})"))
         with self._lock:
-            self.busy_seconds += time.perf_counter() - started
+            self.busy_seconds += (time.perf_counter() - started) if busy else 0.0
 
-    def _admit(self, block: bool):
-        """Move waiting jobs into free slots (waiting for one when `block`: nothing else to do)."""
+    def _admissions(self, block: bool) -> list[tuple[int, Job]]:
+        """Waiting jobs for the free slots, each with its row (waiting up to IDLE_ROUND_S for one when `block`:
+        nothing else to do)."""
+        admitted = []
         for row in range(self.n_slots):
             if self.slots[row] is None:
                 job = self._next_job(block)
                 if job is None:
-                    return
-                try:
-                    self._start(row, job)
-                except Exception as e:  # a bug: the request still gets its answer
-                    traceback.print_exc(file=sys.stderr)
-                    job.send(Event(error=f"internal error ({type(e).__name__})"))
+                    break
+                admitted.append((row, job))
                 block = False
+        return admitted
 
     def _next_job(self, block: bool) -> Job | None:
         while True:
             try:
-                job = self.waiting.get(block=block)
+                job = self.waiting.get(block=block, timeout=IDLE_ROUND_S if block else None)
             except queue.Empty:
                 return None
             if not job.cancelled.is_set():
@@ -268,17 +318,16 @@ class Scheduler:
         slot = Slot(job, TextAssembler(self.model.tokenizer, request.stop),
                     prefill_pieces(len(ids), 0, self.cache_len), recent, key, prefill_key,
                     limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1))
-        self.cache = dataclasses.replace(self.cache, length=_empty_row(self.cache.length, np.int32(row)))
+        self.cache = dataclasses.replace(self.cache, length=_empty_row(self.cache.length, self._global(np.int32(row))))
         with self._lock:
             self.slots[row] = slot
             self.counters["prompt_tokens_total"] += len(ids)
 
-    def _round(self):
-        """Free cancelled slots and move busy ones first; one prefill piece for each prefilling slot; one decode chunk
-        for the decoding."""
-        for row, slot in enumerate(self.slots):
-            if slot is not None and slot.job.cancelled.is_set():
-                self._free(row)
+    def _round(self, cancelled: list[int]):
+        """Free the `cancelled` slots and move busy ones first; one prefill piece for each prefilling slot; one
+        decode chunk for the decoding."""
+        for row in cancelled:
+            self._free(row)
         self._compact()
         for row, slot in enumerate(self.slots):
             if slot is not None and not slot.decoding:
@@ -297,8 +346,8 @@ class Scheduler:
         if slot.pieces:
             return
         first = int(np.asarray(token)[0])
-        self.state = _start_row(self.state, np.int32(row), np.int32(first), slot.recent[0], slot.key,
-                                np.int32(slot.limit - 1), np.bool_(request.ignore_eos))
+        self.state = _start_row(self.state, *self._global((np.int32(row), np.int32(first), slot.recent[0], slot.key,
+                                                           np.int32(slot.limit - 1), np.bool_(request.ignore_eos))))
         p = request.params
         self.params = dataclasses.replace(self.params, **{
             name: _with(getattr(self.params, name), row, getattr(p, name)) for name in SAMPLING_VALUES})
@@ -311,11 +360,11 @@ class Scheduler:
             self._move(source, target)
             with self._lock:
                 self.slots[target], self.slots[source] = self.slots[source], None
-            self.state = _stop_row(self.state, np.int32(source))
+            self.state = _stop_row(self.state, self._global(np.int32(source)))
 
     def _move(self, source: int, target: int):
         """Row `source` of the cache, decode state and sampling values copied into row `target`."""
-        self.cache, self.state = _move_row(self.cache, self.state, np.int32(source), np.int32(target))
+        self.cache, self.state = _move_row(self.cache, self.state, *self._global((np.int32(source), np.int32(target))))
         self.params = dataclasses.replace(self.params, **{
             name: _with(getattr(self.params, name), target, getattr(self.params, name)[source])
             for name in SAMPLING_VALUES})
@@ -368,9 +417,14 @@ class Scheduler:
         return True
 
     def _free(self, row: int):
-        self.state = _stop_row(self.state, np.int32(row))
+        self.state = _stop_row(self.state, self._global(np.int32(row)))
         with self._lock:
             self.slots[row] = None
+
+
+def _request(fields: dict) -> Request:
+    """The Request whose dataclasses.asdict process 0 shared."""
+    return Request(**{**fields, "params": SamplingParams(**fields["params"])})
 
 
 def _with(values: np.ndarray, row: int, value) -> np.ndarray:

@@ -5,10 +5,14 @@ GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text
 The HTTP server starts first and the model loads in the background. Requests run together in -np slots, continuously
 batched (scheduler.py), each with -c / -np positions of context; more wait in arrival order in a bounded queue
 (--queue), and a full queue answers 503.
+
+Over several processes (--num_processes, the model cut over all their devices) process 0 serves HTTP and the others
+run the same rounds with it (scheduler.py), printing nothing; a lost process ends them all with an error line.
 """
 
 import asyncio
 import json
+import signal
 import sys
 import threading
 import time
@@ -36,6 +40,7 @@ flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
 define_split_flags()
 cli.define_tp_flag()
+cli.define_process_flags()
 flags.adopt_module_key_flags(cli)
 check_range("port", 0, 65535)
 check_range("ctx_size", 1)
@@ -43,6 +48,7 @@ check_range("parallel", 1, 256)
 check_range("queue", 1)
 check_range("attn_max_batch", 0)
 FLAGS = flags.FLAGS
+STOP_TIMEOUT_S = 10  # at shutdown, how long the scheduler (and over several processes, the others) may take to stop
 # How often a non-streaming request checks whether its client is still there (a streaming one learns it at once).
 DISCONNECT_POLL_SECONDS = 0.25
 METRICS = (  # name (after jaxinfer_), Prometheus type, help: the scheduler's metrics() values
@@ -69,30 +75,15 @@ class Service:
     def ready(self) -> bool:
         return self.scheduler is not None
 
-    def load(self, stop_server):
+    def load(self, tp: int, stop_server):
         """Load and warm up the model (on a background thread); a failure prints its error and stops the server."""
         try:
-            from jaxinfer import engine, runtime, scheduler, serving, sparsity
+            from jaxinfer import scheduler, serving
 
-            spec = sparsity.parse_spec(FLAGS.sparsity)
-            down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
-            split = cli.split_requested()
-            runtime.enable_compilation_cache()
             start = time.perf_counter()
-            m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
-                                   attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
-                                   vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
-                                   activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
-                                   thresholds_file=FLAGS.thresholds, tp=FLAGS.tp,
-                                   loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}",
-                                                          file=sys.stderr))
-            if m.split is not None:
-                print(m.split.summary, file=sys.stderr)
-            slot_ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train) // FLAGS.parallel
-            if slot_ctx < 2:
-                raise JaxinferError(f"-c {FLAGS.ctx_size} gives each of the {FLAGS.parallel} slots (-np) "
-                                    f"{slot_ctx} positions: at least 2 are needed (a prompt token and a new one)")
-            batcher = scheduler.Scheduler(m, FLAGS.parallel, slot_ctx, FLAGS.queue)
+            m, slot_ctx = load_model(tp)
+            batcher = scheduler.Scheduler(m, FLAGS.parallel, slot_ctx, FLAGS.queue,
+                                          on_lost_process=cli.exit_lost_process)
             batcher.warm_up()
             batcher.start()
             self.model, self.model_id = m, serving.model_id(m.path)
@@ -107,6 +98,40 @@ class Service:
         except Exception:  # a bug: its traceback, and a server that stops rather than answering 503 forever
             traceback.print_exc(file=sys.stderr)
             stop_server()
+
+
+def load_model(tp: int):
+    """The model of the flags, cut over `tp` devices -> (engine.LoadedModel, each slot's context)."""
+    from jaxinfer import engine, runtime, sparsity
+
+    spec = sparsity.parse_spec(FLAGS.sparsity)
+    down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
+    split = cli.split_requested()
+    runtime.enable_compilation_cache()
+    m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
+                           attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
+                           vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
+                           activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
+                           thresholds_file=FLAGS.thresholds, tp=tp,
+                           loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
+    if m.split is not None:
+        print(m.split.summary, file=sys.stderr)
+    slot_ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train) // FLAGS.parallel
+    if slot_ctx < 2:
+        raise JaxinferError(f"-c {FLAGS.ctx_size} gives each of the {FLAGS.parallel} slots (-np) {slot_ctx} "
+                            f"positions: at least 2 are needed (a prompt token and a new one)")
+    return m, slot_ctx
+
+
+def follow(tp: int):
+    """A process other than 0 of a run over several processes: the same model and scheduler, running the rounds
+    that process 0 shares until it stops."""
+    from jaxinfer import scheduler
+
+    m, slot_ctx = load_model(tp)
+    batcher = scheduler.Scheduler(m, FLAGS.parallel, slot_ctx, FLAGS.queue)
+    batcher.warm_up()
+    batcher.follow()
 
 
 def build_app(service: Service):
@@ -267,7 +292,18 @@ def sse(payload: dict) -> str:
 def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    cli.request_devices(FLAGS.tp)
+    tp, _ = cli.join_processes()
+    from jaxinfer import distributed
+
+    with cli.leader_prints():
+        if distributed.is_leader():
+            serve(tp)
+        else:
+            follow(tp)
+
+
+def serve(tp: int):
+    """Process 0: HTTP, with the model loading in the background."""
     import uvicorn
 
     service = Service()
@@ -279,10 +315,16 @@ def main(argv):
         failed.set()
         server.should_exit = True
 
-    threading.Thread(target=service.load, args=(stop_server,), name="jaxinfer-loader", daemon=True).start()
+    threading.Thread(target=service.load, args=(tp, stop_server), name="jaxinfer-loader", daemon=True).start()
+    # uvicorn handles SIGINT and SIGTERM while it runs and raises them again after its shutdown: these handlers take
+    # them then, so that the scheduler (and the other processes') stop below still runs.
+    for handled in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(handled, lambda *_: None)
     server.run()
     if failed.is_set():
         sys.exit(2)
+    if service.ready:
+        service.scheduler.stop(STOP_TIMEOUT_S)
 
 
 if __name__ == "__main__":

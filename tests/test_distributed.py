@@ -5,25 +5,23 @@ text and the same perplexity; a process whose peer never comes, or dies, fails w
 import mmap
 import re
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
+import server_process
 from gguf import GGMLQuantizationType as Q
+from server_process import free_port
 
-from jaxinfer import distributed
+from jaxinfer import distributed, engine
+from jaxinfer.sampling import SamplingParams
 from test_sharding import SHAPE, env, perplexity, run_cli
 
 BOUND_S = 60  # a process must give up within this when its peers are gone
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def start(tmp_path, module: str, rank: int, port: int, *args, processes: int = 2) -> subprocess.Popen:
@@ -92,6 +90,52 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+def test_the_server_over_two_processes_answers_as_one_process(make_model, tmp_path):
+    """Process 0 serves HTTP and process 1 runs the same rounds, the model cut over both: three requests at once on
+    two slots (one waits, slots are freed and compacted) get the greedy text of one process, a stop string cuts the
+    text as it does there; SIGTERM to process 0 stops both, cleanly."""
+    path = make_model(**SHAPE)
+    port, http_port = free_port(), free_port()
+    leader, follower = (start(tmp_path, "server", rank, port, "-m", path, "--port", str(http_port), "-c", "256", "-np",
+                              "2") for rank in range(2))
+    base = f"http://127.0.0.1:{http_port}"
+    m = engine.load_model(path)
+
+    def greedy(prompt: str, n: int) -> str:
+        ids = list(engine.generate_tokens(m, m.tokenizer.encode(prompt), n, 128, SamplingParams(temperature=0),
+                                          seed=0, stop_ids=frozenset()))
+        return m.tokenizer.decode(ids)
+
+    prompts = {"hello the": 12, "abc abc": 20, "x": 6}
+    expected = {prompt: greedy(prompt, n) for prompt, n in prompts.items()}
+    text = expected["abc abc"]  # random weights: partly bytes that decode to U+FFFD, which a stop string avoids
+    stop = next(text[i:i + 2] for i in range(1, len(text)) if "\ufffd" not in text[i:i + 2])
+    try:
+        server_process.wait_ready(leader, base)
+        replies = {}
+
+        def ask(prompt: str, n: int, **fields):
+            body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, **fields}
+            replies[prompt, bool(fields)] = httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()
+
+        threads = [threading.Thread(target=ask, args=item) for item in prompts.items()]
+        threads.append(threading.Thread(target=ask, args=("abc abc", 20), kwargs={"stop": [stop]}))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for prompt in prompts:
+            assert replies[prompt, False]["choices"][0]["text"] == expected[prompt], replies[prompt, False]
+        cut = replies["abc abc", True]["choices"][0]
+        assert (cut["text"], cut["finish_reason"]) == (text[:text.index(stop)], "stop")
+    finally:
+        leader.terminate()
+    first, second = finished(leader, BOUND_S), finished(follower, BOUND_S)
+    assert first.returncode == 0, first.stderr
+    assert "tensor-parallel over 2 devices" in first.stderr and "serving " in first.stderr
+    assert_quiet(second)
+
+
 def test_a_process_whose_coordinator_or_peer_never_comes_gives_up(make_model, tmp_path):
     """Process 1 with no coordinator to reach, and process 0 with no process 1 to wait for: each an error line
     within its join timeout."""
@@ -139,6 +183,15 @@ def test_a_peer_killed_during_the_run_stops_the_other_process_with_an_error_line
     text.write_text("the quick brown fox jumps over the lazy dog " * 2000)
     result = killed_peer(tmp_path, "perplexity", ["-m", make_model(**SHAPE), "-f", str(text), "-c", "32", "-b", "32"],
                          shown="ppl=")
+    assert result.returncode == 2, result.stderr
+    assert "error: process 0 of 2: the run failed, a process probably died (" in one_error_line(result)
+
+
+def test_a_server_process_killed_stops_the_one_serving_with_an_error_line(make_model, tmp_path):
+    """Process 1 killed while process 0 serves and waits for requests: process 0's next round (shared at least every
+    scheduler.IDLE_ROUND_S) fails, and it says so in one line (status 2)."""
+    args = ["-m", make_model(**SHAPE), "--port", str(free_port()), "-c", "256", "-np", "2"]
+    result = killed_peer(tmp_path, "server", args, shown="serving ")
     assert result.returncode == 2, result.stderr
     assert "error: process 0 of 2: the run failed, a process probably died (" in one_error_line(result)
 

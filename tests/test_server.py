@@ -1,8 +1,6 @@
 """The real server process (python -m jaxinfer.server) on a tiny synthetic model, driven by the official `openai`
 client and, for what that client cannot send (malformed JSON, raw status codes), by httpx."""
 
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -11,6 +9,7 @@ import time
 import httpx
 import openai
 import pytest
+import server_process
 
 from jaxinfer import engine
 from jaxinfer.sampling import SamplingParams
@@ -26,12 +25,6 @@ QUEUE = 8  # 8 concurrent clients always fit, even while the scheduler has not y
 PROMPTS = ["1 2 3", "hello the", "abc", "in the", "a b a b", "the the hall", "x", "2 3 4 5 6 7"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     return write_model(str(tmp_path_factory.mktemp("server") / "tiny.gguf"), SPEC)
@@ -39,30 +32,9 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", model_path, "--port", str(port),
-                                "-c", str(CTX), "-np", str(SLOTS), "--queue", str(QUEUE)], env=env,
-                               stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    saw_loading = False
-    deadline = time.monotonic() + 120
-    try:
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "the server did not report ready in 120 s"
-            try:
-                status = httpx.get(f"{base}/health").status_code
-            except httpx.TransportError:
-                status = None
-            saw_loading |= status == 503
-            if status == 200:
-                break
-            time.sleep(0.1)
+    with server_process.running(model_path, "-c", str(CTX), "-np", str(SLOTS), "--queue", str(QUEUE)) as (
+            base, saw_loading, _):
         yield base, saw_loading
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -347,8 +319,8 @@ def test_metrics_count_requests_and_tokens(server, client):
 
 
 def test_a_model_that_cannot_load_stops_the_server_with_one_error_line():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     result = subprocess.run([sys.executable, "-m", "jaxinfer.server", "-m", "/no/such/model.gguf", "--port",
-                             str(free_port())], env=env, capture_output=True, text=True, timeout=60)
+                             str(server_process.free_port())], env=server_process.env(), capture_output=True, text=True,
+                            timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == ["error: model file not found: /no/such/model.gguf"]

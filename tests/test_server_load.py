@@ -9,13 +9,12 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+import server_process
 
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
@@ -36,12 +35,6 @@ def load_script(name: str):
 server_client = load_script("server_client")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(*args, timeout=120):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=dict(os.environ, JAX_PLATFORMS="cpu"))
@@ -56,29 +49,17 @@ def model_path(tmp_path_factory):
 def start_server(model_path):
     """start_server(queue, ctx) -> (base URL, pid) of a server that answers /health with 200; all stopped at the
     end."""
-    processes, slots = [], ["-np", str(SLOTS)]
+    processes = []
 
     def start(queue: int, ctx: int = CTX):
-        port = free_port()
-        process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", model_path, "--port", str(port),
-                                    "-c", str(ctx), "--queue", str(queue), *slots],
-                                   env=dict(os.environ, JAX_PLATFORMS="cpu"), stderr=subprocess.PIPE, text=True)
+        process, base = server_process.start(model_path, "-c", str(ctx), "--queue", str(queue), "-np", str(SLOTS))
         processes.append(process)
-        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "the server did not report ready in 120 s"
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    return base, process.pid
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        server_process.wait_ready(process, base)
+        return base, process.pid
 
     yield start
     for process in processes:
-        process.terminate()
-        process.wait(timeout=30)
+        server_process.stop(process)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +126,7 @@ def test_load_test_counts_a_full_queue_as_clean_refusals(start_server):
 @pytest.mark.parametrize("script", ["bench_server.py", "load_test_server.py"])
 def test_scripts_explain_an_unreachable_server_in_one_line(script):
     assert run(f"scripts/{script}", "--help").returncode == 0
-    result = run(f"scripts/{script}", "--url", f"http://127.0.0.1:{free_port()}")
+    result = run(f"scripts/{script}", "--url", f"http://127.0.0.1:{server_process.free_port()}")
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines() == [result.stderr.strip()]
     assert result.stderr.startswith("error: cannot reach the server at http://127.0.0.1:"), result.stderr

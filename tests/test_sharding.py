@@ -143,31 +143,13 @@ def test_more_devices_than_the_process_has(make_model):
 def test_the_server_with_tp_2_answers_as_one_device(make_model):
     """python -m jaxinfer.server --tp 2 (2 slots): the slots' cache and programs cut over two devices give the greedy
     text that generate_tokens gives on one."""
-    import socket
-    import time
-
     import httpx
+    import server_process
 
     from jaxinfer.sampling import SamplingParams
 
     path = make_model(**SHAPE)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "jaxinfer.server", "-m", path, "--port", str(port), "-c", "256",
-                                "-np", "2", "--tp", "2"], env=env(), stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "the server did not report ready in 120 s"
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+    with server_process.running(path, "-c", "256", "-np", "2", "--tp", "2") as (base, _, process):
         m = engine.load_model(path)
         for prompt in ("hello the", "abc abc"):
             ids = m.tokenizer.encode(prompt)
@@ -176,7 +158,4 @@ def test_the_server_with_tp_2_answers_as_one_device(make_model):
             reply = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
                                                                "ignore_eos": True}, timeout=60).json()
             assert reply["choices"][0]["text"] == m.tokenizer.decode(expected)
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
     assert "tensor-parallel over 2 devices" in process.stderr.read()  # the plan line it printed
