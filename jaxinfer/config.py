@@ -15,8 +15,11 @@ class Architecture:
     """What differs between GGUF architectures that share the llama block (norm -> attention -> norm -> FFN):
     the FFN is down(gate_act(gate(x)) * up_act(up(x)))."""
 
-    gate_activation: str  # "silu" (SwiGLU) or "relu" (ReGLU)
+    gate_activation: str  # "silu" (SwiGLU), "relu" (ReGLU) or "relu_sqr" (squared ReLU, BitNet b1.58)
     up_activation: str = "identity"  # "relu" for dReLU (Bamboo, TurboSparse)
+    # BitNet's sub-norms: RMSNorm of the attention's heads before attn_output, of the FFN's hidden h before ffn_down
+    # (blk.N.attn_sub_norm [n_head * head_dim], blk.N.ffn_sub_norm [n_ff]).
+    sub_norms: bool = False
     # PowerInfer's sparse graph runs a PWRI file of this architecture with ReLU on the gate: a `llama` PWRI file is
     # a ReLU-fied model (ReluLLaMA, ProSparse), whatever plain llama.cpp would assume.
     powerinfer_gate_activation: str | None = None
@@ -26,12 +29,16 @@ class Architecture:
 ARCHITECTURES = {
     "llama": Architecture(gate_activation="silu", powerinfer_gate_activation="relu"),
     "bamboo": Architecture(gate_activation="relu", up_activation="relu", powerinfer_gate_activation="relu"),
+    # llama.cpp's build_bitnet: the llama block with sub-norms and optional per-projection `*.scale` tensors.
+    "bitnet": Architecture(gate_activation="silu", sub_norms=True),
+    # BitNet b1.58 2B-4T (ik_llama.cpp's bitnet-b1.58): the same block with a squared-ReLU GLU, natively sparse.
+    "bitnet-b1.58": Architecture(gate_activation="relu_sqr", sub_norms=True),
 }
 CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> the KV cache's dtype
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
 GATE_ACTIVATION_KEY = "jaxinfer.gate_activation"
-GATE_ACTIVATIONS = ("silu", "relu")
+GATE_ACTIVATIONS = ("silu", "relu", "relu_sqr")
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's predictor threshold (f32)
 
 
@@ -52,6 +59,7 @@ class Config:
     rope_dim: int
     gate_activation: str
     up_activation: str
+    sub_norms: bool = False  # Architecture.sub_norms
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
@@ -114,5 +122,6 @@ class Config:
             rope_dim=rope_dim,
             gate_activation=gate_activation,
             up_activation=spec.up_activation,
+            sub_norms=spec.sub_norms,
             sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
         )

@@ -435,6 +435,9 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
                 batch: int = 1) -> LoadedModel:
     """Place `m`'s FFN neurons under an accelerator memory budget (with a KV cache of `batch` sequences of `ctx`
     positions), from its activation profile; the cached .gpuidx when it was solved from the same inputs."""
+    if m.config.sub_norms:
+        raise JaxinferError(f"{m.config.arch}: a hot/cold split (--vram-budget) does not apply to BitNet's block yet "
+                            f"(its ffn_sub_norm normalizes over all the FFN's neurons at once)")
     directory = activation_dir or activation_profile.default_directory(m.path)
     if not os.path.isdir(directory):
         raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "

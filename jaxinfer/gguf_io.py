@@ -13,7 +13,7 @@ import os
 
 import jax
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
+from gguf import GGUFReader, GGUFValueType
 
 from jaxinfer import distributed
 from jaxinfer.config import Config
@@ -22,6 +22,7 @@ from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_len
 from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
 from jaxinfer.quant import QuantArray, from_gguf_data
+from jaxinfer.ternary import quant_type
 from jaxinfer.validate import check_tensors, tensor_shape
 
 LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
@@ -120,13 +121,16 @@ def place(view: np.ndarray) -> jax.Array:
 
 def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False) -> QuantArray:
     """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
-    view."""
+    view. A `NAME.scale` tensor beside `NAME.weight` (llama.cpp's bitnet: one f32 multiplying the projection's
+    result) becomes part of its scale."""
     t = gguf.tensors[name]
-    w = from_gguf_data(np.asarray(t.data), GGMLQuantizationType(t.tensor_type), tensor_shape(gguf, name, 2))
-    return QuantArray(w.data if on_host else place(w.data), w.qtype, w.shape, exact)
+    w = from_gguf_data(np.asarray(t.data), quant_type(t.tensor_type), tensor_shape(gguf, name, 2))
+    scale_name = name.removesuffix(".weight") + ".scale"
+    scale = w.scale * float(gguf.tensors[scale_name].data[0]) if scale_name in gguf.tensors else w.scale
+    return dataclasses.replace(w, data=w.data if on_host else place(w.data), exact=exact, scale=scale)
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, sub_norms: bool) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
@@ -140,7 +144,9 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> Layer:
                for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
     down = None if down_t is not None else matrix("ffn_down")
-    return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"))
+    norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
+             if sub_norms}
+    return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"), **norms)
 
 
 def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False) -> Weights:
@@ -149,7 +155,7 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     place (nothing is read yet)."""
     check_tensors(gguf, cfg)
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host)
-    layers = [_load_layer(gguf, i, exact, on_host) for i in range(cfg.n_layer)]
+    layers = [_load_layer(gguf, i, exact, on_host, cfg.sub_norms) for i in range(cfg.n_layer)]
     output = load_matrix(gguf, "output.weight", exact, on_host) if "output.weight" in gguf.tensors else token_embd
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
 

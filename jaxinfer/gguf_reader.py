@@ -20,8 +20,10 @@ import struct
 import sys
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.gguf_reader import ReaderField
+from gguf import GGUFReader, GGUFValueType
+from gguf.gguf_reader import ReaderField, ReaderTensor
+
+from jaxinfer.ternary import I2_S, QUANT_SIZES, i2_s_nbytes, quant_type
 
 GGUF_MAGIC = b"GGUF"
 POWERINFER_MAGIC = b"PWRI"  # PowerInfer: a GGUF v3 file whose first 4 bytes say it carries sparse-inference tensors
@@ -185,20 +187,21 @@ class Reader(GGUFReader):
 
     def _build_tensors(self, start_offs, fields):
         """Check every tensor's type, size, alignment and extent (in Python integers: nothing wraps) before gguf-py
-        makes its views."""
+        makes its views; I2_S tensors, which gguf-py cannot size, are viewed here, tail included."""
         size, alignment = len(self._plain), int(self.alignment)
-        extents = []
+        extents, names, i2_s = [], [], {}
         for field in fields:
             _, name_data, _, dims, raw_type, relative_offset = field.parts
             name = bytes(name_data).decode("utf-8")
+            names.append(name)
             try:
-                qtype = GGMLQuantizationType(int(raw_type[0]))
+                qtype = quant_type(int(raw_type[0]))
             except ValueError:
                 raise CorruptGGUF(f"tensor {shown(name)} has unknown type id {int(raw_type[0])}") from None
             dims = [int(n) for n in dims]
             if min(dims) < 1:
                 raise CorruptGGUF(f"tensor {shown(name)} has an empty dimension (shape {dims})")
-            block_size, type_size = GGML_QUANT_SIZES[qtype]
+            block_size, type_size = QUANT_SIZES[qtype]
             if dims[0] % block_size:
                 raise CorruptGGUF(f"tensor {shown(name)}: rows of {dims[0]} values are not whole {qtype.name} "
                                   f"blocks of {block_size}")
@@ -207,13 +210,19 @@ class Reader(GGUFReader):
                 raise CorruptGGUF(f"tensor {shown(name)}'s data offset {relative} is not a multiple of the alignment "
                                   f"{alignment}")
             start = start_offs + relative
-            end = start + math.prod(dims) // block_size * type_size
+            n_values = math.prod(dims)
+            end = start + (i2_s_nbytes(n_values) if qtype == I2_S else n_values // block_size * type_size)
             if end > size:
                 raise CorruptGGUF(f"tensor {shown(name)} ({qtype.name} {dims}) spans bytes {start} to {end}, past the "
                                   f"end of the file ({size} bytes)")
             extents.append((start, end, name))
+            if qtype == I2_S:
+                i2_s[name] = ReaderTensor(name, qtype, dims, n_values, end - start, start, self._get(start, np.uint8,
+                                                                                                  end - start), field)
         extents.sort()
         for (_, end, name), (start, _, next_name) in zip(extents, extents[1:]):
             if start < end:
                 raise CorruptGGUF(f"tensors {shown(name)} and {shown(next_name)} overlap in the file")
-        super()._build_tensors(start_offs, fields)
+        super()._build_tensors(start_offs, [field for field, name in zip(fields, names) if name not in i2_s])
+        built = {t.name: t for t in self.tensors} | i2_s
+        self.tensors = [built[name] for name in names]

@@ -3,6 +3,9 @@
     tokens -> embed -> n_layer x [ rms_norm -> attention (RoPE, GQA, KV cache) -> +residual
                                    rms_norm -> gated FFN (sparse_ffn.py)        -> +residual ] -> rms_norm -> logits
 
+BitNet's block (cfg.sub_norms) adds an RMSNorm of the attention's heads before attn_output and one of the FFN's
+hidden values before ffn_down; its per-projection scales are the weights' own (QuantArray.scale).
+
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
 How it runs here (which kernels, where a split's parts live) is `cfg.plan`, decided once at load (plan.py).
 """
@@ -38,6 +41,8 @@ class Layer:
     # A split model's FFN neurons in parts, hot in device memory and cold in host memory (sparse_ffn.FFNPart,
     # hybrid.py); ffn_gate, ffn_up, ffn_down and ffn_down_t are then None, and fc2's rows come part after part.
     ffn_parts: list | None = None
+    attn_sub_norm: jax.Array | None = None  # [n_head * hd], BitNet (cfg.sub_norms)
+    ffn_sub_norm: jax.Array | None = None  # [n_ff], BitNet
 
 
 @jax.tree_util.register_dataclass
@@ -154,7 +159,10 @@ def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | Non
             v=cache.v.at[index, rows, at].set(v.astype(cache.v.dtype), mode="drop", unique_indices=True),
         )
         out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index, row=row)
-    return sharding.all_reduce(matmul(out.reshape(b, t, -1), layer.attn_output), cfg.plan), cache
+    out = out.reshape(b, t, -1)
+    if layer.attn_sub_norm is not None:
+        out = rms_norm(out, layer.attn_sub_norm, cfg.rms_eps)
+    return sharding.all_reduce(matmul(out, layer.attn_output), cfg.plan), cache
 
 
 def forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None = None, observe=None, n_valid=None, row=0):
@@ -189,8 +197,10 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
                                               cache, cfg, written, row)
             x = x + attn_out
+            hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
+                                                                          eps=cfg.rms_eps)
             ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
-                                            trace=observe is not None)
+                                            trace=observe is not None, hidden_norm=hidden_norm)
             x = x + sharding.all_reduce(ffn_out, cfg.plan)
             if observe is not None:
                 observed.append(observe(index, trace))

@@ -12,11 +12,12 @@ import math
 from collections.abc import Callable, Iterable
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm import tqdm
 
 from jaxinfer.gguf_io import POWERINFER_MAGIC, GGUFFile
 from jaxinfer.sidecar import atomic_write
+from jaxinfer.ternary import I2_S, QUANT_SIZES, i2_s_nbytes, quant_type
 
 VIRTUAL_FIELDS = ("GGUF.", "general.architecture")  # written by GGUFWriter itself
 PLAIN_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
@@ -46,9 +47,18 @@ class PendingTensor:
         if self.qtype in PLAIN_TYPES:
             dtype = np.dtype(PLAIN_TYPES[self.qtype])
             return self.shape, dtype, dtype.itemsize * math.prod(self.shape)
-        block_size, type_size = GGML_QUANT_SIZES[self.qtype]
+        if self.qtype == I2_S:  # the groups and the tail, one run of bytes
+            return (i2_s_nbytes(math.prod(self.shape)),), np.dtype(np.uint8), i2_s_nbytes(math.prod(self.shape))
+        block_size, type_size = QUANT_SIZES[self.qtype]
         byte_shape = (*self.shape[:-1], self.shape[-1] // block_size * type_size)
         return byte_shape, np.dtype(np.uint8), math.prod(byte_shape)
+
+    def info(self) -> tuple[tuple[int, ...], np.dtype, int]:
+        """The shape, dtype and size that GGUFWriter.add_tensor_info takes: for bytes, the shape in bytes, which it
+        converts to values with gguf-py's table; I2_S is missing there, so its shape is given in values with a dtype
+        that is not bytes (gguf-py then takes it as it is)."""
+        shape, dtype, nbytes = self.stored_layout()
+        return (self.shape, np.dtype(np.int8), nbytes) if self.qtype == I2_S else (shape, dtype, nbytes)
 
 
 def write_gguf(path: str, arch: str, fields: Iterable, tensors: list[PendingTensor], powerinfer: bool = False,
@@ -61,7 +71,7 @@ def write_gguf(path: str, arch: str, fields: Iterable, tensors: list[PendingTens
         for key, value, vtype, sub_type in fields:
             writer.add_key_value(key, value, vtype, sub_type)
         for t in tensors:
-            shape, dtype, nbytes = t.stored_layout()
+            shape, dtype, nbytes = t.info()
             writer.add_tensor_info(t.name, shape, dtype, nbytes, raw_dtype=t.qtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
@@ -84,7 +94,7 @@ def write_gguf(path: str, arch: str, fields: Iterable, tensors: list[PendingTens
 def stored_tensors(gguf: GGUFFile, skip=()) -> list[PendingTensor]:
     """The file's tensors as they are stored, ready for write_gguf."""
     return [
-        PendingTensor(name, tuple(int(n) for n in reversed(t.shape.tolist())), GGMLQuantizationType(t.tensor_type),
+        PendingTensor(name, tuple(int(n) for n in reversed(t.shape.tolist())), quant_type(t.tensor_type),
                       lambda t=t: np.asarray(t.data))
         for name, t in gguf.tensors.items() if name not in skip
     ]

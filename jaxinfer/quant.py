@@ -16,10 +16,12 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from absl import logging
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
+from jaxinfer import ternary
 from jaxinfer.jax_compat import where_zero
+from jaxinfer.ternary import I2_S, QUANT_SIZES
 
 QK_K = 256
 FLOAT_TYPES = {
@@ -215,8 +217,12 @@ BLOCK_DEQUANTIZERS = {
     GGMLQuantizationType.Q6_K: dequantize_Q6_K,
     GGMLQuantizationType.IQ4_NL: dequantize_IQ4_NL,
     GGMLQuantizationType.IQ4_XS: dequantize_IQ4_XS,
+    GGMLQuantizationType.TQ1_0: ternary.dequantize_TQ1_0,
+    GGMLQuantizationType.TQ2_0: ternary.dequantize_TQ2_0,
+    I2_S: ternary.dequantize_I2_S,
 }
 SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(BLOCK_DEQUANTIZERS)
+TERNARY_TYPES = frozenset({GGMLQuantizationType.TQ1_0, GGMLQuantizationType.TQ2_0, I2_S})
 
 
 ROW_BLOCKS = "rows"  # GGUF's layout: blocks run along each row
@@ -227,15 +233,19 @@ NEURON_MAJOR = "neuron_major"  # a down projection repacked for the sparse FFN: 
 @dataclasses.dataclass
 class QuantArray:
     """A 2-D [rows, cols] GGML tensor. `data` is the float array itself for F32/F16/BF16, otherwise the raw
-    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major."""
+    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major.
+    Its values are `scale` times what the data encode."""
 
     data: jax.Array
-    qtype: GGMLQuantizationType = dataclasses.field(metadata=dict(static=True))
+    qtype: GGMLQuantizationType | ternary.BitNetType = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
     # Multiply exactly (x with the dequantized weight) even where 8-bit-activation kernels would run. Static, so
     # it is part of every jit cache key: exact and kernel traces never mix.
     exact: bool = dataclasses.field(default=False, metadata=dict(static=True))
     layout: str = dataclasses.field(default=ROW_BLOCKS, metadata=dict(static=True))
+    # One factor of the whole tensor: I2_S's per-tensor scale, or the `*.scale` tensor that llama.cpp's bitnet
+    # architecture multiplies a projection's result by. Static: a model's programs carry its factors as constants.
+    scale: float = dataclasses.field(default=1.0, metadata=dict(static=True))
 
     @property
     def nbytes(self) -> int:
@@ -249,25 +259,30 @@ def tree_nbytes(tree) -> int:
 
 
 def from_gguf_data(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QuantArray:
-    """Wrap a tensor as gguf-py's reader returns it (numpy, byte shape for block types) without copying."""
+    """Wrap a tensor as gguf-py's reader returns it (numpy, byte shape for block types) without copying; an I2_S
+    tensor's bytes are its groups and its scale (gguf_reader reads them whole)."""
+    scale = 1.0
     if qtype in FLOAT_TYPES:
         data = data.view(FLOAT_TYPES[qtype]).reshape(shape)
     else:
-        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        if qtype == I2_S:
+            data, scale = ternary.split_i2_s(data.reshape(-1), shape[0] * shape[1])
+        block_size, type_size = QUANT_SIZES[qtype]
         data = data.reshape(shape[0], shape[1] // block_size * type_size)
-    return QuantArray(data, qtype, tuple(shape))
+    return QuantArray(data, qtype, tuple(shape), scale=scale)
 
 
 def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
     if w.layout == NEURON_MAJOR:
-        return dequantize_neuron_major(w)
-    if w.qtype in FLOAT_TYPES:
-        return w.data.astype(jnp.float32)
-    block_size, type_size = GGML_QUANT_SIZES[w.qtype]
-    lead = w.data.shape[:-1]
-    blocks = w.data.reshape(*lead, -1, type_size)
-    return BLOCK_DEQUANTIZERS[w.qtype](blocks).reshape(*lead, w.shape[1])
+        values = dequantize_neuron_major(w)
+    elif w.qtype in FLOAT_TYPES:
+        values = w.data.astype(jnp.float32)
+    else:
+        block_size, type_size = QUANT_SIZES[w.qtype]
+        lead = w.data.shape[:-1]
+        values = BLOCK_DEQUANTIZERS[w.qtype](w.data.reshape(*lead, -1, type_size)).reshape(*lead, w.shape[1])
+    return values if w.scale == 1.0 else values * w.scale
 
 
 # The sparse down projection, as the row-skipping kernel reads it. GGUF's ffn_down [d, n_ff] has the neurons as
@@ -290,7 +305,7 @@ _SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGML
 
 def _q_bytes(qtype: GGMLQuantizationType) -> int:
     """Bytes of a block's quants (not its scales)."""
-    return GGML_QUANT_SIZES[qtype][1] - _SCALE_BYTES[qtype]
+    return QUANT_SIZES[qtype][1] - _SCALE_BYTES[qtype]
 
 # A neuron's q stays one run when it is at least this long (S = d): skipping a neuron then skips whole stretches of
 # memory. Shorter, the kernel reads the block front to back one tile of 64 outputs at a time (S = 64), an order the
@@ -318,7 +333,7 @@ def can_pack_neuron_major(w: QuantArray) -> bool:
 
 def neuron_row_bytes(w: QuantArray) -> int:
     """Bytes of a NEURON_MAJOR weight that belong to single neurons (their q, not the shared scales)."""
-    return w.nbytes * _q_bytes(w.qtype) // GGML_QUANT_SIZES[w.qtype][1]
+    return w.nbytes * _q_bytes(w.qtype) // QUANT_SIZES[w.qtype][1]
 
 
 def pack_neuron_major(w: QuantArray, span: int | None = None) -> QuantArray:
@@ -330,7 +345,7 @@ def pack_neuron_major(w: QuantArray, span: int | None = None) -> QuantArray:
                          f"({sorted(t.name for t in NEURON_MAJOR_TYPES)}, not exact, rows a multiple of 64)")
     d, n_ff = w.shape
     span = span or neuron_span(d, w.qtype)
-    n_blocks, n_spans, type_size, scale_bytes = n_ff // 32, d // span, GGML_QUANT_SIZES[w.qtype][1], \
+    n_blocks, n_spans, type_size, scale_bytes = n_ff // 32, d // span, QUANT_SIZES[w.qtype][1], \
         _SCALE_BYTES[w.qtype]
     blocks = np.asarray(jax.device_get(w.data)).reshape(d, n_blocks, type_size).transpose(1, 0, 2)  # [nb, d, bytes]
     scales = [blocks[:, :, i : i + 2].reshape(n_blocks, n_spans, 2 * span) for i in range(0, scale_bytes, 2)]
@@ -343,7 +358,8 @@ def pack_neuron_major(w: QuantArray, span: int | None = None) -> QuantArray:
         q = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [nb, 32, tiles, 32]
     pieces = q.reshape(n_blocks, 32, n_spans, -1).transpose(0, 2, 1, 3).reshape(n_blocks, n_spans, -1)
     packed = np.concatenate([*scales, pieces], axis=2).reshape(n_blocks, -1)
-    return QuantArray(jnp.asarray(np.ascontiguousarray(packed)), w.qtype, (n_ff, d), layout=NEURON_MAJOR)
+    return QuantArray(jnp.asarray(np.ascontiguousarray(packed)), w.qtype, (n_ff, d), layout=NEURON_MAJOR,
+                      scale=w.scale)
 
 
 def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array:
@@ -370,12 +386,12 @@ def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array
 
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
     """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings)."""
-    return dequantize(QuantArray(jnp.take(w.data, rows, axis=0), w.qtype, w.shape))
+    return dequantize(dataclasses.replace(w, data=jnp.take(w.data, rows, axis=0), exact=False, layout=ROW_BLOCKS))
 
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend: all but F32, which stays with XLA (its own f32 GEMM is as
 # good), and BF16, which has no kernel (a rare GGUF weight type).
-CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16}
+CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16} - TERNARY_TYPES
 # The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
@@ -430,8 +446,15 @@ def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     weight."""
     kernels = _kernels(x, w)
     if kernels is not None:
-        return kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1])
+        return _scaled(kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1]), w)
+    if w.qtype == I2_S and not w.exact:  # BitNet's reference quantizes the activations per token to int8
+        x = ternary.absmax_int8(x)
     return jnp.einsum("...i,oi->...o", x, dequantize(w))
+
+
+def _scaled(y: jax.Array, w: QuantArray) -> jax.Array:
+    """A kernel's product with w's data, times w's scale."""
+    return y if w.scale == 1.0 else y * w.scale
 
 
 def matmuls(x: jax.Array, ws) -> list[jax.Array]:
@@ -441,8 +464,9 @@ def matmuls(x: jax.Array, ws) -> list[jax.Array]:
     kernels = _kernels(x, ws[0])
     if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape[1]) == (ws[0].qtype, ws[0].shape[1])
                                    for w in ws[1:]):
-        return kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=ws[0].qtype,
-                                              rows=[w.shape[0] for w in ws], cols=ws[0].shape[1])
+        products = kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=ws[0].qtype,
+                                                  rows=[w.shape[0] for w in ws], cols=ws[0].shape[1])
+        return [_scaled(y, w) for y, w in zip(products, ws)]
     return [matmul(x, w) for w in ws]
 
 
@@ -451,7 +475,7 @@ def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
     needs (sparse up/gate projections); the XLA path computes all rows and masks them, the reference semantics."""
     kernels = _kernels(x, w)
     if kernels is not None:
-        return kernels.masked_matmul(x, w.data, mask, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1])
+        return _scaled(kernels.masked_matmul(x, w.data, mask, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1]), w)
     return where_zero(mask, matmul(x, w))
 
 
@@ -462,8 +486,9 @@ def masked_matmuls(x: jax.Array, ws, mask: jax.Array) -> list[jax.Array]:
     kernels = _kernels(x, ws[0])
     if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape) == (ws[0].qtype, ws[0].shape)
                                    for w in ws[1:]):
-        return kernels.masked_matmul_group(x, [w.data for w in ws], mask, qtype=ws[0].qtype, rows=ws[0].shape[0],
-                                           cols=ws[0].shape[1])
+        products = kernels.masked_matmul_group(x, [w.data for w in ws], mask, qtype=ws[0].qtype,
+                                               rows=ws[0].shape[0], cols=ws[0].shape[1])
+        return [_scaled(y, w) for y, w in zip(products, ws)]
     return [masked_matmul(x, w, mask) for w in ws]
 
 
@@ -473,10 +498,11 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     weight with h in 8 bits and integer dots, of a transposed one with h in f32; the XLA path zeroes inactive inputs
     and multiplies with the dequantized weight."""
     if (kernels := _kernels(h, w_t, NEURON_MAJOR)) is not None:
-        return kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1],
-                                         span=neuron_span(w_t.shape[1], w_t.qtype))
+        return _scaled(kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0],
+                                                 cols=w_t.shape[1], span=neuron_span(w_t.shape[1], w_t.qtype)), w_t)
     if (kernels := _kernels(h, w_t)) is not None:
-        return kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
+        return _scaled(kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1]),
+                       w_t)
     return jnp.einsum("...f,fd->...d", where_zero(mask, h), dequantize(w_t))
 
 
@@ -498,6 +524,6 @@ def transpose(w: QuantArray, qtype: GGMLQuantizationType | None = None) -> Quant
     qtype = qtype or (w.qtype if w.qtype in REQUANTIZABLE_TYPES else GGMLQuantizationType.Q8_0)
     if qtype not in REQUANTIZABLE_TYPES:
         raise ValueError(f"cannot quantize to {qtype.name}: one of {sorted(t.name for t in REQUANTIZABLE_TYPES)}")
-    if cols % GGML_QUANT_SIZES[qtype][0]:
+    if cols % QUANT_SIZES[qtype][0]:
         return QuantArray(jnp.asarray(values), GGMLQuantizationType.F32, (rows, cols))
     return QuantArray(jnp.asarray(gguf_quants.quantize(np.ascontiguousarray(values), qtype)), qtype, (rows, cols))

@@ -78,6 +78,9 @@ def check_model(cfg, tp: int) -> None:
     """The model's heads and vocabulary can be cut `tp` ways (each weight's blocks are checked as it is cut)."""
     if tp == 1:
         return
+    if cfg.sub_norms:
+        raise JaxinferError(f"--tp {tp}: {cfg.arch}'s sub-norms normalize over all heads and all neurons, which a cut "
+                            f"over devices would need another all-reduce for: not supported yet")
     if cfg.n_head_kv % tp:
         raise JaxinferError(f"--tp {tp}: attention is cut by KV heads and the model has {cfg.n_head_kv} "
                             f"({cfg.n_head} query heads), not a multiple of {tp}")

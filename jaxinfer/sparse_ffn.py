@@ -33,7 +33,8 @@ from jaxinfer.config import Config
 from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, masked_matmuls, matmul, matmuls
 from pallas_kernels import sparse_ffn as pallas_ffn
 
-ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "identity": lambda v: v}
+ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "relu_sqr": lambda v: jnp.square(jax.nn.relu(v)),
+               "identity": lambda v: v}
 
 
 @jax.tree_util.register_dataclass
@@ -84,9 +85,10 @@ def down_projection(h, active, part):
     return matmul(jax_compat.where_zero(active, h), part.ffn_down)
 
 
-def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
+def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool, hidden_norm=None):
     """One part's neurons: x [..., d] normed input; `decider` is what decides `active` beside x: the predicted
-    `active` [..., n] itself for a predictor, the layer's threshold for gate/hidden, None for dense.
+    `active` [..., n] itself for a predictor, the layer's threshold for gate/hidden, None for dense;
+    `hidden_norm(h)`, if given, normalizes h before anything reads it (BitNet's ffn_sub_norm).
     -> out [..., d], and (gate, hidden, active) with `trace`.
 
     Each mode computes only what decides `active` densely, and the rest for active neurons only (masked kernels):
@@ -96,18 +98,23 @@ def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
         active = decider
         gate, up = masked_matmuls(x, (part.ffn_gate, part.ffn_up), active)
         gate = gate_act(gate)
-        hidden = gate * up_act(up)
+        hidden = _normed(gate * up_act(up), hidden_norm)
     elif cfg.plan.ffn_sparsity == "gate":
         gate = gate_act(matmul(x, part.ffn_gate))
         active = jnp.abs(gate) > decider
-        hidden = gate * up_act(masked_matmul(x, part.ffn_up, active))
+        hidden = _normed(gate * up_act(masked_matmul(x, part.ffn_up, active)), hidden_norm)
     else:
         gate, up = matmuls(x, (part.ffn_gate, part.ffn_up))
         gate = gate_act(gate)
-        hidden = gate * up_act(up)
+        hidden = _normed(gate * up_act(up), hidden_norm)
         active = jnp.abs(hidden) > decider if cfg.plan.ffn_sparsity == "hidden" else hidden != 0
     out = down_projection(hidden, active, part)
     return (out, gate, hidden, active) if trace else (out,)
+
+
+def _normed(hidden, hidden_norm):
+    """h, or hidden_norm(h): an RMSNorm keeps zeros zero (ReLU-family FFNs stay sparse)."""
+    return hidden if hidden_norm is None else hidden_norm(hidden)
 
 
 def _host_part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool):
@@ -142,14 +149,17 @@ def _neurons(part) -> int:
     return part.gate.values.shape[0] if isinstance(part, KernelPart) else part.ffn_gate.shape[0]
 
 
-def ffn(x, ffn_inp, layer, cfg: Config, trace: bool = True):
+def ffn(x, ffn_inp, layer, cfg: Config, trace: bool = True, hidden_norm=None):
     """x [..., d] (normed FFN input), ffn_inp [..., d] (pre-norm residual) -> ([..., d], FFNTrace or None), summed
     over the layer's parts; without `trace` the trace is None (a split's host parts then send back only their
-    output)."""
+    output). `hidden_norm(h)` normalizes the hidden values over all the layer's neurons: one part only."""
     if cfg.plan.ffn_sparsity == "predictor":
         predicted = predictor_logits(ffn_inp, layer.fc1, layer.fc2) >= cfg.sparse_threshold  # rows part by part
     threshold = layer.ffn_threshold if cfg.plan.ffn_sparsity in ("gate", "hidden") else None
     outs, traces, first = [], [], 0
+    if hidden_norm is not None and len(layer_parts(layer)) > 1:
+        raise ValueError("a norm over the FFN's hidden values (BitNet's ffn_sub_norm) needs all its neurons in one "
+                         "part: not with a hot/cold split")
     for part in layer_parts(layer):
         n = _neurons(part)
         decider = predicted[..., first:first + n] if cfg.plan.ffn_sparsity == "predictor" else threshold
@@ -163,7 +173,7 @@ def ffn(x, ffn_inp, layer, cfg: Config, trace: bool = True):
             run = jax_compat.on_host(partial(_host_part_ffn, cfg=cfg, trace=trace))
             out, *traced = run(*jax_compat.to_host((x, decider)), part)
         else:
-            out, *traced = _part_ffn(x, decider, part, cfg, trace)
+            out, *traced = _part_ffn(x, decider, part, cfg, trace, hidden_norm)
         outs.append(out)
         traces.append(traced)
     out = outs[0] if len(outs) == 1 else sum(outs[1:], outs[0])

@@ -5,6 +5,10 @@ mean anything.
 The vocabulary is byte-level BPE (every byte is a token, plus a few merges, ChatML control tokens and unused fillers
 up to `n_vocab`), so the tokenizer, chat template and CLI paths run exactly as with a real model.
 
+BitNet models (architecture "bitnet" or "bitnet-b1.58") have the sub-norms, and with a ternary weight type (TQ1_0,
+TQ2_0, I2_S) ternary weights: each matrix is a scale times values in {-1, 0, +1}, stored exactly; `projection_scales`
+adds llama.cpp's per-projection `*.scale` tensors.
+
 Sparse models (`sparsity` set) are PowerInfer files of a ReLU-gated llama (ReluLLaMA-like) whose neuron firing
 frequencies follow a power law with a chosen mean, with exact predictors:
 
@@ -24,7 +28,8 @@ import numpy as np
 import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from jaxinfer.config import SPARSE_THRESHOLD_KEY
+from jaxinfer import ternary
+from jaxinfer.config import ARCHITECTURES, SPARSE_THRESHOLD_KEY
 from jaxinfer.powerinfer import PendingTensor, write_gguf
 
 CHATML_TEMPLATE = (
@@ -35,6 +40,8 @@ CONTROL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n")]
 BIAS_VALUE = 4.0  # c: the constant residual dimension that lets gates of a bias-free block carry a bias
 MIN_FIRING, MAX_FIRING = 1e-4, 0.999
+TERNARY_TYPES = (GGMLQuantizationType.TQ1_0, GGMLQuantizationType.TQ2_0, ternary.I2_S)
+PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
 def byte_level_alphabet() -> list[str]:
@@ -71,6 +78,7 @@ class SyntheticSpec:
     power_law: float = 1.0  # firing frequency of the k-th most active neuron ~ k^-power_law
     gate_rank: int = 0  # rank of the gates' random part (0: n_embd // 16, at least 4)
     predictor_type: GGMLQuantizationType = GGMLQuantizationType.F16
+    projection_scales: bool = False  # BitNet: a blk.N.PROJ.scale tensor beside each projection
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -99,6 +107,9 @@ def encode_tensor(values: np.ndarray, qtype: GGMLQuantizationType, rng: np.rando
         return values.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
         return values.astype(np.float16)
+    if qtype == ternary.I2_S:  # a ternary tensor: one scale, max |value| (BitNet's converter needs them ternary)
+        scale = float(np.abs(values).max())
+        return ternary.encode_i2_s(np.round(values / scale).astype(np.int8).reshape(-1) + 1, scale)
     if qtype in RANDOM_BLOCK_SCALES:
         block_size, type_size = GGML_QUANT_SIZES[qtype]
         n_blocks = values.size // block_size
@@ -190,7 +201,11 @@ def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool
     def matrix(name, rows, cols, qtype, zero_row0=False, zero_col0=False, scale=1.0):
         def make():
             rng = _rng(spec, name)
-            values = rng.normal(size=(rows, cols)).astype(np.float32) * np.float32(scale / np.sqrt(cols))
+            if qtype in TERNARY_TYPES:  # two thirds of the values nonzero: the same variance as the normal ones
+                values = rng.integers(-1, 2, size=(rows, cols)).astype(np.float32) * np.float32(
+                    scale * np.sqrt(1.5 / cols))
+            else:
+                values = rng.normal(size=(rows, cols)).astype(np.float32) * np.float32(scale / np.sqrt(cols))
             if zero_row0:
                 values[0] = 0
             if zero_col0:
@@ -211,13 +226,19 @@ def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool
 
         return PendingTensor(name, (n_vocab, spec.n_embd), spec.embedding_type, make)
 
-    def norm(name, ones=False):
+    def norm(name, ones=False, size=spec.n_embd):
         def make():
             if ones:
-                return np.ones(spec.n_embd, np.float32)
-            return (1.0 + 0.1 * _rng(spec, name).normal(size=spec.n_embd)).astype(np.float32)
+                return np.ones(size, np.float32)
+            return (1.0 + 0.1 * _rng(spec, name).normal(size=size)).astype(np.float32)
 
-        return PendingTensor(name, (spec.n_embd,), GGMLQuantizationType.F32, make)
+        return PendingTensor(name, (size,), GGMLQuantizationType.F32, make)
+
+    def projection_scale(name):
+        def make():
+            return np.array([0.5 + _rng(spec, name).random()], np.float32)
+
+        return PendingTensor(name, (1,), GGMLQuantizationType.F32, make)
 
     def from_sparse_layer(name, layer_index, part, qtype):
         def make():
@@ -250,6 +271,11 @@ def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool
             ]
         else:
             tensors += [matrix(f"{blk}.ffn_gate.weight", f, d, w), matrix(f"{blk}.ffn_down.weight", d, f, w)]
+        if ARCHITECTURES[arch].sub_norms:
+            tensors += [norm(f"{blk}.attn_sub_norm.weight", size=spec.n_head * head_dim),
+                        norm(f"{blk}.ffn_sub_norm.weight", size=f)]
+        if spec.projection_scales:
+            tensors += [projection_scale(f"{blk}.{proj}.scale") for proj in PROJECTIONS]
     tensors.append(norm("output_norm.weight"))
     if not spec.tied_output or sparse:  # a sparse model's embedding is unit-variance: too large to tie
         tensors.append(matrix("output.weight", n_vocab, d, spec.embedding_type))

@@ -16,6 +16,7 @@ from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import shown
 from jaxinfer.quant import SUPPORTED_TYPES
+from jaxinfer.ternary import quant_type
 
 LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 VOCABULARY_KEY = "tokenizer.ggml.tokens"
@@ -38,7 +39,7 @@ def _check(gguf, name: str, shape: tuple[int, ...], types=SUPPORTED_TYPES) -> No
     if found != shape:
         raise JaxinferError(f"{gguf.path}: tensor {name} has shape {list(found)}, the model's metadata implies "
                             f"{list(shape)}")
-    qtype = GGMLQuantizationType(gguf.tensors[name].tensor_type)
+    qtype = quant_type(gguf.tensors[name].tensor_type)
     if qtype not in types:
         supported = ", ".join(sorted(q.name for q in types))
         raise JaxinferError(f"{gguf.path}: tensor {name} has type {qtype.name}, which jaxinfer does not support "
@@ -53,6 +54,13 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
 
     for norm in ("attn_norm", "ffn_norm"):
         _check(gguf, name(norm), (d,), {GGMLQuantizationType.F32})
+    for tensor in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        scale = f"blk.{i}.{tensor}.scale"  # llama.cpp's bitnet: one f32 multiplying the projection's result
+        if scale in gguf.tensors:
+            _check(gguf, scale, (1,), {GGMLQuantizationType.F32})
+    if cfg.sub_norms:
+        _check(gguf, name("attn_sub_norm"), (q_rows,), {GGMLQuantizationType.F32})
+        _check(gguf, name("ffn_sub_norm"), (cfg.n_ff,), {GGMLQuantizationType.F32})
     for tensor, shape in (("attn_q", (q_rows, d)), ("attn_k", (kv_rows, d)), ("attn_v", (kv_rows, d)),
                           ("attn_output", (d, q_rows)), ("ffn_gate", (cfg.n_ff, d)), ("ffn_up", (cfg.n_ff, d))):
         _check(gguf, name(tensor), shape)

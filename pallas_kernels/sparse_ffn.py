@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 Q8_0_BLOCK = 32
 # Written out rather than jax.nn.silu/relu: those are custom_jvp functions, which GPU lowering of a kernel rejects.
 ACTIVATIONS = {"silu": lambda v: v / (1.0 + jnp.exp(-v)), "relu": lambda v: jnp.maximum(v, 0.0),
-               "identity": lambda v: v}
+               "relu_sqr": lambda v: jnp.square(jnp.maximum(v, 0.0)), "identity": lambda v: v}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,8 @@ def random_blocks(qtype, rows, cols, rng):
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", sorted(quant.BLOCK_DEQUANTIZERS, key=int), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", sorted(set(quant.BLOCK_DEQUANTIZERS) - quant.TERNARY_TYPES, key=int),
+                         ids=lambda q: q.name)  # the ternary types: test_ternary.py
 @pytest.mark.parametrize("rows,n_blocks", [(1, 1), (5, 3)])
 def test_block_dequantize_is_bit_exact_with_gguf(qtype, rows, n_blocks):
     rng = np.random.default_rng(int(qtype))

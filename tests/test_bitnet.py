@@ -1,0 +1,124 @@
+"""BitNet's block (config `bitnet` and `bitnet-b1.58`, model.py's sub-norms, QuantArray.scale): the model against a
+plain numpy forward of the same equations, incremental decode against the full forward, and the squared-ReLU FFN's
+natural zeros skipped by the dense mode."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from jaxinfer import engine, model, quant, sharding, sparse_ffn, ternary
+from jaxinfer.config import ARCHITECTURES
+from jaxinfer.errors import JaxinferError
+from jaxinfer.synthetic import SyntheticSpec, write_model
+
+SPEC = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2)
+
+
+def bitnet_model(tmp_path, arch: str, qtype, **fields):
+    spec = SyntheticSpec(architecture=arch, weight_type=qtype, projection_scales=True, **{**SPEC, **fields})
+    return engine.load_model(write_model(str(tmp_path / f"{arch}-{qtype.name}.gguf"), spec))
+
+
+def rms(x, gamma, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
+
+
+def reference_logits(m, tokens: np.ndarray) -> np.ndarray:
+    """llama.cpp's build_bitnet in numpy (f64) for one sequence, from each weight's values: norm, q/k/v (each
+    times its scale, which its values carry), RoPE, causal attention, attn_sub_norm, attn_output; norm, gate and
+    up, gate activation (SiLU or squared ReLU) times up, ffn_sub_norm, ffn_down; final norm, output. I2_S inputs are
+    rounded to int8 per token first, as BitNet's BitLinear does."""
+    cfg, w = m.config, m.weights
+    act = {"silu": lambda v: v / (1 + np.exp(-v)), "relu_sqr": lambda v: np.maximum(v, 0) ** 2}[cfg.gate_activation]
+
+    def product(x, weight):
+        if weight.qtype == ternary.I2_S:
+            x = np.asarray(ternary.absmax_int8(jnp.asarray(x, jnp.float32)), np.float64)
+        return x @ np.asarray(quant.dequantize(weight), np.float64).T
+
+    positions = np.arange(len(tokens))
+    x = np.asarray(quant.take_rows(w.token_embd, jnp.asarray(tokens)), np.float64)
+    for layer in w.layers:
+        h = rms(x, np.asarray(layer.attn_norm), cfg.rms_eps)
+        q, k, v = (product(h, p).reshape(len(tokens), -1, cfg.head_dim)
+                   for p in (layer.attn_q, layer.attn_k, layer.attn_v))
+        q, k = (np.asarray(model.rope(jnp.asarray(t[None], jnp.float32), jnp.asarray(positions), cfg))[0]
+                for t in (q, k))
+        group = cfg.n_head // cfg.n_head_kv
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(cfg.head_dim)
+        scores = np.where(positions[None, None, :] <= positions[None, :, None], scores, -np.inf)
+        probs = np.exp(scores - scores.max(-1, keepdims=True))
+        probs /= probs.sum(-1, keepdims=True)
+        attn = np.einsum("hts,shd->thd", probs, v).reshape(len(tokens), -1)
+        x = x + product(rms(attn, np.asarray(layer.attn_sub_norm), cfg.rms_eps), layer.attn_output)
+        h = rms(x, np.asarray(layer.ffn_norm), cfg.rms_eps)
+        hidden = act(product(h, layer.ffn_gate)) * product(h, layer.ffn_up)
+        x = x + product(rms(hidden, np.asarray(layer.ffn_sub_norm), cfg.rms_eps), layer.ffn_down)
+    return product(rms(x, np.asarray(w.output_norm), cfg.rms_eps), w.output)
+
+
+def test_the_architectures_are_registered_with_their_block():
+    assert ARCHITECTURES["bitnet"].gate_activation == "silu" and ARCHITECTURES["bitnet"].sub_norms
+    assert ARCHITECTURES["bitnet-b1.58"].gate_activation == "relu_sqr" and ARCHITECTURES["bitnet-b1.58"].sub_norms
+    assert not ARCHITECTURES["llama"].sub_norms
+
+
+@pytest.mark.parametrize("arch, qtype", [("bitnet", Q.TQ2_0), ("bitnet-b1.58", Q.TQ1_0),
+                                         ("bitnet-b1.58", ternary.I2_S), ("bitnet", Q.F32)],
+                         ids=lambda v: getattr(v, "name", v))
+def test_forward_is_the_block_s_equations(tmp_path, arch, qtype):
+    m = bitnet_model(tmp_path, arch, qtype)
+    assert all(layer.attn_q.scale != 1.0 for layer in m.weights.layers)  # the projections' scales were read
+    tokens = np.random.default_rng(0).integers(0, m.config.n_vocab, 9).astype(np.int32)
+    hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens[None], m.weights, m.config)
+    got = np.asarray(model.logits(hidden, m.weights, m.config))[0]
+    expected = reference_logits(m, tokens)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+
+
+def test_incremental_decode_matches_the_full_forward(tmp_path):
+    m = bitnet_model(tmp_path, "bitnet-b1.58", ternary.I2_S)
+    tokens = np.random.default_rng(2).integers(0, m.config.n_vocab, size=(1, 11)).astype(np.int32)
+    full, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
+    expected = np.asarray(model.logits(full, m.weights, m.config))[0]
+    n_prompt = 5
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :n_prompt] = tokens[0, :n_prompt]
+    cache = model.init_cache(m.config, 1, 32)
+    step_logits, cache = model.prefill(padded, jnp.int32(n_prompt), m.weights, cache, m.config)
+    got = [np.asarray(step_logits)[0]]
+    for position in range(n_prompt, tokens.shape[1]):
+        step_logits, cache = model.decode_step(tokens[:, position], m.weights, cache, m.config)
+        got.append(np.asarray(step_logits)[0])
+    np.testing.assert_allclose(np.stack(got), expected[n_prompt - 1:], rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_path):
+    """b1.58's FFN: relu(gate)² is zero for about half the neurons, and the dense mode's `active` is exactly the
+    nonzero hidden values (their down rows alone are read); SiLU's bitnet has none."""
+    for arch, zeros in (("bitnet-b1.58", True), ("bitnet", False)):
+        m = bitnet_model(tmp_path, arch, Q.TQ2_0)
+        tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, (1, 16)).astype(np.int32)
+        _, _, traces = model.forward(tokens, m.weights, m.config, observe=lambda i, trace: trace)
+        for trace in traces:
+            active = np.asarray(trace.active)
+            np.testing.assert_array_equal(active, np.asarray(trace.hidden) != 0)
+            assert (0.3 < 1 - active.mean() < 0.7) if zeros else active.all()
+
+
+def test_hidden_norm_keeps_the_sparse_modes_zeros():
+    hidden = jnp.asarray([[0.0, 2.0, 0.0, -1.0]])
+    normed = sparse_ffn._normed(hidden, lambda h: model.rms_norm(h, jnp.ones(4), 1e-5))
+    np.testing.assert_array_equal(np.asarray(normed) == 0, np.asarray(hidden) == 0)
+
+
+def test_what_does_not_apply_to_bitnet_yet_says_so(tmp_path):
+    path = write_model(str(tmp_path / "b.gguf"), SyntheticSpec(architecture="bitnet", weight_type=Q.TQ2_0, **SPEC))
+    m = engine.load_model(path)
+    with pytest.raises(JaxinferError, match="sub-norms normalize over all heads"):
+        sharding.check_model(m.config, 2)
+    with pytest.raises(JaxinferError, match="hot/cold split .* does not apply to BitNet"):
+        engine.split_model(m, 1.0, 64, None, False)
