@@ -20,6 +20,9 @@ class Architecture:
     # BitNet's sub-norms: RMSNorm of the attention's heads before attn_output, of the FFN's hidden h before ffn_down
     # (blk.N.attn_sub_norm [n_head * head_dim], blk.N.ffn_sub_norm [n_ff]).
     sub_norms: bool = False
+    # llama.cpp's RoPE type for the architecture: "norm" rotates adjacent pairs (x[2i], x[2i+1]), "neox" the halves
+    # (x[i], x[i + rope_dim / 2]) (llama_model_rope_type).
+    rope_type: str = "norm"
     # PowerInfer's sparse graph runs a PWRI file of this architecture with ReLU on the gate: a `llama` PWRI file is
     # a ReLU-fied model (ReluLLaMA, ProSparse), whatever plain llama.cpp would assume.
     powerinfer_gate_activation: str | None = None
@@ -30,9 +33,9 @@ ARCHITECTURES = {
     "llama": Architecture(gate_activation="silu", powerinfer_gate_activation="relu"),
     "bamboo": Architecture(gate_activation="relu", up_activation="relu", powerinfer_gate_activation="relu"),
     # llama.cpp's build_bitnet: the llama block with sub-norms and optional per-projection `*.scale` tensors.
-    "bitnet": Architecture(gate_activation="silu", sub_norms=True),
+    "bitnet": Architecture(gate_activation="silu", sub_norms=True, rope_type="neox"),
     # BitNet b1.58 2B-4T (ik_llama.cpp's bitnet-b1.58): the same block with a squared-ReLU GLU, natively sparse.
-    "bitnet-b1.58": Architecture(gate_activation="relu_sqr", sub_norms=True),
+    "bitnet-b1.58": Architecture(gate_activation="relu_sqr", sub_norms=True, rope_type="neox"),
 }
 CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> the KV cache's dtype
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
@@ -60,6 +63,7 @@ class Config:
     gate_activation: str
     up_activation: str
     sub_norms: bool = False  # Architecture.sub_norms
+    rope_type: str = "norm"  # Architecture.rope_type
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
@@ -123,5 +127,6 @@ class Config:
             gate_activation=gate_activation,
             up_activation=spec.up_activation,
             sub_norms=spec.sub_norms,
+            rope_type=spec.rope_type,
             sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
         )

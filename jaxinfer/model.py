@@ -78,16 +78,19 @@ def rms_norm(x, gamma, eps):
 
 
 def rope(x, positions, cfg: Config):
-    """Rotate adjacent pairs (x[2i], x[2i+1]) by pos * theta^(-2i/rope_dim): llama.cpp's "NORM" RoPE, which is what
-    GGUF llama weights expect (their q/k rows are permuted at conversion; rotate-half gives a ~20x worse PPL).
-    x [B, T, H, hd], positions [T] (every row alike) or [B, T]; only the first rope_dim dims of each head rotate."""
+    """Rotate pairs of each head's values, pair i by pos * theta^(-2i/rope_dim). llama.cpp's "NORM" RoPE pairs
+    adjacent values (x[2i], x[2i+1]), which is what GGUF llama weights expect (their q/k rows are permuted at
+    conversion; rotate-half gives a ~20x worse PPL); its "NEOX" RoPE (cfg.rope_type, BitNet) pairs the halves
+    (x[i], x[i + rope_dim/2]). x [B, T, H, hd], positions [T] (every row alike) or [B, T]; only the first rope_dim
+    dims of each head rotate."""
     rot, rest = x[..., : cfg.rope_dim], x[..., cfg.rope_dim :]
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
     angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, rope_dim / 2]
     cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # broadcast over the heads
-    pairs = rot.reshape(*rot.shape[:-1], -1, 2)
-    x1, x2 = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(rot.shape)
+    pair_axis = -2 if cfg.rope_type == "neox" else -1  # [.., 2, rope_dim / 2] halves, or [.., rope_dim / 2, 2]
+    pairs = rot.reshape(*rot.shape[:-1], 2, -1) if cfg.rope_type == "neox" else rot.reshape(*rot.shape[:-1], -1, 2)
+    x1, x2 = jnp.take(pairs, 0, axis=pair_axis), jnp.take(pairs, 1, axis=pair_axis)
+    rotated = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=pair_axis).reshape(rot.shape)
     return jnp.concatenate([rotated, rest], axis=-1)
 
 

@@ -63,7 +63,8 @@ def reference_logits(m, tokens: np.ndarray) -> np.ndarray:
 def test_the_architectures_are_registered_with_their_block():
     assert ARCHITECTURES["bitnet"].gate_activation == "silu" and ARCHITECTURES["bitnet"].sub_norms
     assert ARCHITECTURES["bitnet-b1.58"].gate_activation == "relu_sqr" and ARCHITECTURES["bitnet-b1.58"].sub_norms
-    assert not ARCHITECTURES["llama"].sub_norms
+    assert ARCHITECTURES["bitnet"].rope_type == ARCHITECTURES["bitnet-b1.58"].rope_type == "neox"  # llama.cpp's
+    assert not ARCHITECTURES["llama"].sub_norms and ARCHITECTURES["llama"].rope_type == "norm"
 
 
 @pytest.mark.parametrize("arch, qtype", [("bitnet", Q.TQ2_0), ("bitnet-b1.58", Q.TQ1_0),

@@ -31,6 +31,25 @@ def test_rope_rotates_adjacent_pairs_as_complex_numbers():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_neox_rope_rotates_the_halves_as_complex_numbers():
+    """llama.cpp's NEOX RoPE (BitNet): pair (x[i], x[i + rope_dim/2]) is x[i] + j x[i + rope_dim/2], multiplied by
+    exp(j * pos * theta^(-2i/rope_dim)); dims past rope_dim pass through."""
+    rng = np.random.default_rng(1)
+    cfg = Config(
+        arch="bitnet", n_layer=1, n_embd=16, n_ff=16, n_head=2, n_head_kv=1, head_dim=8, n_vocab=8,
+        n_ctx_train=64, rms_eps=1e-5, rope_theta=500.0, rope_dim=6, gate_activation="silu",
+        up_activation="identity", rope_type="neox")
+    x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
+    positions = np.array([[0, 1, 7, 20, 33], [2, 3, 4, 5, 6]], np.int32)
+    z = x[..., 0:3] + 1j * x[..., 3:6]
+    angle = positions[..., None] * 500.0 ** (-np.arange(0, 6, 2) / 6)
+    z = z * np.exp(1j * angle)[:, :, None, :]
+    expected = x.copy()
+    expected[..., 0:3], expected[..., 3:6] = z.real, z.imag
+    np.testing.assert_allclose(np.asarray(model.rope(jnp.asarray(x), jnp.asarray(positions), cfg)), expected,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_attend_matches_per_head_loop_with_gqa():
     rng = np.random.default_rng(1)
     b, t, s, h, n_kv, hd = 2, 3, 7, 6, 2, 4
