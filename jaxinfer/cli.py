@@ -234,6 +234,30 @@ def split_requested() -> bool:
     return not f.disable_gpu_index
 
 
+def build_model(tp: int):
+    """The model that the flags generate and the server share ask for (-m, --sparsity, --thresholds, --down_t_type,
+    -amb, --cache_type, -c, the split's flags), cut over `tp` devices, saying on stderr what was loaded, the plan
+    and the split. The compilation cache is on in a single process (over several, each would store the same
+    programs)."""
+    from jaxinfer import engine, runtime, sparsity
+
+    f = flags.FLAGS
+    spec = sparsity.parse_spec(f.sparsity)
+    down_t_type = sparsity.parse_down_t_type(f.down_t_type)
+    split = split_requested()
+    if f.num_processes == 1:
+        runtime.enable_compilation_cache()
+    m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=down_t_type,
+                           attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
+                           vram_budget_gib=f.vram_budget if split else None, ctx=f.ctx_size,
+                           activation_dir=f.activation_dir, reset_gpu_index=f.reset_gpu_index,
+                           thresholds_file=f.thresholds, tp=tp,
+                           loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
+    if m.split is not None:
+        print(m.split.summary, file=sys.stderr)
+    return m
+
+
 def capped_context(n_ctx: int, n_ctx_train: int) -> int:
     """-c beyond the model's training context is capped to it, with a note (as llama.cpp warns), in every CLI."""
     if n_ctx > n_ctx_train:

@@ -100,22 +100,10 @@ def generate(tp: int):
                             presence_penalty=FLAGS.presence_penalty).validate()
     text = read_prompt()
 
-    from jaxinfer import engine, runtime, sparsity
+    from jaxinfer import engine
 
-    spec = sparsity.parse_spec(FLAGS.sparsity)
-    down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
-    split = cli.split_requested()
-    if FLAGS.num_processes == 1:  # over several, each process would store the same programs
-        runtime.enable_compilation_cache()
-    m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
-                           attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
-                           vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
-                           activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
-                           thresholds_file=FLAGS.thresholds, tp=tp,
-                           loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
+    m = cli.build_model(tp)
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
-    if m.split is not None:
-        print(m.split.summary, file=sys.stderr)
     prompt = text
     if FLAGS.chat:
         if not m.tokenizer.chat_template:

@@ -102,20 +102,7 @@ class Service:
 
 def load_model(tp: int):
     """The model of the flags, cut over `tp` devices -> (engine.LoadedModel, each slot's context)."""
-    from jaxinfer import engine, runtime, sparsity
-
-    spec = sparsity.parse_spec(FLAGS.sparsity)
-    down_t_type = sparsity.parse_down_t_type(FLAGS.down_t_type)
-    split = cli.split_requested()
-    runtime.enable_compilation_cache()
-    m = engine.build_model(FLAGS.model, sparsity_spec=spec, down_t_type=down_t_type,
-                           attn_max_batch_mib=FLAGS.attn_max_batch or None, cache_type=FLAGS.cache_type,
-                           vram_budget_gib=FLAGS.vram_budget if split else None, ctx=FLAGS.ctx_size,
-                           activation_dir=FLAGS.activation_dir, reset_gpu_index=FLAGS.reset_gpu_index,
-                           thresholds_file=FLAGS.thresholds, tp=tp,
-                           loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
-    if m.split is not None:
-        print(m.split.summary, file=sys.stderr)
+    m = cli.build_model(tp)
     slot_ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train) // FLAGS.parallel
     if slot_ctx < 2:
         raise JaxinferError(f"-c {FLAGS.ctx_size} gives each of the {FLAGS.parallel} slots (-np) {slot_ctx} "

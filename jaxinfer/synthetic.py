@@ -271,7 +271,7 @@ def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool
             ]
         else:
             tensors += [matrix(f"{blk}.ffn_gate.weight", f, d, w), matrix(f"{blk}.ffn_down.weight", d, f, w)]
-        if ARCHITECTURES[arch].sub_norms:
+        if arch in ARCHITECTURES and ARCHITECTURES[arch].sub_norms:  # other names: files for unsupported-arch tests
             tensors += [norm(f"{blk}.attn_sub_norm.weight", size=spec.n_head * head_dim),
                         norm(f"{blk}.ffn_sub_norm.weight", size=f)]
         if spec.projection_scales:
