@@ -1,0 +1,351 @@
+"""What a GGUF file is and how jaxinfer would run it on this machine, read from its metadata and tensor infos alone
+(the file stays memory-mapped; no weight is read): the library behind `python -m jaxinfer.inspect` and the kernel
+columns of run receipts (receipt.py).
+
+Everything is derived from the tables the engine itself runs on, so that a new architecture, tensor type or kernel
+shows up here without a change: config.ARCHITECTURES and Config.from_metadata, quant's decoders and CPU kernel types,
+the Plan of this machine (plan.make_plan), cpu_ext's ISA, the Pallas kernel's types (hybrid.kernel_takes),
+sparse_ffn's activations, and the checks a run makes (the bounded reader, validate.check_tensors, the tokenizer).
+"""
+
+import dataclasses
+import os
+import struct
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from jaxinfer import activation_profile, config, hybrid, placement, quant, sidecar, sparsity, validate
+from jaxinfer.errors import JaxinferError
+from jaxinfer.gguf_io import GGUFFile, open_gguf
+from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
+from jaxinfer.plan import Plan, make_plan
+from jaxinfer.sparse_ffn import ACTIVATIONS
+from jaxinfer.tokenizer import load_tokenizer
+
+RUNS, LIMITED, DOES_NOT_RUN = "runs", "runs with limitations", "does not run"
+PREDICTOR_TENSORS = ("fc1", "fc2")
+SPLIT_TENSORS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")  # what a hot/cold split cuts by neuron (hybrid.py)
+LAYER_TENSOR = validate.LAYER_NAME
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as its info reads, whether or not its type is known."""
+
+    name: str
+    type_id: int
+    dims: tuple[int, ...]  # GGML order, innermost first
+    offset: int  # of its data in the file
+    nbytes: int | None  # None where the type's size is unknown
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.type_id)
+
+
+def type_name(type_id: int) -> str:
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"type id {type_id}"
+
+
+def _tensor_bytes(type_id: int, dims) -> int | None:
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+    except (ValueError, KeyError):
+        return None
+    return int(np.prod(dims, dtype=object)) // block_size * type_size
+
+
+def cpu_ext_status() -> dict:
+    """The cpu_ext kernels of this machine: available, the ISA they run with, whether the neuron-major kernel is a
+    fast one; or why they cannot load."""
+    kernels = quant.cpu_kernels()
+    if kernels is None:
+        return {"available": False, "isa": None, "fast_neuron_major": False,
+                "reason": "libjaxinfer_cpu.so not built or not loadable"}
+    return {"available": True, "isa": kernels.isa(), "fast_neuron_major": kernels.fast_neuron_major(),
+            "library": str(kernels.LIBRARY_PATH)}
+
+
+def kernel_route(qtype: GGMLQuantizationType | int, plan: Plan, isa: str | None) -> str:
+    """How a weight of `qtype` is multiplied under `plan` (quant._kernels' decision, for products in device memory)."""
+    try:
+        qtype = GGMLQuantizationType(qtype)
+    except ValueError:
+        return "unsupported (unknown type id)"
+    if qtype not in quant.SUPPORTED_TYPES:
+        return "unsupported (jaxinfer has no decoder for it)"
+    if plan.products == "cpu_ext" and qtype in quant.CPU_KERNEL_TYPES:
+        dots = "f32 dots" if qtype in quant.FLOAT_TYPES else "8-bit activations"
+        return f"cpu_ext {isa} ({dots}) up to {quant.CPU_KERNEL_MAX_TOKENS} tokens a call, XLA beyond"
+    if qtype == GGMLQuantizationType.F32:
+        return "XLA f32"
+    return f"XLA on dequantized weights ({plan.backend}: no cpu_ext kernel)" if plan.backend == "cpu" else \
+        "XLA on dequantized weights"
+
+
+def kernel_routes(qtypes, plan: Plan | None = None) -> dict[str, str]:
+    """{type name: kernel_route} for the types of a file, under `plan` (default: this machine's)."""
+    plan = plan or make_plan()
+    isa = cpu_ext_status()["isa"]
+    return {type_name(int(q)): kernel_route(int(q), plan, isa) for q in sorted({int(q) for q in qtypes})}
+
+
+def read_header(path: str) -> dict:
+    """Magic, version and size from the first bytes, for files that fail before gguf-py can read them."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+    magic = head[:4]
+    version = struct.unpack("<I", head[4:8])[0] if len(head) == 8 else None
+    kind = {GGUF_MAGIC: "GGUF", POWERINFER_MAGIC: "PowerInfer (PWRI)"}.get(magic)
+    return {"path": os.path.abspath(path), "size_bytes": os.path.getsize(path),
+            "magic": magic.decode("latin-1") if kind else repr(magic), "format": kind or "not GGUF",
+            "version": version}
+
+
+def check_readable(path: str) -> None:
+    """A JaxinferError (a usage error: exit 2) when `path` is not a file this process can read."""
+    if not os.path.exists(path):
+        raise JaxinferError(f"model file not found: {path}")
+    if not os.path.isfile(path):
+        raise JaxinferError(f"{path} is not a file")
+    if not os.access(path, os.R_OK):
+        raise JaxinferError(f"cannot read {path}: permission denied")
+
+
+class Inspection:
+    """Builds the report of one file (see `inspect_model`); each section reads what the ones before found."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.problems: list[str] = []
+        self.limitations: list[str] = []
+        self.gguf: GGUFFile | None = None
+        self.cfg: config.Config | None = None
+        self.infos: list[TensorInfo] = []
+        self.plan = make_plan()
+        self.cpu_ext = cpu_ext_status()
+
+    def report(self) -> dict:
+        report = {"file": self.file_section()}
+        if self.gguf is not None:
+            report["architecture"] = self.architecture_section()
+            report["tensor_types"] = self.types_section()
+            report["kernels"] = self.kernels_section()
+            report["powerinfer"] = self.powerinfer_section()
+            report["sparsity"] = self.sparsity_section()
+            report["hybrid_split"] = self.split_section()
+            report["gpu"] = self.gpu_section()
+            self.validate()
+        report["problems"] = self.problems
+        report["verdict"] = self.verdict()
+        return report
+
+    # -------------------------------------------------------------------------------------------------- the file
+
+    def file_section(self) -> dict:
+        section = read_header(self.path)
+        try:
+            self.gguf = open_gguf(self.path, TolerantReader)
+        except JaxinferError as e:
+            self.problems.append(str(e))
+            return section
+        reader = self.gguf.reader
+        self.problems += [f"{self.path}: {problem}" for problem in reader.tensor_problems]
+        self.infos = [TensorInfo(name, type_id, tuple(dims), offset, _tensor_bytes(type_id, dims))
+                      for name, type_id, dims, offset in reader.tensor_infos]
+        section.update(version=int(reader.fields["GGUF.version"].parts[0][0]), alignment=int(reader.alignment),
+                       data_offset=int(reader.data_offset), metadata_keys=len(self.gguf.metadata),
+                       tensors=len(self.infos))
+        return section
+
+    # ---------------------------------------------------------------------------------------- architecture, shapes
+
+    def architecture_section(self) -> dict:
+        arch = self.gguf.metadata.get("general.architecture")
+        section = {"name": arch if isinstance(arch, str) else None, "known": arch in config.ARCHITECTURES,
+                   "supported_architectures": sorted(config.ARCHITECTURES), "config": None}
+        embedding = self.info("token_embd.weight")
+        try:
+            if embedding is None:
+                raise JaxinferError("lacks tensor token_embd.weight (the vocabulary size comes from it)")
+            n_vocab = embedding.dims[1] if len(embedding.dims) > 1 else 0
+            self.cfg = config.Config.from_metadata(self.gguf.metadata, n_vocab=n_vocab, powerinfer=self.gguf.powerinfer)
+        except JaxinferError as e:
+            section["config_error"] = str(e)
+            self.problems.append(f"{self.path}: {e}")
+            return section
+        fields = dataclasses.asdict(self.cfg)
+        fields.pop("plan")
+        fields.pop("cache_type")
+        section["config"] = fields
+        return section
+
+    def info(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.infos if t.name == name), None)
+
+    # ------------------------------------------------------------------------------------------ types and kernels
+
+    def types_section(self) -> list[dict]:
+        size = os.path.getsize(self.path)
+        ends = sorted(t.offset for t in self.infos) + [size]
+        rows = {}
+        for t in self.infos:
+            # A type of unknown size is counted up to the next tensor's data (its padding included).
+            following = [end for end in ends if end > t.offset]
+            nbytes = t.nbytes if t.nbytes is not None else (following[0] - t.offset if following else 0)
+            row = rows.setdefault(t.type_id, {"type": t.type_name, "type_id": t.type_id, "tensors": 0, "bytes": 0,
+                                              "bytes_exact": True, "matrices": 0})
+            row["tensors"] += 1
+            row["bytes"] += nbytes
+            row["bytes_exact"] &= t.nbytes is not None
+            row["matrices"] += sum(n > 1 for n in t.dims) > 1
+        isa = self.cpu_ext["isa"]
+        for row in rows.values():
+            row["share"] = row["bytes"] / size if size else 0.0
+            row["supported"] = _known(row["type_id"]) in quant.SUPPORTED_TYPES
+            row["kernel"] = kernel_route(row["type_id"], self.plan, isa)
+        return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+    def kernels_section(self) -> dict:
+        section = {"backend": self.plan.backend, "products": self.plan.products, "attention": self.plan.attention,
+                   "cpu_ext": self.cpu_ext}
+        if self.plan.backend != "cpu":
+            return section
+        if not self.cpu_ext["available"]:
+            self.limitations.append("cpu_ext kernels unavailable: every product dequantizes its weights to f32")
+        elif self.cpu_ext["isa"] == "scalar":
+            self.limitations.append("cpu_ext runs its portable (scalar) kernels: this CPU has neither AVX2 nor "
+                                    "AVX-512")
+        if self.plan.products == "cpu_ext":
+            slow = sorted({t.type_name for t in self.infos if sum(n > 1 for n in t.dims) > 1
+                           and _known(t.type_id) in quant.SUPPORTED_TYPES - quant.CPU_KERNEL_TYPES
+                           - {GGMLQuantizationType.F32}})
+            if slow:
+                self.limitations.append(f"no cpu_ext kernel for {', '.join(slow)}: those weights are dequantized to "
+                                        f"f32 for XLA in every product")
+        return section
+
+    # --------------------------------------------------------------------------------------- sparsity and layouts
+
+    def layers_with(self, *tensors: str) -> int:
+        """How many layers hold all of `tensors` (blk.N.<tensor>.weight)."""
+        names = {t.name for t in self.infos}
+        n_layer = self.cfg.n_layer if self.cfg else 1 + max(
+            (int(m.group(1)) for t in self.infos if (m := LAYER_TENSOR.match(t.name))), default=-1)
+        return sum(all(f"blk.{i}.{t}.weight" in names for t in tensors) for i in range(n_layer))
+
+    def powerinfer_section(self) -> dict:
+        threshold = self.gguf.metadata.get(config.SPARSE_THRESHOLD_KEY)
+        return {"pwri_magic": self.gguf.powerinfer, "layers_with_ffn_down_t": self.layers_with("ffn_down_t"),
+                "layers_with_predictor": self.layers_with(*PREDICTOR_TENSORS),
+                "sparse_threshold": threshold if isinstance(threshold, (int, float)) else None,
+                "gate_activation_key": self.gguf.metadata.get(config.GATE_ACTIVATION_KEY)}
+
+    def sparsity_section(self) -> dict:
+        section = {"modes": list(sparsity.SPARSITY_MODES)}
+        if self.cfg is not None:
+            natural = [name for name in {self.cfg.gate_activation, self.cfg.up_activation} if _zero_below(name)]
+            section["activations"] = {"gate": self.cfg.gate_activation, "up": self.cfg.up_activation}
+            section["dense_skips_natural_zeros"] = bool(natural)
+        predictor = self.layers_with(*PREDICTOR_TENSORS)
+        section["predictor"] = bool(predictor) and (self.cfg is None or predictor == self.cfg.n_layer)
+        path = sparsity.thresholds_path(self.path)
+        thresholds = {"path": path, "present": os.path.isfile(path)}
+        if thresholds["present"]:
+            try:
+                tables = sidecar.read_json(path, self.path).get("thresholds", {})
+                thresholds["levels"] = {method: sorted(levels) for method, levels in tables.items()
+                                        if isinstance(levels, dict)}
+            except JaxinferError as e:
+                thresholds["error"] = str(e)
+        section["calibrated_thresholds"] = thresholds
+        return section
+
+    def split_section(self) -> dict:
+        directory = activation_profile.default_directory(self.path)
+        present = [t for t in SPLIT_TENSORS if self.layers_with(t)]
+        split_bytes = sum(t.nbytes or 0 for t in self.infos
+                          if (m := LAYER_TENSOR.match(t.name)) and t.name[m.end():-len(".weight")] in present)
+        section = {"activation_profile": directory, "profile_present": os.path.isdir(directory),
+                   "tensors": present, "tensor_bytes": split_bytes,
+                   "gpu_index_present": os.path.isfile(placement.gpuidx_path(self.path))}
+        if section["profile_present"] and self.cfg is not None:
+            try:
+                activation_profile.read_profile(directory, self.path, self.cfg.n_layer, self.cfg.n_ff)
+                section["profile_valid"] = True
+            except JaxinferError as e:
+                section["profile_valid"], section["profile_error"] = False, str(e)
+        section["applies"] = bool(section["profile_present"] and section.get("profile_valid") and present)
+        return section
+
+    def gpu_section(self) -> dict:
+        unsupported = sorted({t.type_name for t in self.infos if _known(t.type_id) not in quant.SUPPORTED_TYPES})
+        section = {"backend_here": self.plan.backend, "types_supported": not unsupported,
+                   "products": "XLA on dequantized weights", "attention": "Pallas flash kernels"}
+        if unsupported:
+            section["unsupported_types"] = unsupported
+        down = "ffn_down_t" if self.layers_with("ffn_down_t") else "ffn_down"
+        kinds = set()
+        for i in range(self.cfg.n_layer if self.cfg else 0):
+            weights = [self.info(f"blk.{i}.{t}.weight") for t in ("ffn_gate", "ffn_up", down)]
+            stand_ins = [None if w is None or _known(w.type_id) is None else
+                         quant.QuantArray(None, _known(w.type_id), (0, 0)) for w in weights]
+            kinds.add(None if None in stand_ins else hybrid.kernel_takes(*stand_ins))
+        takes = bool(kinds) and None not in kinds
+        section["pallas_sparse_ffn"] = takes and self.layers_with(*PREDICTOR_TENSORS) > 0
+        section["pallas_sparse_ffn_note"] = (
+            "the hot part of a --vram-budget split with --sparsity predictor" if section["pallas_sparse_ffn"] else
+            "needs predictors (fc1/fc2) and FFN weights all Q8_0 or all F32/F16")
+        return section
+
+    # ---------------------------------------------------------------------------------------- validation, verdict
+
+    def validate(self) -> None:
+        """The checks a run makes before its first forward: tensors against the config, and the tokenizer."""
+        if self.cfg is not None:
+            if self.gguf.reader.unreadable:
+                self.problems.append(f"{self.path}: the tensors were not checked against the config: "
+                                     f"{len(self.gguf.reader.unreadable)} could not be read")
+            else:
+                try:
+                    validate.check_tensors(self.gguf, self.cfg)
+                except JaxinferError as e:
+                    self.problems.append(str(e))
+        try:
+            load_tokenizer(self.gguf)
+        except JaxinferError as e:
+            self.problems.append(str(e))
+
+    def verdict(self) -> dict:
+        if self.problems:
+            more = f" (+{len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
+            return {"status": DOES_NOT_RUN, "reason": self.problems[0] + more}
+        if self.limitations:
+            return {"status": LIMITED, "reason": "; ".join(self.limitations)}
+        arch = self.cfg.arch if self.cfg else "?"
+        return {"status": RUNS, "reason": f"{arch}, every weight type with its fastest kernel on this machine"}
+
+
+def _known(type_id: int) -> GGMLQuantizationType | None:
+    try:
+        return GGMLQuantizationType(type_id)
+    except ValueError:
+        return None
+
+
+def _zero_below(activation: str) -> bool:
+    """Whether an activation is 0 for negative inputs (ReLU-family): a dense FFN then skips the rows of the neurons
+    it zeroes (sparse_ffn.py), so naturally sparse models run sparse without predictors or thresholds."""
+    return float(ACTIVATIONS[activation](np.float32(-1.0))) == 0.0
+
+
+def inspect_model(path: str) -> dict:
+    """The report of the GGUF file at `path` (a JSON-ready dict: file, architecture, tensor_types, kernels,
+    powerinfer, sparsity, hybrid_split, gpu, problems, verdict). A file that is missing or unreadable is a
+    JaxinferError; every other way a file can fail is a problem in the report, and its verdict says it does not run."""
+    check_readable(path)
+    return Inspection(path).report()
