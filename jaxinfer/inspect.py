@@ -105,6 +105,7 @@ def format_report(report: dict) -> str:
         lines += feature_lines(report)
     lines.append(f"problems: {len(report['problems'])}")
     lines += [f"  - {problem}" for problem in report["problems"]]
+    lines += [f"note: {note}" for note in report["notes"]]
     verdict = report["verdict"]
     lines.append(f"verdict: {verdict['status']}: {verdict['reason']}")
     return "\n".join(lines)

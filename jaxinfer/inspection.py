@@ -99,8 +99,8 @@ def read_header(path: str) -> dict:
     with open(path, "rb") as f:
         head = f.read(8)
     magic = head[:4]
-    version = struct.unpack("<I", head[4:8])[0] if len(head) == 8 else None
     kind = {GGUF_MAGIC: "GGUF", POWERINFER_MAGIC: "PowerInfer (PWRI)"}.get(magic)
+    version = struct.unpack("<I", head[4:8])[0] if kind and len(head) == 8 else None
     return {"path": os.path.abspath(path), "size_bytes": os.path.getsize(path),
             "magic": magic.decode("latin-1") if kind else repr(magic), "format": kind or "not GGUF",
             "version": version}
@@ -123,6 +123,7 @@ class Inspection:
         self.path = path
         self.problems: list[str] = []
         self.limitations: list[str] = []
+        self.notes: list[str] = []  # what could not be checked, because of a problem found before
         self.gguf: GGUFFile | None = None
         self.cfg: config.Config | None = None
         self.infos: list[TensorInfo] = []
@@ -141,6 +142,7 @@ class Inspection:
             report["gpu"] = self.gpu_section()
             self.validate()
         report["problems"] = self.problems
+        report["notes"] = self.notes
         report["verdict"] = self.verdict()
         return report
 
@@ -308,8 +310,8 @@ class Inspection:
         """The checks a run makes before its first forward: tensors against the config, and the tokenizer."""
         if self.cfg is not None:
             if self.gguf.reader.unreadable:
-                self.problems.append(f"{self.path}: the tensors were not checked against the config: "
-                                     f"{len(self.gguf.reader.unreadable)} could not be read")
+                self.notes.append(f"the tensors were not checked against the config: "
+                                  f"{len(self.gguf.reader.unreadable)} could not be read")
             else:
                 try:
                     validate.check_tensors(self.gguf, self.cfg)
@@ -345,7 +347,7 @@ def _zero_below(activation: str) -> bool:
 
 def inspect_model(path: str) -> dict:
     """The report of the GGUF file at `path` (a JSON-ready dict: file, architecture, tensor_types, kernels,
-    powerinfer, sparsity, hybrid_split, gpu, problems, verdict). A file that is missing or unreadable is a
+    powerinfer, sparsity, hybrid_split, gpu, problems, notes, verdict). A file that is missing or unreadable is a
     JaxinferError; every other way a file can fail is a problem in the report, and its verdict says it does not run."""
     check_readable(path)
     return Inspection(path).report()
