@@ -61,7 +61,8 @@ def type_lines(rows: list[dict], kernels: dict) -> list[str]:
     width = max((len(r["type"]) for r in rows), default=4)
     for r in rows:
         approx = "" if r["bytes_exact"] else "~"
-        lines.append(f"  {r['type']:<{width}} {r['tensors']:>5} tensors {approx}{_mib(r['bytes']):>12} "
+        tensors = f"{r['tensors']:>5} tensor{'s' if r['tensors'] != 1 else ' '}"
+        lines.append(f"  {r['type']:<{width}} {tensors} {approx}{_mib(r['bytes']):>12} "
                      f"{100 * r['share']:5.1f}%  {r['kernel']}")
     return lines
 

@@ -328,8 +328,9 @@ class Inspection:
             return {"status": DOES_NOT_RUN, "reason": self.problems[0] + more}
         if self.limitations:
             return {"status": LIMITED, "reason": "; ".join(self.limitations)}
-        arch = self.cfg.arch if self.cfg else "?"
-        return {"status": RUNS, "reason": f"{arch}, every weight type with its fastest kernel on this machine"}
+        isa = f" ({self.cpu_ext['isa']})" if self.plan.products == "cpu_ext" else ""
+        return {"status": RUNS, "reason": f"{self.cfg.arch}, every check passed; products by {self.plan.products}"
+                                          f"{isa} on the {self.plan.backend} backend"}
 
 
 def _known(type_id: int) -> GGMLQuantizationType | None:

@@ -6,6 +6,9 @@ import dataclasses
 import json
 import os
 import struct
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -64,6 +67,29 @@ def test_a_good_model_is_reported_as_the_loader_and_the_kernels_see_it(make_mode
     assert not report["hybrid_split"]["applies"]  # no activation profile
     assert not report["gpu"]["pallas_sparse_ffn"] and report["gpu"]["types_supported"]
     assert report["problems"] == [] and report["verdict"]["status"] in (inspection.RUNS, inspection.LIMITED)
+
+
+def test_inspecting_reads_no_weights(make_model):
+    """Resident memory, in a fresh process warmed up on a tiny file, grows by nothing like a larger file's size."""
+    small = make_model()
+    large = make_model("large.gguf", n_layer=4, n_embd=256, n_ff=1024, n_head_kv=4)
+    script = textwrap.dedent("""
+        import sys
+        from jaxinfer import inspection
+        def status(key):
+            return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) * 1024
+        inspection.inspect_model(sys.argv[1])  # imports, the backend and the tokenizer's code warmed up
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the peak restarts from here
+        base = status("VmRSS")
+        inspection.inspect_model(sys.argv[2])
+        print(status("VmHWM") - base)
+    """)
+    done = subprocess.run([sys.executable, "-c", script, small, large], capture_output=True, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert os.path.getsize(large) > 16 * 2**20
+    assert int(done.stdout) < 2 * 2**20  # the file is 16 MiB; loading its weights would be that much
 
 
 def test_a_powerinfer_model_with_predictors_thresholds_and_profile(make_model):
