@@ -8,14 +8,17 @@ the Plan of this machine (plan.make_plan), cpu_ext's ISA, the Pallas kernel's ty
 sparse_ffn's activations, and the checks a run makes (the bounded reader, validate.check_tensors, the tokenizer).
 """
 
+import bisect
+import collections
 import dataclasses
 import os
+import re
 import struct
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from jaxinfer import activation_profile, config, hybrid, placement, quant, sidecar, sparsity, validate
+from jaxinfer import activation_profile, config, hybrid, metadata, placement, quant, sidecar, sparsity, validate
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, open_gguf
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
@@ -23,10 +26,11 @@ from jaxinfer.plan import Plan, make_plan
 from jaxinfer.sparse_ffn import ACTIVATIONS
 from jaxinfer.tokenizer import load_tokenizer
 
+MIB = 2**20
 RUNS, LIMITED, DOES_NOT_RUN = "runs", "runs with limitations", "does not run"
 PREDICTOR_TENSORS = ("fc1", "fc2")
 SPLIT_TENSORS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")  # what a hot/cold split cuts by neuron (hybrid.py)
-LAYER_TENSOR = validate.LAYER_NAME
+LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)\.weight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +87,9 @@ def kernel_route(qtype: GGMLQuantizationType | int, plan: Plan, isa: str | None)
         return f"cpu_ext {isa} ({dots}) up to {quant.CPU_KERNEL_MAX_TOKENS} tokens a call, XLA beyond"
     if qtype == GGMLQuantizationType.F32:
         return "XLA f32"
-    return f"XLA on dequantized weights ({plan.backend}: no cpu_ext kernel)" if plan.backend == "cpu" else \
-        "XLA on dequantized weights"
+    if plan.products == "cpu_ext":
+        return "XLA on dequantized weights (no cpu_ext kernel for this type)"
+    return "XLA on dequantized weights" + (" (cpu_ext unavailable)" if plan.backend == "cpu" else "")
 
 
 def kernel_routes(qtypes, plan: Plan | None = None) -> dict[str, str]:
@@ -127,6 +132,7 @@ class Inspection:
         self.gguf: GGUFFile | None = None
         self.cfg: config.Config | None = None
         self.infos: list[TensorInfo] = []
+        self.layers: dict[int, dict[str, TensorInfo]] = collections.defaultdict(dict)  # blk.N.<kind>.weight
         self.plan = make_plan()
         self.cpu_ext = cpu_ext_status()
 
@@ -159,6 +165,9 @@ class Inspection:
         self.problems += [f"{self.path}: {problem}" for problem in reader.tensor_problems]
         self.infos = [TensorInfo(name, type_id, tuple(dims), offset, _tensor_bytes(type_id, dims))
                       for name, type_id, dims, offset in reader.tensor_infos]
+        for t in self.infos:  # by the names present: block_count may claim any number of layers
+            if layer := LAYER_TENSOR.fullmatch(t.name):
+                self.layers[int(layer.group(1))][layer.group(2)] = t
         section.update(version=int(reader.fields["GGUF.version"].parts[0][0]), alignment=int(reader.alignment),
                        data_offset=int(reader.data_offset), metadata_keys=len(self.gguf.metadata),
                        tensors=len(self.infos))
@@ -168,7 +177,8 @@ class Inspection:
 
     def architecture_section(self) -> dict:
         arch = self.gguf.metadata.get("general.architecture")
-        section = {"name": arch if isinstance(arch, str) else None, "known": arch in config.ARCHITECTURES,
+        arch = arch if isinstance(arch, str) else None  # the config's error says what was found instead
+        section = {"name": arch, "known": arch in config.ARCHITECTURES,
                    "supported_architectures": sorted(config.ARCHITECTURES), "config": None}
         embedding = self.info("token_embd.weight")
         try:
@@ -196,15 +206,15 @@ class Inspection:
         ends = sorted(t.offset for t in self.infos) + [size]
         rows = {}
         for t in self.infos:
-            # A type of unknown size is counted up to the next tensor's data (its padding included).
-            following = [end for end in ends if end > t.offset]
-            nbytes = t.nbytes if t.nbytes is not None else (following[0] - t.offset if following else 0)
+            nbytes = t.nbytes
+            if nbytes is None:  # a type of unknown size: up to the next tensor's data (its padding included)
+                following = ends[bisect.bisect_right(ends, t.offset):]
+                nbytes = following[0] - t.offset if following else 0
             row = rows.setdefault(t.type_id, {"type": t.type_name, "type_id": t.type_id, "tensors": 0, "bytes": 0,
-                                              "bytes_exact": True, "matrices": 0})
+                                              "bytes_exact": True})
             row["tensors"] += 1
             row["bytes"] += nbytes
             row["bytes_exact"] &= t.nbytes is not None
-            row["matrices"] += sum(n > 1 for n in t.dims) > 1
         isa = self.cpu_ext["isa"]
         for row in rows.values():
             row["share"] = row["bytes"] / size if size else 0.0
@@ -235,17 +245,15 @@ class Inspection:
 
     def layers_with(self, *tensors: str) -> int:
         """How many layers hold all of `tensors` (blk.N.<tensor>.weight)."""
-        names = {t.name for t in self.infos}
-        n_layer = self.cfg.n_layer if self.cfg else 1 + max(
-            (int(m.group(1)) for t in self.infos if (m := LAYER_TENSOR.match(t.name))), default=-1)
-        return sum(all(f"blk.{i}.{t}.weight" in names for t in tensors) for i in range(n_layer))
+        return sum(all(t in layer for t in tensors) for layer in self.layers.values())
 
     def powerinfer_section(self) -> dict:
         threshold = self.gguf.metadata.get(config.SPARSE_THRESHOLD_KEY)
+        gate = self.gguf.metadata.get(config.GATE_ACTIVATION_KEY)
         return {"pwri_magic": self.gguf.powerinfer, "layers_with_ffn_down_t": self.layers_with("ffn_down_t"),
                 "layers_with_predictor": self.layers_with(*PREDICTOR_TENSORS),
-                "sparse_threshold": threshold if isinstance(threshold, (int, float)) else None,
-                "gate_activation_key": self.gguf.metadata.get(config.GATE_ACTIVATION_KEY)}
+                "sparse_threshold": threshold if isinstance(threshold, float) and np.isfinite(threshold) else None,
+                "gate_activation_key": gate if gate is None or isinstance(gate, str) else metadata.describe(gate)}
 
     def sparsity_section(self) -> dict:
         section = {"modes": list(sparsity.SPARSITY_MODES)}
@@ -270,8 +278,8 @@ class Inspection:
     def split_section(self) -> dict:
         directory = activation_profile.default_directory(self.path)
         present = [t for t in SPLIT_TENSORS if self.layers_with(t)]
-        split_bytes = sum(t.nbytes or 0 for t in self.infos
-                          if (m := LAYER_TENSOR.match(t.name)) and t.name[m.end():-len(".weight")] in present)
+        split_bytes = sum(t.nbytes or 0 for layer in self.layers.values() for kind, t in layer.items()
+                          if kind in present)
         section = {"activation_profile": directory, "profile_present": os.path.isdir(directory),
                    "tensors": present, "tensor_bytes": split_bytes,
                    "gpu_index_present": os.path.isfile(placement.gpuidx_path(self.path))}
@@ -292,8 +300,8 @@ class Inspection:
             section["unsupported_types"] = unsupported
         down = "ffn_down_t" if self.layers_with("ffn_down_t") else "ffn_down"
         kinds = set()
-        for i in range(self.cfg.n_layer if self.cfg else 0):
-            weights = [self.info(f"blk.{i}.{t}.weight") for t in ("ffn_gate", "ffn_up", down)]
+        for layer in self.layers.values():
+            weights = [layer.get(t) for t in ("ffn_gate", "ffn_up", down)]
             stand_ins = [None if w is None or _known(w.type_id) is None else
                          quant.QuantArray(None, _known(w.type_id), (0, 0)) for w in weights]
             kinds.add(None if None in stand_ins else hybrid.kernel_takes(*stand_ins))
@@ -352,3 +360,95 @@ def inspect_model(path: str) -> dict:
     JaxinferError; every other way a file can fail is a problem in the report, and its verdict says it does not run."""
     check_readable(path)
     return Inspection(path).report()
+
+
+# ------------------------------------------------------------------------------------------- the report as text
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f} MiB"
+
+
+def _yes(value) -> str:
+    return "yes" if value else "no"
+
+
+def _file_lines(f: dict) -> list[str]:
+    line = f"file: {f['path']}, {_mib(f['size_bytes'])} ({f['size_bytes']} bytes), {f['format']}"
+    if f.get("version") is not None:
+        line += f" v{f['version']}"
+    if "alignment" in f:
+        line += f", alignment {f['alignment']}, {f['metadata_keys']} metadata keys, {f['tensors']} tensors"
+    return [line]
+
+
+def _architecture_lines(a: dict) -> list[str]:
+    known = "" if a["known"] else f" (not one jaxinfer runs: {', '.join(a['supported_architectures'])})"
+    lines = [f"architecture: {a['name']}{known}"]
+    c = a["config"]
+    if c is None:
+        lines.append(f"  shapes: unknown, no config: {a['config_error']}")
+        return lines
+    lines.append(f"  {c['n_layer']} layers, d={c['n_embd']}, ffn={c['n_ff']}, heads={c['n_head']}/{c['n_head_kv']} kv "
+                 f"of {c['head_dim']}, vocab={c['n_vocab']}, context {c['n_ctx_train']}, rope theta "
+                 f"{c['rope_theta']:g} on {c['rope_dim']} dims, rms eps {c['rms_eps']:g}, FFN "
+                 f"{c['gate_activation']}(gate) * {c['up_activation']}(up)")
+    return lines
+
+
+def _type_lines(rows: list[dict], kernels: dict) -> list[str]:
+    cpu_ext = kernels["cpu_ext"]
+    isa = f"cpu_ext {cpu_ext['isa']}" if cpu_ext["available"] else f"cpu_ext unavailable ({cpu_ext['reason']})"
+    lines = [f"tensor types (backend {kernels['backend']}, products {kernels['products']}, {isa}):"]
+    width = max((len(r["type"]) for r in rows), default=4)
+    for r in rows:
+        approx = "" if r["bytes_exact"] else "~"
+        tensors = f"{r['tensors']:>5} tensor{'s' if r['tensors'] != 1 else ' '}"
+        lines.append(f"  {r['type']:<{width}} {tensors} {approx}{_mib(r['bytes']):>12} "
+                     f"{100 * r['share']:5.1f}%  {r['kernel']}")
+    return lines
+
+
+def _feature_lines(report: dict) -> list[str]:
+    p, s, h, g = report["powerinfer"], report["sparsity"], report["hybrid_split"], report["gpu"]
+    n_layer = (report["architecture"]["config"] or {}).get("n_layer", "?")
+    lines = [f"powerinfer: magic PWRI {_yes(p['pwri_magic'])}, ffn_down_t in {p['layers_with_ffn_down_t']}/{n_layer} "
+             f"layers, fc1/fc2 predictors in {p['layers_with_predictor']}/{n_layer}, sparse_threshold "
+             f"{'absent' if p['sparse_threshold'] is None else format(p['sparse_threshold'], 'g')}"]
+    dense = s.get("dense_skips_natural_zeros")
+    dense_text = "unknown (no config)" if dense is None else (
+        "yes (ReLU-family activation: natural zeros skipped)" if dense else "no (no natural zeros to skip)")
+    t = s["calibrated_thresholds"]
+    if t["present"]:
+        levels = t.get("levels")
+        thresholds = f"unusable ({t['error']})" if "error" in t else \
+            ", ".join(f"{m}:{','.join(v)}" for m, v in levels.items()) or "none calibrated"
+    else:
+        thresholds = "none (python -m jaxinfer.calibrate)"
+    lines.append(f"sparsity: --sparsity dense skips zeros {dense_text}; predictor {_yes(s['predictor'])}; "
+                 f"calibrated gate/hidden thresholds: {thresholds}")
+    if h["profile_present"]:
+        profile = "valid" if h.get("profile_valid") else f"unusable ({h.get('profile_error', 'no config')})"
+    else:
+        profile = "absent (python -m jaxinfer.profile)"
+    lines.append(f"hybrid split (--vram-budget): {_yes(h['applies'])}; activation profile {profile} at "
+                 f"{h['activation_profile']}; splits {', '.join(h['tensors']) or 'no FFN tensors'} "
+                 f"({_mib(h['tensor_bytes'])}); GPU index {'present' if h['gpu_index_present'] else 'absent'}")
+    types = "all types supported" if g["types_supported"] else f"unsupported {', '.join(g['unsupported_types'])}"
+    lines.append(f"gpu path: {types} ({g['products']}, {g['attention']}); Pallas sparse FFN "
+                 f"{_yes(g['pallas_sparse_ffn'])} ({g['pallas_sparse_ffn_note']}); this machine: {g['backend_here']}")
+    return lines
+
+
+def format_report(report: dict) -> str:
+    lines = _file_lines(report["file"])
+    if "architecture" in report:
+        lines += _architecture_lines(report["architecture"])
+        lines += _type_lines(report["tensor_types"], report["kernels"])
+        lines += _feature_lines(report)
+    lines.append(f"problems: {len(report['problems'])}")
+    lines += [f"  - {problem}" for problem in report["problems"]]
+    lines += [f"note: {note}" for note in report["notes"]]
+    verdict = report["verdict"]
+    lines.append(f"verdict: {verdict['status']}: {verdict['reason']}")
+    return "\n".join(lines)

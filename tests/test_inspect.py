@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 
-from jaxinfer import activation_profile, inspection, quant, sparsity
+from jaxinfer import activation_profile, engine, inspection, quant, sparsity
+from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import load_config, open_gguf
 from jaxinfer.powerinfer import metadata_fields, stored_tensors, write_gguf
 from jaxinfer.synthetic import SyntheticSpec
@@ -192,6 +193,30 @@ def test_truncated_files(make_model, tmp_path):
     report = inspection.inspect_model(str(path))
     assert set(report) == {"file", "problems", "notes", "verdict"} and report["file"]["version"] == 3
     assert len(report["problems"]) == 1 and "truncated or corrupt" in report["problems"][0]
+
+
+def test_the_verdict_agrees_with_the_loader_on_fuzzed_files(tmp_path):
+    """Seeded corrupt files (scripts/fuzz_gguf.py's mutations): inspecting never raises, the report is strict JSON
+    and prints as text, and "does not run" exactly when engine.load_model refuses the file."""
+    bases = fuzz.build_bases(str(tmp_path))
+    path = str(tmp_path / "case.gguf")
+    verdicts = set()
+    for index in range(200):
+        _, _, data, description = fuzz.make_case(bases, 3, index)
+        with open(path, "wb") as f:
+            f.write(data)
+        report = inspection.inspect_model(path)
+        json.dumps(report, allow_nan=False)
+        assert inspection.format_report(report).splitlines()[-1].startswith("verdict: ")
+        try:
+            engine.load_model(path)
+            refused = None
+        except JaxinferError as e:
+            refused = str(e)
+        status = report["verdict"]["status"]
+        assert (status == inspection.DOES_NOT_RUN) == (refused is not None), (description, report["verdict"], refused)
+        verdicts.add(status)
+    assert inspection.DOES_NOT_RUN in verdicts and len(verdicts) > 1
 
 
 def test_the_cli_text_json_and_exit_statuses(make_model, tmp_path):
