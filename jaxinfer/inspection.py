@@ -169,7 +169,7 @@ class Inspection:
             if layer := LAYER_TENSOR.fullmatch(t.name):
                 self.layers[int(layer.group(1))][layer.group(2)] = t
         section.update(version=int(reader.fields["GGUF.version"].parts[0][0]), alignment=int(reader.alignment),
-                       data_offset=int(reader.data_offset), metadata_keys=len(self.gguf.metadata),
+                       data_offset=int(reader.data_offset), metadata_keys=sum(not key.startswith("GGUF.") for key in reader.fields),
                        tensors=len(self.infos))
         return section
 
@@ -309,7 +309,7 @@ class Inspection:
         section["pallas_sparse_ffn"] = takes and self.layers_with(*PREDICTOR_TENSORS) > 0
         section["pallas_sparse_ffn_note"] = (
             "the hot part of a --vram-budget split with --sparsity predictor" if section["pallas_sparse_ffn"] else
-            "needs predictors (fc1/fc2) and FFN weights all Q8_0 or all F32/F16")
+            "needs predictors (fc1/fc2) and FFN weights of types the kernel takes")
         return section
 
     # ---------------------------------------------------------------------------------------- validation, verdict
