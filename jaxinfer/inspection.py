@@ -316,7 +316,9 @@ class Inspection:
 
     def validate(self) -> None:
         """The checks a run makes before its first forward: tensors against the config, and the tokenizer."""
-        if self.cfg is not None:
+        if self.cfg is None:
+            self.notes.append("the tensors were not checked against a config: none could be built")
+        else:
             if self.gguf.reader.unreadable:
                 self.notes.append(f"the tensors were not checked against the config: "
                                   f"{len(self.gguf.reader.unreadable)} could not be read")
@@ -331,14 +333,18 @@ class Inspection:
             self.problems.append(str(e))
 
     def verdict(self) -> dict:
+        """{status, reason, limitations}: does not run on any problem (the first is the reason), runs with
+        limitations where it runs slower than it could here, else runs."""
         if self.problems:
             more = f" (+{len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
-            return {"status": DOES_NOT_RUN, "reason": self.problems[0] + more}
-        if self.limitations:
-            return {"status": LIMITED, "reason": "; ".join(self.limitations)}
-        isa = f" ({self.cpu_ext['isa']})" if self.plan.products == "cpu_ext" else ""
-        return {"status": RUNS, "reason": f"{self.cfg.arch}, every check passed; products by {self.plan.products}"
-                                          f"{isa} on the {self.plan.backend} backend"}
+            status, reason = DOES_NOT_RUN, self.problems[0] + more
+        elif self.limitations:
+            status, reason = LIMITED, "; ".join(self.limitations)
+        else:
+            isa = f" ({self.cpu_ext['isa']})" if self.plan.products == "cpu_ext" else ""
+            status, reason = RUNS, (f"{self.cfg.arch}, every check passed; products by {self.plan.products}{isa} on "
+                                    f"the {self.plan.backend} backend")
+        return {"status": status, "reason": reason, "limitations": self.limitations}
 
 
 def _known(type_id: int) -> GGMLQuantizationType | None:

@@ -70,6 +70,26 @@ def test_a_good_model_is_reported_as_the_loader_and_the_kernels_see_it(make_mode
     assert report["problems"] == [] and report["verdict"]["status"] in (inspection.RUNS, inspection.LIMITED)
 
 
+WITHOUT_CPU_KERNEL = sorted(quant.SUPPORTED_TYPES - quant.CPU_KERNEL_TYPES - {Q.F32})  # BF16 today
+
+
+@pytest.mark.skipif(not WITHOUT_CPU_KERNEL, reason="every decodable type but F32 has a cpu_ext kernel")
+def test_a_weight_type_without_a_cpu_ext_kernel_runs_with_limitations(make_model):
+    qtype = WITHOUT_CPU_KERNEL[0]
+    report = inspection.inspect_model(make_model(weight_type=qtype))
+    verdict, products = report["verdict"], report["kernels"]["products"]
+    assert by_type(report)[qtype.name]["kernel"].startswith("XLA on dequantized weights")
+    if products == "cpu_ext":
+        assert verdict["status"] == inspection.LIMITED and report["problems"] == []
+        assert verdict["limitations"] == [f"no cpu_ext kernel for {qtype.name}: those weights are dequantized to f32 "
+                                          f"for XLA in every product"]
+        assert verdict["reason"] == verdict["limitations"][0]
+    elif report["kernels"]["backend"] == "cpu":  # cpu_ext not built: every type is slow
+        assert verdict["status"] == inspection.LIMITED and "cpu_ext kernels unavailable" in verdict["reason"]
+    else:
+        assert verdict["status"] == inspection.RUNS
+
+
 def test_inspecting_reads_no_weights(make_model):
     """Resident memory, in a fresh process warmed up on a tiny file, grows by nothing like a larger file's size."""
     small = make_model()
