@@ -169,8 +169,8 @@ class Inspection:
             if layer := LAYER_TENSOR.fullmatch(t.name):
                 self.layers[int(layer.group(1))][layer.group(2)] = t
         section.update(version=int(reader.fields["GGUF.version"].parts[0][0]), alignment=int(reader.alignment),
-                       data_offset=int(reader.data_offset), metadata_keys=sum(not key.startswith("GGUF.") for key in reader.fields),
-                       tensors=len(self.infos))
+                       data_offset=int(reader.data_offset), tensors=len(self.infos),
+                       metadata_keys=sum(not key.startswith("GGUF.") for key in reader.fields))  # not gguf-py's own
         return section
 
     # ---------------------------------------------------------------------------------------- architecture, shapes
@@ -418,9 +418,9 @@ def _type_lines(rows: list[dict], kernels: dict) -> list[str]:
 def _feature_lines(report: dict) -> list[str]:
     p, s, h, g = report["powerinfer"], report["sparsity"], report["hybrid_split"], report["gpu"]
     n_layer = (report["architecture"]["config"] or {}).get("n_layer", "?")
-    lines = [f"powerinfer: magic PWRI {_yes(p['pwri_magic'])}, ffn_down_t in {p['layers_with_ffn_down_t']}/{n_layer} "
-             f"layers, fc1/fc2 predictors in {p['layers_with_predictor']}/{n_layer}, sparse_threshold "
-             f"{'absent' if p['sparse_threshold'] is None else format(p['sparse_threshold'], 'g')}"]
+    threshold = "absent" if p["sparse_threshold"] is None else format(p["sparse_threshold"], "g")
+    lines = [(f"powerinfer: magic PWRI {_yes(p['pwri_magic'])}, ffn_down_t in {p['layers_with_ffn_down_t']}/{n_layer} "
+              f"layers, fc1/fc2 predictors in {p['layers_with_predictor']}/{n_layer}, sparse_threshold {threshold}")]
     dense = s.get("dense_skips_natural_zeros")
     dense_text = "unknown (no config)" if dense is None else (
         "yes (ReLU-family activation: natural zeros skipped)" if dense else "no (no natural zeros to skip)")

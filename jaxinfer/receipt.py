@@ -101,7 +101,7 @@ def flags_section() -> dict:
 def _git_commit(directory: str) -> str | None:
     try:
         done = subprocess.run(["git", "-C", directory, "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=5)
+                              timeout=5, check=False)
     except (OSError, subprocess.SubprocessError):
         return None
     if done.returncode != 0:
@@ -126,7 +126,7 @@ def build(m, results: dict) -> dict:
     """The receipt of a run of model `m` (engine.LoadedModel) that measured `results` (JSON-ready)."""
     return json_ready({
         "receipt_version": RECEIPT_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": [sys.executable, *sys.argv],
         "model": model_section(m),
         "machine": machine_section(m),

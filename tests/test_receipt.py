@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
+from test_cli import assert_one_line_error, run_all
 
 from jaxinfer import receipt, sidecar
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import open_gguf
-from test_cli import assert_one_line_error, run_all
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTIONS = {"receipt_version", "created", "command", "model", "machine", "flags", "results", "versions"}
