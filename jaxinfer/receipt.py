@@ -28,6 +28,10 @@ from jaxinfer import inspection, quant, sidecar
 RECEIPT_VERSION = 1
 THREAD_ENVIRONMENT = ("XLA_FLAGS", "NPROC", "OMP_NUM_THREADS", "JAX_PLATFORMS")  # what sets or bounds thread counts
 PACKAGES = ("jax", "jaxlib", "jaxinfer", "gguf", "numpy")
+# The name XLA's CPU client gives the threads of its intra-op pool, which cpu_ext's kernels split their work over
+# (ffi_common.h). The pool is sized from the schedulable CPUs, or $NPROC (measured: 2 threads on 2 CPUs, 1 under
+# `taskset -c 0`, 5 with NPROC=5).
+XLA_POOL_THREAD = "tf_XLAEigen"
 
 
 def check_path(path: str | None) -> None:
@@ -61,6 +65,23 @@ def _cpu_model() -> str | None:
         return None
 
 
+def xla_pool_threads() -> int | None:
+    """The threads of XLA's CPU intra-op pool, counted by name in /proc/self/task; None where threads cannot be
+    listed or no CPU client has made its pool."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    count = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm", encoding="utf-8", errors="replace") as f:
+                count += f.read().strip() == XLA_POOL_THREAD
+        except OSError:  # the thread ended meanwhile
+            continue
+    return count or None
+
+
 def machine_section(m) -> dict:
     devices = jax.devices()
     types = {t.tensor_type for t in m.gguf.reader.tensors}
@@ -70,7 +91,7 @@ def machine_section(m) -> dict:
         "plan": dataclasses.asdict(m.config.plan),
         "cpu_ext": inspection.cpu_ext_status(), "kernels": inspection.kernel_routes(types, m.config.plan),
         "threads": {"os_cpu_count": os.cpu_count(), "schedulable_cpus": len(os.sched_getaffinity(0)),
-                    "cpu_ext_pool": "XLA's intra-op thread pool (cpu_ext's kernels run on it)",
+                    "xla_intra_op_threads": xla_pool_threads(), "cpu_ext_threads": "XLA's intra-op pool",
                     "environment": {name: os.environ.get(name) for name in THREAD_ENVIRONMENT}},
         "cpu": _cpu_model(), "machine": platform.machine(),
     }

@@ -47,7 +47,10 @@ def check_common(document: dict, model_path: str, given: dict):
 
         assert machine["cpu_ext"]["isa"] == cpu_ext.isa()
         assert machine["kernels"]["Q8_0"].startswith(f"cpu_ext {cpu_ext.isa()}")
-    assert machine["threads"]["os_cpu_count"] == os.cpu_count()
+    threads = machine["threads"]
+    assert threads["os_cpu_count"] == os.cpu_count() and threads["schedulable_cpus"] == len(os.sched_getaffinity(0))
+    if machine["backend"] == "cpu":  # XLA sizes its pool from the CPUs this process may run on, unless NPROC says
+        assert threads["xla_intra_op_threads"] == int(os.environ.get("NPROC", threads["schedulable_cpus"]))
     for name, value in given.items():
         assert document["flags"]["given"][name] == value and document["flags"]["values"][name] == value
     assert document["versions"]["jax"] == jax.__version__ and document["versions"]["python"]
