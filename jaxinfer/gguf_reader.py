@@ -231,7 +231,7 @@ class TolerantReader(Reader):
             _, name_data, _, dims, raw_type, relative_offset = field.parts
             name = bytes(name_data).decode("utf-8")
             self.tensor_infos.append((name, int(raw_type[0]), [int(n) for n in dims],
-                                      start_offs + int(relative_offset[0])))
+                                      int(start_offs) + int(relative_offset[0])))  # Python ints: nothing wraps
             try:
                 super()._build_tensors(start_offs, [field])  # this tensor's own checks, as a run makes them
             except ValueError as e:  # CorruptGGUF, or gguf-py's own

@@ -16,7 +16,7 @@ import re
 import struct
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
 from jaxinfer import activation_profile, config, hybrid, metadata, placement, quant, sidecar, sparsity, validate
 from jaxinfer.errors import JaxinferError
@@ -41,26 +41,27 @@ class TensorInfo:
     type_id: int
     dims: tuple[int, ...]  # GGML order, innermost first
     offset: int  # of its data in the file
-    nbytes: int | None  # None where the type's size is unknown
+    nbytes: int | None  # as the reader sized it; None where it could not read the tensor
 
     @property
     def type_name(self) -> str:
         return type_name(self.type_id)
 
 
+def _types_by_id(types) -> dict[int, object]:
+    """{type id: type} of a set of types. Keyed by id, not by gguf's enum: a type jaxinfer adds that gguf-py lacks
+    (Microsoft's I2_S, id 36) joins quant's tables with its own id and name, and is found here the same way."""
+    return {int(q): q for q in types}
+
+
+def known_types() -> dict[int, object]:
+    """Every type that gguf-py or jaxinfer names, by id."""
+    return _types_by_id(GGMLQuantizationType) | _types_by_id(quant.SUPPORTED_TYPES)
+
+
 def type_name(type_id: int) -> str:
-    try:
-        return GGMLQuantizationType(type_id).name
-    except ValueError:
-        return f"type id {type_id}"
-
-
-def _tensor_bytes(type_id: int, dims) -> int | None:
-    try:
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
-    except (ValueError, KeyError):
-        return None
-    return int(np.prod(dims, dtype=object)) // block_size * type_size
+    known = known_types().get(type_id)
+    return known.name if known is not None else f"type id {type_id}"
 
 
 def cpu_ext_status() -> dict:
@@ -74,18 +75,17 @@ def cpu_ext_status() -> dict:
             "library": str(kernels.LIBRARY_PATH)}
 
 
-def kernel_route(qtype: GGMLQuantizationType | int, plan: Plan, isa: str | None) -> str:
-    """How a weight of `qtype` is multiplied under `plan` (quant._kernels' decision, for products in device memory)."""
-    try:
-        qtype = GGMLQuantizationType(qtype)
-    except ValueError:
-        return "unsupported (unknown type id)"
-    if qtype not in quant.SUPPORTED_TYPES:
-        return "unsupported (jaxinfer has no decoder for it)"
-    if plan.products == "cpu_ext" and qtype in quant.CPU_KERNEL_TYPES:
-        dots = "f32 dots" if qtype in quant.FLOAT_TYPES else "8-bit activations"
+def kernel_route(type_id: int, plan: Plan, isa: str | None) -> str:
+    """How a weight of type `type_id` is multiplied under `plan` (quant._kernels' decision, for products in device
+    memory)."""
+    type_id = int(type_id)
+    if type_id not in _types_by_id(quant.SUPPORTED_TYPES):
+        return "unsupported (jaxinfer has no decoder for it)" if type_id in known_types() else \
+            "unsupported (unknown type id)"
+    if plan.products == "cpu_ext" and type_id in _types_by_id(quant.CPU_KERNEL_TYPES):
+        dots = "f32 dots" if type_id in _types_by_id(quant.FLOAT_TYPES) else "8-bit activations"
         return f"cpu_ext {isa} ({dots}) up to {quant.CPU_KERNEL_MAX_TOKENS} tokens a call, XLA beyond"
-    if qtype == GGMLQuantizationType.F32:
+    if type_id == GGMLQuantizationType.F32:
         return "XLA f32"
     if plan.products == "cpu_ext":
         return "XLA on dequantized weights (no cpu_ext kernel for this type)"
@@ -163,7 +163,8 @@ class Inspection:
             return section
         reader = self.gguf.reader
         self.problems += [f"{self.path}: {problem}" for problem in reader.tensor_problems]
-        self.infos = [TensorInfo(name, type_id, tuple(dims), offset, _tensor_bytes(type_id, dims))
+        sizes = {t.name: int(t.n_bytes) for t in reader.tensors}  # the reader's own size rule, for every type it reads
+        self.infos = [TensorInfo(name, type_id, tuple(dims), offset, sizes.get(name))
                       for name, type_id, dims, offset in reader.tensor_infos]
         for t in self.infos:  # by the names present: block_count may claim any number of layers
             if layer := LAYER_TENSOR.fullmatch(t.name):
@@ -207,7 +208,7 @@ class Inspection:
         rows = {}
         for t in self.infos:
             nbytes = t.nbytes
-            if nbytes is None:  # a type of unknown size: up to the next tensor's data (its padding included)
+            if nbytes is None:  # unreadable: up to the next tensor's data (its padding included)
                 following = ends[bisect.bisect_right(ends, t.offset):]
                 nbytes = following[0] - t.offset if following else 0
             row = rows.setdefault(t.type_id, {"type": t.type_name, "type_id": t.type_id, "tensors": 0, "bytes": 0,
@@ -218,7 +219,7 @@ class Inspection:
         isa = self.cpu_ext["isa"]
         for row in rows.values():
             row["share"] = row["bytes"] / size if size else 0.0
-            row["supported"] = _known(row["type_id"]) in quant.SUPPORTED_TYPES
+            row["supported"] = row["type_id"] in _types_by_id(quant.SUPPORTED_TYPES)
             row["kernel"] = kernel_route(row["type_id"], self.plan, isa)
         return sorted(rows.values(), key=lambda r: -r["bytes"])
 
@@ -233,9 +234,10 @@ class Inspection:
             self.limitations.append("cpu_ext runs its portable (scalar) kernels: this CPU has neither AVX2 nor "
                                     "AVX-512")
         if self.plan.products == "cpu_ext":
+            without_kernel = set(_types_by_id(quant.SUPPORTED_TYPES)) - set(_types_by_id(quant.CPU_KERNEL_TYPES)) \
+                - {int(GGMLQuantizationType.F32)}
             slow = sorted({t.type_name for t in self.infos if sum(n > 1 for n in t.dims) > 1
-                           and _known(t.type_id) in quant.SUPPORTED_TYPES - quant.CPU_KERNEL_TYPES
-                           - {GGMLQuantizationType.F32}})
+                           and t.type_id in without_kernel})
             if slow:
                 self.limitations.append(f"no cpu_ext kernel for {', '.join(slow)}: those weights are dequantized to "
                                         f"f32 for XLA in every product")
@@ -293,7 +295,8 @@ class Inspection:
         return section
 
     def gpu_section(self) -> dict:
-        unsupported = sorted({t.type_name for t in self.infos if _known(t.type_id) not in quant.SUPPORTED_TYPES})
+        supported = _types_by_id(quant.SUPPORTED_TYPES)
+        unsupported = sorted({t.type_name for t in self.infos if t.type_id not in supported})
         section = {"backend_here": self.plan.backend, "types_supported": not unsupported,
                    "products": "XLA on dequantized weights", "attention": "Pallas flash kernels"}
         if unsupported:
@@ -302,8 +305,8 @@ class Inspection:
         kinds = set()
         for layer in self.layers.values():
             weights = [layer.get(t) for t in ("ffn_gate", "ffn_up", down)]
-            stand_ins = [None if w is None or _known(w.type_id) is None else
-                         quant.QuantArray(None, _known(w.type_id), (0, 0)) for w in weights]
+            stand_ins = [None if w is None or w.type_id not in supported else
+                         quant.QuantArray(None, supported[w.type_id], (0, 0)) for w in weights]
             kinds.add(None if None in stand_ins else hybrid.kernel_takes(*stand_ins))
         takes = bool(kinds) and None not in kinds
         section["pallas_sparse_ffn"] = takes and self.layers_with(*PREDICTOR_TENSORS) > 0
@@ -345,13 +348,6 @@ class Inspection:
             status, reason = RUNS, (f"{self.cfg.arch}, every check passed; products by {self.plan.products}{isa} on "
                                     f"the {self.plan.backend} backend")
         return {"status": status, "reason": reason, "limitations": self.limitations}
-
-
-def _known(type_id: int) -> GGMLQuantizationType | None:
-    try:
-        return GGMLQuantizationType(type_id)
-    except ValueError:
-        return None
 
 
 def _zero_below(activation: str) -> bool:

@@ -13,7 +13,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from test_cli import assert_one_line_error, run_all
 from test_gguf_io import fuzz, tensor
 
@@ -214,6 +214,20 @@ def test_truncated_files(make_model, tmp_path):
     report = inspection.inspect_model(str(path))
     assert set(report) == {"file", "problems", "notes", "verdict"} and report["file"]["version"] == 3
     assert len(report["problems"]) == 1 and "truncated or corrupt" in report["problems"][0]
+
+
+def test_a_huge_alignment_is_reported_in_plain_numbers(make_model, tmp_path):
+    """gguf-py keeps general.alignment as a numpy uint32: offsets computed from it must not reach the report as
+    numpy values (not JSON) or wrap around."""
+    base = fuzz.read_base("tiny", make_model())
+    path = tmp_path / "aligned.gguf"
+    path.write_bytes(fuzz.rebuild(base, {"general.alignment": fuzz.encode_field(
+        "general.alignment", GGUFValueType.UINT32, 2**31)}))
+    report = inspection.inspect_model(str(path))
+    json.dumps(report, allow_nan=False)
+    assert report["file"]["alignment"] == 2**31 and report["verdict"]["status"] == inspection.DOES_NOT_RUN
+    assert len(report["problems"]) == report["file"]["tensors"]  # each misaligned, or (the first) past the end
+    assert "spans bytes 2147483648 to" in report["problems"][0]
 
 
 def test_the_verdict_agrees_with_the_loader_on_fuzzed_files(tmp_path):
