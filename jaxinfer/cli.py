@@ -73,6 +73,13 @@ def define_split_flags():
     check_range("vram_budget", 0, MAX_VRAM_GIB, sentinel=-1)
 
 
+def define_receipt_flag():
+    """--receipt (generate, perplexity, the benchmarks): receipt.check_path before the run, receipt.write after."""
+    flags.DEFINE_string("receipt", None, "write a JSON receipt of the run to this file: model fingerprint and types, "
+                        "backend, devices, cpu_ext ISA and the kernel of each weight type, threads, flags, times and "
+                        "tokens/s, versions")
+
+
 def define_tp_flag():
     """--tp, tensor parallelism (generate, perplexity); read by request_devices before JAX starts."""
     flags.DEFINE_integer("tp", 1, "tensor parallelism: cut the model's weights over this many devices (attention by "

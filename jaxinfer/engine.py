@@ -257,12 +257,19 @@ class GenerationStats:
     decode_seconds: float = 0.0
     stop_reason: str = ""
 
-    def summary(self) -> str:
-        pp = self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def generation_tokens_per_s(self) -> float:
         decoded = self.generated_tokens - 1  # the first new token comes out of the prefill
-        tg = decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
-        return (f"compile {self.compile_seconds:.2f} s | prompt {self.prompt_tokens} tokens, {pp:.1f} tok/s | "
-                f"generated {self.generated_tokens} tokens, {tg:.2f} tok/s | stop: {self.stop_reason}")
+        return decoded / self.decode_seconds if self.decode_seconds and decoded > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"compile {self.compile_seconds:.2f} s | prompt {self.prompt_tokens} tokens, "
+                f"{self.prompt_tokens_per_s:.1f} tok/s | generated {self.generated_tokens} tokens, "
+                f"{self.generation_tokens_per_s:.2f} tok/s | stop: {self.stop_reason}")
 
 
 def _prefill_chunk(n_prompt: int, ubatch: int) -> int:

@@ -39,6 +39,7 @@ flags.DEFINE_bool("chat", False, "wrap the prompt in the model's chat template a
 define_split_flags()
 cli.define_tp_flag()
 cli.define_process_flags()
+cli.define_receipt_flag()
 flags.adopt_module_key_flags(cli)
 flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predictor[:T] | gate:S | hidden:S "
                     "(thresholds from python -m jaxinfer.calibrate)")
@@ -100,7 +101,9 @@ def generate(tp: int):
                             presence_penalty=FLAGS.presence_penalty).validate()
     text = read_prompt()
 
-    from jaxinfer import engine
+    from jaxinfer import engine, receipt
+
+    receipt.check_path(FLAGS.receipt)  # before the run, not after it
 
     m = cli.build_model(tp)
     ctx = cli.capped_context(FLAGS.ctx_size, m.config.n_ctx_train)
@@ -116,12 +119,21 @@ def generate(tp: int):
     if not FLAGS.chat:
         sys.stdout.write(text)
     stream = TextStream(m.tokenizer)
-    first_token = ""
+    first_token_seconds = None  # after this module's start
     for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats, FLAGS.ubatch_size):
         stream.add(token)
-        first_token = first_token or f" | first token {time.perf_counter() - STARTED:.2f} s after start"
+        if first_token_seconds is None:
+            first_token_seconds = time.perf_counter() - STARTED
+    first_token = "" if first_token_seconds is None else f" | first token {first_token_seconds:.2f} s after start"
     sys.stdout.write("\n")
     print(f"load {m.load_seconds:.2f} s | {stats.summary()}{first_token} | seed {seed}", file=sys.stderr)
+    receipt.write(FLAGS.receipt, m, {
+        "load_seconds": m.load_seconds, "compile_seconds": stats.compile_seconds,
+        "prompt_tokens": stats.prompt_tokens, "prompt_seconds": stats.prefill_seconds,
+        "prompt_tokens_per_s": stats.prompt_tokens_per_s, "generated_tokens": stats.generated_tokens,
+        "generation_seconds": stats.decode_seconds, "generation_tokens_per_s": stats.generation_tokens_per_s,
+        "first_token_after_start_seconds": first_token_seconds, "stop_reason": stats.stop_reason, "seed": seed,
+        "context": ctx})
 
 
 if __name__ == "__main__":

@@ -76,8 +76,9 @@ def _contents(key: str, field):
         raise JaxinferError(f"metadata {shown(key)} is not UTF-8 ({e.reason} at byte {e.start})") from None
 
 
-def open_gguf(path: str) -> GGUFFile:
-    """Open a GGUF file and check its structure; every way it can be unusable is a one-line JaxinferError."""
+def open_gguf(path: str, reader: type[Reader] = Reader) -> GGUFFile:
+    """Open a GGUF file and check its structure; every way it can be unusable is a one-line JaxinferError. `reader`:
+    the Reader class (gguf_reader.TolerantReader keeps the tensors that pass their checks, for inspection)."""
     if not os.path.isfile(path):
         raise JaxinferError(f"model file not found: {path}")
     try:
@@ -86,7 +87,7 @@ def open_gguf(path: str) -> GGUFFile:
         if magic not in (GGUF_MAGIC, POWERINFER_MAGIC):
             raise JaxinferError(f"{path} is not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r} or "
                                 f"{POWERINFER_MAGIC!r})")
-        reader = Reader(path)
+        reader = reader(path)
     except OSError as e:
         raise JaxinferError(f"cannot read {path}: {e.strerror or e}") from None
     except (ValueError, IndexError, KeyError, EOFError) as e:  # CorruptGGUF, and gguf-py's own (e.g. alignment)

@@ -226,3 +226,30 @@ class Reader(GGUFReader):
         super()._build_tensors(start_offs, [field for field, name in zip(fields, names) if name not in i2_s])
         built = {t.name: t for t in self.tensors} | i2_s
         self.tensors = [built[name] for name in names]
+
+
+class TolerantReader(Reader):
+    """Reader for inspecting a file rather than running it: a tensor whose type, size, alignment or extent is wrong
+    is left out of `tensors` (its name in `unreadable`) instead of failing the whole file, so that one bad tensor does
+    not hide the others; `tensor_problems` holds every such problem's message (and an overlap's), `tensor_infos`
+    every tensor as its info reads: (name, type id, GGML dims, data offset)."""
+
+    def _build_tensors(self, start_offs, fields):
+        self.tensor_problems, self.tensor_infos, self.unreadable, readable = [], [], set(), []
+        for field in fields:
+            _, name_data, _, dims, raw_type, relative_offset = field.parts
+            name = bytes(name_data).decode("utf-8")
+            self.tensor_infos.append((name, int(raw_type[0]), [int(n) for n in dims],
+                                      int(start_offs) + int(relative_offset[0])))  # Python ints: nothing wraps
+            try:
+                super()._build_tensors(start_offs, [field])  # this tensor's own checks, as a run makes them
+            except ValueError as e:  # CorruptGGUF, or gguf-py's own
+                self.tensor_problems.append(str(e))
+                self.unreadable.add(name)
+            else:
+                readable.append(field)
+        try:
+            super()._build_tensors(start_offs, readable)  # what only the tensors together show: overlaps
+        except ValueError as e:
+            self.tensor_problems.append(str(e))
+            GGUFReader._build_tensors(self, start_offs, readable)  # views of them all, overlapping or not

@@ -83,7 +83,7 @@ def unit_bytes(layer: model.Layer, kernel: bool = False) -> int:
     """Bytes one unit of `layer`'s neurons takes in a part as split_weights places it: the rows of gate, up and the
     down projection (laid out for the Pallas kernel with `kernel`, where it takes their types, see kernel_part)."""
     unit = unit_neurons(layer)
-    if kernel and _kernel_takes(layer.ffn_gate, layer.ffn_up, layer.ffn_down_t) == "q8_0":
+    if kernel and kernel_takes(layer.ffn_gate, layer.ffn_up, layer.ffn_down_t) == "q8_0":
         d = layer.ffn_gate.shape[1]
         return 3 * (d + 4 * (d // pallas_ffn.Q8_0_BLOCK))  # int8 values and an f32 scale per block
     return unit * (_row_bytes(layer.ffn_gate) + _row_bytes(layer.ffn_up)) + _down_unit_bytes(layer)
@@ -117,7 +117,7 @@ def ffn_part(layer: model.Layer, rows: np.ndarray, on_host: bool = False) -> FFN
                    on_host)
 
 
-def _kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -> str | None:
+def kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -> str | None:
     """"q8_0" or "float" where the Pallas kernel takes these weights (rows per neuron, one kind of type), else None."""
     if down_t is None or down_t.layout != ROW_BLOCKS:
         return None
@@ -130,7 +130,7 @@ def _kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -
 def kernel_part(part: FFNPart) -> KernelPart | None:
     """`part` in the Pallas kernel's layout, or None where the kernel does not take its weights."""
     weights = (part.ffn_gate, part.ffn_up, part.ffn_down_t)
-    kind = _kernel_takes(*weights)
+    kind = kernel_takes(*weights)
     if kind == "q8_0":
         rows = [pallas_ffn.repack_q8_0(w.data, w.shape[1]) for w in weights]
     elif kind == "float":

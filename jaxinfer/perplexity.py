@@ -38,9 +38,10 @@ def _evaluate(tp: int, dp: int):
     """The run of the CLI once JAX has started, the model cut over `tp` devices or windows spread over `dp`."""
     from absl import flags
 
-    from jaxinfer import cli, engine, runtime, sidecar, sparsity
+    from jaxinfer import cli, engine, receipt, runtime, sidecar, sparsity
 
     f = flags.FLAGS
+    receipt.check_path(f.receipt)  # before loading and evaluating, not after
     if f.kl_divergence and not f.kl_divergence_base:
         raise JaxinferError("--kl-divergence needs --kl-divergence-base FILE to compare against")
     saving = bool(f.kl_divergence_base) and not f.kl_divergence
@@ -99,6 +100,13 @@ def _evaluate(tp: int, dp: int):
     else:
         result = run()
     print(result.summary())
+    kl = None if result.kl is None else {"mean": result.kl.mean, "error": result.kl.error,
+                                          "same_top": result.kl.same_top, "base_ppl": result.kl.base_ppl}
+    receipt.write(f.receipt, m, {
+        "load_seconds": m.load_seconds, "text": source, "tokens": len(tokens), "n_ctx": result.n_ctx,
+        "chunks": result.n_chunks, "windows_per_batch": n_seq, "scored_tokens": result.n_scored, "ppl": result.ppl,
+        "ppl_error": result.error, "seconds": result.seconds, "tokens_per_s": result.tokens_per_second,
+        "compile_seconds": result.compile_seconds, "kl_divergence": kl})
 
 
 def main():
@@ -129,6 +137,7 @@ def main():
     cli.define_tp_flag()
     cli.define_dp_flag()
     cli.define_process_flags()
+    cli.define_receipt_flag()
     flags.adopt_module_key_flags(cli)
     check_range("ctx_size", cli.MIN_WINDOW)
     check_range("chunks", 1, sentinel=-1)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from jaxinfer import engine, model, quant, runtime, sparsity
+from jaxinfer import cli, engine, model, quant, receipt, runtime, sparsity
 from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.sampling import SamplingParams
@@ -52,6 +52,8 @@ flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense
 flags.DEFINE_float("vram_budget", None, "also split the model under this device memory budget (GiB), as generate "
                    "--vram-budget, and compare its tg with the unsplit model's")
 flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budget (default: beside the model)")
+cli.define_receipt_flag()
+flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 
 
@@ -215,6 +217,7 @@ def main(argv):
         raise JaxinferError("--compare_dense counts the neurons of the generated tokens: use it without --depth")
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
+    receipt.check_path(FLAGS.receipt)
     dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
@@ -227,11 +230,15 @@ def main(argv):
     comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
     if FLAGS.vram_budget is not None:
         comparison |= compare_with_split(m)
+    llama = {}
     if FLAGS.llama_bench:
         llama = run_llama_bench(m.path, FLAGS.pp, FLAGS.tg)
         for test, ours in results.items():
             if test in llama:
                 print(f"{test}: jaxinfer {ours:.1f} / llama.cpp {llama[test]:.1f} tokens/s = {ours / llama[test]:.2f}x")
+    receipt.write(FLAGS.receipt, m, {"load_seconds": dense.load_seconds, "repetitions": FLAGS.repetitions,
+                                     **{f"{test}_tokens_per_s": rate for test, rate in results.items()}, **comparison,
+                                     **{f"llama.cpp_{test}_tokens_per_s": rate for test, rate in llama.items()}})
     if FLAGS.json:
         largest_pp = max(int(p) for p in FLAGS.pp)
         print(json.dumps({"model": m.path, "backend": m.config.plan.backend,

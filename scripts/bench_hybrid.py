@@ -19,7 +19,7 @@ import sys
 import numpy as np
 from absl import app, flags, logging
 
-from jaxinfer import activation_profile, engine, evaluation, hybrid, placement, runtime, sparsity
+from jaxinfer import activation_profile, cli, engine, evaluation, hybrid, placement, receipt, runtime, sparsity
 from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.sampling import SamplingParams
@@ -31,6 +31,8 @@ flags.DEFINE_float("ffn_share", 0.5, "share of the FFN bytes the accelerator may
 flags.DEFINE_integer("n_predict", 32, "decode steps to time", short_name="n")
 flags.DEFINE_integer("ctx_size", 256, "context", short_name="c")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
+cli.define_receipt_flag()
+flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 
 
@@ -61,6 +63,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     if not FLAGS.file:
         raise JaxinferError("-f/--file is required (text to profile on)")
+    receipt.check_path(FLAGS.receipt)
     runtime.enable_compilation_cache()
     m = sparsity.apply(engine.load_model(FLAGS.model), sparsity.SparsitySpec("predictor"))
     print(m.describe(), file=sys.stderr)
@@ -85,6 +88,7 @@ def main(argv):
         extra = (f", {r['device_ffn_mib']:.1f} MiB FFN in device memory serving "
                  f"{r['activations_in_device_memory']:.0%} of activations" if "device_ffn_mib" in r else "")
         print(f"{name:>8}: {r['tokens_per_s']:.2f} tokens/s{extra}")
+    receipt.write(FLAGS.receipt, m, {"ffn_share": FLAGS.ffn_share, "ffn_mib": ffn_total / 2**20, **results})
     if FLAGS.json:
         print(json.dumps({"plan": dataclasses.asdict(m.config.plan), **results}))
 

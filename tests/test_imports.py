@@ -10,7 +10,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxinfer", "cpu_ext", "pallas_kernels")
 CLI_MODULES = frozenset(f"jaxinfer.{name}" for name in ("generate", "perplexity", "profile", "calibrate",
-                                                        "train_predictor", "server"))
+                                                        "train_predictor", "server", "inspect"))
 
 
 def module_names() -> dict[str, pathlib.Path]:
