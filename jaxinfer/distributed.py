@@ -3,7 +3,8 @@ the global device order, and arrays that span the processes.
 
 Every process runs the same program on the same inputs (JAX's multi-controller model): each loads the model, reads
 the prompt or text, and issues the same compiled calls in the same order; the devices of all processes form one mesh
-(sharding.py) and the collectives between processes go through gloo on a CPU. Process 0 hosts the coordinator that
+(sharding.py) and the collectives between processes go through gloo on a CPU. What only process 0 knows (a server's
+requests) it gives the others through those collectives too (`share`). Process 0 hosts the coordinator that
 the others join. A process that cannot join, or whose peer stops answering, fails within bounded times rather than
 waiting: JOIN within the caller's timeout, a silent peer declared dead after HEARTBEAT_TIMEOUT_S, and a shutdown that
 waits at most SHUTDOWN_TIMEOUT_S for the others at exit.
