@@ -390,8 +390,9 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend: all but F32, which stays with XLA (its own f32 GEMM is as
-# good), and BF16, which has no kernel (a rare GGUF weight type).
-CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16} - TERNARY_TYPES
+# good), and BF16, which has no kernel (a rare GGUF weight type). The ternary types' kernels take 256-value blocks:
+# I2_S rows of 128 times an odd number stay with XLA (_kernels).
+CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16}
 # The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
@@ -432,6 +433,7 @@ def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
         w.layout == layout
         and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
+        and (w.qtype != I2_S or w.shape[1] % QK_K == 0)
         and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
         and _PRODUCTS.get() == "cpu_ext"
     )

@@ -74,13 +74,18 @@ def test_the_architectures_are_registered_with_their_block():
                                          ("bitnet-b1.58", ternary.I2_S), ("bitnet", Q.F32)],
                          ids=lambda v: getattr(v, "name", v))
 def test_forward_is_the_block_s_equations(tmp_path, arch, qtype):
+    """With XLA's products to f32 rounding; with cpu_ext's ternary kernels to their 8-bit activations' rounding
+    (TQ1_0/TQ2_0: llama.cpp's Q8_K, a scale per 256 values, measured 2.9e-2 and 3.3e-2 of the largest logit after two
+    layers; I2_S: the reference's own int8 activations, measured 3e-7; F32 weights stay with XLA)."""
     m = bitnet_model(tmp_path, arch, qtype)
     assert all(layer.attn_q.scale != 1.0 for layer in m.weights.layers)  # the projections' scales were read
     tokens = np.random.default_rng(0).integers(0, m.config.n_vocab, 9).astype(np.int32)
-    hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens[None], m.weights, m.config)
-    got = np.asarray(model.logits(hidden, m.weights, m.config))[0]
     expected = reference_logits(m, tokens)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+    for products, tolerance in (("xla", 2e-4), ("cpu_ext", 1e-5 if qtype in (ternary.I2_S, Q.F32) else 5e-2)):
+        cfg = m.config.replan(products=products)
+        hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens[None], m.weights, cfg)
+        got = np.asarray(model.logits(hidden, m.weights, cfg))[0]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance * np.abs(expected).max(), err_msg=products)
 
 
 def test_a_bitnet_file_gives_llama_cpp_s_logits(tmp_path):
@@ -114,7 +119,8 @@ def test_incremental_decode_matches_the_full_forward(tmp_path):
 
 def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_path):
     """b1.58's FFN: relu(gate)² is zero for about half the neurons, and the dense mode's `active` is exactly the
-    nonzero hidden values (their down rows alone are read); SiLU's bitnet has none."""
+    nonzero hidden values (their down rows alone are read); SiLU's bitnet has next to none (an integer dot of a
+    ternary row with 8-bit activations is exactly 0 now and then: 0.15% of the hidden values here)."""
     for arch, zeros in (("bitnet-b1.58", True), ("bitnet", False)):
         m = bitnet_model(tmp_path, arch, Q.TQ2_0)
         tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, (1, 16)).astype(np.int32)
@@ -122,7 +128,7 @@ def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_pa
         for trace in traces:
             active = np.asarray(trace.active)
             np.testing.assert_array_equal(active, np.asarray(trace.hidden) != 0)
-            assert (0.3 < 1 - active.mean() < 0.7) if zeros else active.all()
+            assert (0.3 < 1 - active.mean() < 0.7) if zeros else active.mean() > 0.97, active.mean()
 
 
 def test_hidden_norm_keeps_the_sparse_modes_zeros():
