@@ -27,22 +27,29 @@ int tq1_0_code(const BlockTQ1_0& w, int e) {
   return trit(w.qh[(e - 240) % 4], (e - 240) / 4);
 }
 
-// x[i] code[i] summed over a block, less the block's activation sum: the integer dot of the values q - 1.
-template <typename Block, int (*Code)(const Block&, int)>
-int block_dot(const Block& w, const BlockQ8K& x) {
-  int dot = 0;
-  for (int e = 0; e < kQK_K; ++e) dot += Code(w, e) * x.qs[e];
-  return dot - block_sum(x);
-}
+// The SIMD kernels' 8 lanes (kernels_ternary_x86.inc), so that every kernel set gives the same bits: per super-block,
+// lane l holds the integer sum of code * x over the elements e with e % 32 / 4 == l (the lane vpdpbusd and
+// maddubs + madd put them in), less bsums[2l] + bsums[2l + 1]; one FMA per super-block scales it into a float lane,
+// and a row's result adds the lanes in hsum's order.
+struct Lanes {
+  float v[8] = {};
+  void add(float scale, const int32_t lanes[8]) {
+    for (int l = 0; l < 8; ++l) v[l] = std::fma(scale, (float)lanes[l], v[l]);
+  }
+  float sum() const { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+};
 
 template <typename Block, int (*Code)(const Block&, int)>
 float dot_tq(const uint8_t* w_row, const BlockQ8K* x, int n) {
   const auto* w = reinterpret_cast<const Block*>(w_row);
-  float total = 0.0f;
+  Lanes total;
   for (int b = 0; b < n / kQK_K; ++b) {
-    total += (x[b].d * fp16_to_f32(w[b].d)) * (float)block_dot<Block, Code>(w[b], x[b]);
+    int32_t lanes[8];
+    for (int l = 0; l < 8; ++l) lanes[l] = -(x[b].bsums[2 * l] + x[b].bsums[2 * l + 1]);  // the -1 of q - 1
+    for (int e = 0; e < kQK_K; ++e) lanes[e % 32 / 4] += Code(w[b], e) * x[b].qs[e];
+    total.add(x[b].d * fp16_to_f32(w[b].d), lanes);
   }
-  return total;
+  return total.sum();
 }
 
 int i2_s_code(const uint8_t* group, int j) { return (group[j % 32] >> (6 - 2 * (j / 32))) & 3; }

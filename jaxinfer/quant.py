@@ -397,6 +397,10 @@ CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantization
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
 CPU_KERNEL_MAX_TOKENS = 128
+# Ternary weights have no bound: XLA would dequantize 16 values per byte read before its GEMM, and their kernels won at
+# every size measured (a 7B-shaped ffn_up [11008, 4096], 512 tokens: 0.31x XLA's time for TQ2_0, 0.41x TQ1_0, 0.40x
+# I2_S; 0.10-0.14x at 64 tokens).
+CPU_KERNEL_UNBOUNDED_TYPES = TERNARY_TYPES
 
 
 @functools.cache
@@ -427,14 +431,14 @@ def products(kind: str):
 
 def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
     """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for up to
-    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact,
-    in `layout`."""
+    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches; any number for CPU_KERNEL_UNBOUNDED_TYPES),
+    block-quantized and F16 weights not marked exact, in `layout`."""
     use_kernels = (
         w.layout == layout
         and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
         and (w.qtype != I2_S or w.shape[1] % QK_K == 0)
-        and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
+        and (x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS or w.qtype in CPU_KERNEL_UNBOUNDED_TYPES)
         and _PRODUCTS.get() == "cpu_ext"
     )
     return cpu_kernels() if use_kernels else None
