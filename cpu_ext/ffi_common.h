@@ -40,6 +40,7 @@ struct TypeInfo {
   QuantDot2x4 Kernels::*quant_dot_2x4;  // null where no two-row four-token dot exists
   // K-quant-style dots whose activations are not quantize_row_k's (I2_S: one scale per row); null: quantize_row_k.
   void (*Kernels::*quantize_k)(const float* x, BlockQ8K* out, int n);
+  QuantDotK2x4 Kernels::*quant_dot_2x4_k;  // null where no two-row four-token K-quant-style dot exists
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -97,15 +98,15 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     // Ternary: 256-value blocks (an I2_S block is two of its 128-value groups, so rows are a multiple of 256).
     case kTQ1_0:
       *info = {256, 54, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_tq1_0, nullptr, &Kernels::tq1_0,
-               &Kernels::tq1_0_x4};
+               &Kernels::tq1_0_x4, nullptr, nullptr, &Kernels::tq1_0_2x4};
       return true;
     case kTQ2_0:
       *info = {256, 66, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_tq2_0, nullptr, &Kernels::tq2_0,
-               &Kernels::tq2_0_x4};
+               &Kernels::tq2_0_x4, nullptr, nullptr, &Kernels::tq2_0_2x4};
       return true;
     case kI2_S:
       *info = {256, 64, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_i2_s, nullptr, &Kernels::i2_s,
-               &Kernels::i2_s_x4, nullptr, &Kernels::quantize_row_absmax};
+               &Kernels::i2_s_x4, nullptr, &Kernels::quantize_row_absmax, &Kernels::i2_s_2x4};
       return true;
     default: return false;
   }
@@ -244,6 +245,7 @@ class RowDot {
     } else if (info.quant_dot_k != nullptr) {
       quant_dot_k_ = k.*info.quant_dot_k;
       quant_dot4_k_ = k.*info.quant_dot4_k;
+      if (info.quant_dot_2x4_k != nullptr) quant_dot_2x4_k_ = k.*info.quant_dot_2x4_k;
       blocks_ = cols / kQK_K;
       xk_ = quantize_rows(pool, info.quantize_k != nullptr ? k.*info.quantize_k : k.quantize_row_k, x, m, cols,
                           blocks_, s.xk);
@@ -272,6 +274,7 @@ class RowDot {
   // out[4 r + i] = W row r · x[t + i] for r < 2, i < 4; rows w_row and w_row + w_stride.
   void two_by_four(const uint8_t* w_row, int64_t w_stride, int64_t t, float* out) const {
     if (quant_dot_2x4_ != nullptr) return quant_dot_2x4_(w_row, w_stride, xq_ + t * blocks_, blocks_, n_, out);
+    if (quant_dot_2x4_k_ != nullptr) return quant_dot_2x4_k_(w_row, w_stride, xk_ + t * blocks_, blocks_, n_, out);
     four(w_row, t, out);
     four(w_row + w_stride, t, out + 4);
   }
@@ -288,6 +291,7 @@ class RowDot {
   QuantDotK quant_dot_k_ = nullptr;
   QuantDotK4 quant_dot4_k_ = nullptr;
   QuantDot2x4 quant_dot_2x4_ = nullptr;
+  QuantDotK2x4 quant_dot_2x4_k_ = nullptr;
 };
 
 }  // namespace jaxinfer_cpu

@@ -136,6 +136,7 @@ Kernels with_ternary_kernels(Kernels k, const char* isa) {
   k.tq2_0 = dot_tq2_0_scalar;
   k.i2_s = dot_i2_s_scalar;
   k.tq1_0_x4 = k.tq2_0_x4 = k.i2_s_x4 = nullptr;  // single dots
+  k.tq1_0_2x4 = k.tq2_0_2x4 = k.i2_s_2x4 = nullptr;
   k.axpy_tq1_0 = axpy<sizeof(BlockTQ1_0), dequantize_tq1_0>;
   k.axpy_tq2_0 = axpy<sizeof(BlockTQ2_0), dequantize_tq2_0>;
   k.axpy_i2_s = axpy<2 * kI2sGroupBytes, dequantize_i2_s>;
@@ -148,6 +149,9 @@ Kernels with_ternary_kernels(Kernels k, const char* isa) {
     k.tq1_0_x4 = avx2::dots_tq1_0_x4;
     k.tq2_0_x4 = avx2::dots_tq2_0_x4;
     k.i2_s_x4 = avx2::dots_i2_s_x4;
+    k.tq1_0_2x4 = avx2::dots_tq1_0_2x4;
+    k.tq2_0_2x4 = avx2::dots_tq2_0_2x4;
+    k.i2_s_2x4 = avx2::dots_i2_s_2x4;
     k.axpy_i2_s = avx2::axpy_i2_s;
   } else if (std::strcmp(isa, "avx512") == 0) {
     k.tq1_0 = one_token<avx512::dots_tq1_0>;
@@ -156,6 +160,9 @@ Kernels with_ternary_kernels(Kernels k, const char* isa) {
     k.tq1_0_x4 = avx512::dots_tq1_0_x4;
     k.tq2_0_x4 = avx512::dots_tq2_0_x4;
     k.i2_s_x4 = avx512::dots_i2_s_x4;
+    k.tq1_0_2x4 = avx512::dots_tq1_0_2x4;
+    k.tq2_0_2x4 = avx512::dots_tq2_0_2x4;
+    k.i2_s_2x4 = avx512::dots_i2_s_2x4;
     k.axpy_i2_s = avx512::axpy_i2_s;
   }
 #endif

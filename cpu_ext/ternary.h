@@ -44,21 +44,27 @@ void quantize_row_absmax(const float* x, BlockQ8K* out, int n);
 
 #if JAXINFER_CPU_X86
 namespace avx2 {
-void dots_tq1_0(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);  // one token
+void dots_tq1_0(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_tq1_0_x4(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
+void dots_tq1_0_2x4(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_tq2_0(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_tq2_0_x4(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
+void dots_tq2_0_2x4(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_i2_s(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_i2_s_x4(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
+void dots_i2_s_2x4(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x, int64_t stride, int n, float* out);
 void axpy_i2_s(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n);
 }  // namespace avx2
 namespace avx512 {
 void dots_tq1_0(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_tq1_0_x4(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
+void dots_tq1_0_2x4(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_tq2_0(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_tq2_0_x4(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
+void dots_tq2_0_2x4(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_i2_s(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
 void dots_i2_s_x4(const uint8_t* w_row, const BlockQ8K* x, int64_t stride, int n, float* out);
+void dots_i2_s_2x4(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x, int64_t stride, int n, float* out);
 void axpy_i2_s(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n);
 }  // namespace avx512
 #endif

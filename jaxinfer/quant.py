@@ -512,6 +512,24 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     return jnp.einsum("...f,fd->...d", where_zero(mask, h), dequantize(w_t))
 
 
+def transpose_ternary(w: QuantArray) -> QuantArray | None:
+    """wᵀ of a ternary weight as I2_S, exactly, where w is one scale times values in {-1, 0, +1} (every BitNet
+    checkpoint: its weights are quantized per tensor; I2_S always, TQ1_0/TQ2_0 when all their blocks' scales agree)
+    and its rows are a multiple of 256 values (I2_S's kernels); else None. A transposed TQ1_0/TQ2_0 would need a
+    scale per 256 outputs of each neuron, which it does not have, and `transpose`'s Q8_0 is 4x the bytes."""
+    if w.qtype not in TERNARY_TYPES or w.exact or w.layout != ROW_BLOCKS or w.shape[0] % QK_K:
+        return None
+    values = np.asarray(jax.device_get(dequantize(w)))
+    magnitudes = np.abs(values[values != 0])
+    scale = float(magnitudes.max()) if magnitudes.size else 1.0
+    if magnitudes.size and float(magnitudes.min()) != scale:
+        return None
+    codes = np.rint(values.T / scale).astype(np.int8) + 1
+    groups, scale = ternary.split_i2_s(ternary.encode_i2_s(codes.reshape(-1), scale), values.size)
+    rows, cols = values.shape[1], values.shape[0]
+    return QuantArray(jnp.asarray(groups.reshape(rows, cols // 4)), I2_S, (rows, cols), scale=scale)
+
+
 # Types gguf-py can quantize to, so a transposed copy keeps its source's bytes per value; others become Q8_0.
 REQUANTIZABLE_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"))
 
