@@ -1,5 +1,6 @@
 // Portable ternary kernels (see ternary.h), the choice of ternary kernels per instruction set, and the activation
 // rounding of I2_S.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -67,10 +68,6 @@ void dequantize_tq2_0(const uint8_t* block, float* out) {
   for (int e = 0; e < kQK_K; ++e) out[e] = d * (float)(tq2_0_code(*w, e) - 1);
 }
 
-void dequantize_i2_s(const uint8_t* block, float* out) {
-  for (int e = 0; e < kQK_K; ++e) out[e] = (float)(i2_s_code(block + kI2sGroupBytes * (e / 128), e % 128) - 1);
-}
-
 template <size_t kBytes, void (*Dequantize)(const uint8_t*, float*)>
 void axpy(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n) {
   float w[kQK_K];
@@ -79,6 +76,26 @@ void axpy(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, in
       Dequantize(w_rows[r] + b * kBytes, w);
       for (int i = 0; i < kQK_K; ++i) y[kQK_K * b + i] += h[r] * w[i];
     }
+  }
+}
+
+// The I2_S rows' axpy as the SIMD kernels compute it (kernels_ternary_x86.inc): integer sums of the int8 coefficients
+// times the codes, then one float multiply and add per output.
+void axpy_i2_s_panel(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n) {
+  int8_t q[kMaxAxpyRows];
+  const float d = quantize_coefs(h, n_rows, q);
+  int q_sum = 0;
+  for (int r = 0; r < n_rows; ++r) q_sum += q[r];
+  for (int o = 0; o < n; ++o) {
+    int sum = 0;
+    for (int r = 0; r < n_rows; ++r) sum += q[r] * i2_s_code(w_rows[r] + kI2sGroupBytes * (o / 128), o % 128);
+    y[o] += d * (float)(sum - q_sum);
+  }
+}
+
+void axpy_i2_s(const uint8_t* const* w_rows, const float* h, int n_rows, float* y, int n) {
+  for (int r = 0; r < n_rows; r += kMaxAxpyRows) {
+    axpy_i2_s_panel(w_rows + r, h + r, std::min(kMaxAxpyRows, n_rows - r), y, n);
   }
 }
 
@@ -139,7 +156,7 @@ Kernels with_ternary_kernels(Kernels k, const char* isa) {
   k.tq1_0_2x4 = k.tq2_0_2x4 = k.i2_s_2x4 = nullptr;
   k.axpy_tq1_0 = axpy<sizeof(BlockTQ1_0), dequantize_tq1_0>;
   k.axpy_tq2_0 = axpy<sizeof(BlockTQ2_0), dequantize_tq2_0>;
-  k.axpy_i2_s = axpy<2 * kI2sGroupBytes, dequantize_i2_s>;
+  k.axpy_i2_s = axpy_i2_s;
   k.quantize_row_absmax = quantize_row_absmax;
 #if JAXINFER_CPU_X86
   if (std::strcmp(isa, "avx2") == 0) {

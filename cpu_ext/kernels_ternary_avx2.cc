@@ -2,6 +2,7 @@
 // every #include, as in kernels_avx2.cc.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "ternary.h"

@@ -14,6 +14,8 @@
 // unsigned operand) and subtract the activations' block sum (BlockQ8K::bsums) once, llama.cpp's trick.
 #pragma once
 
+#include <cmath>
+
 #include "qmatmul.h"
 
 namespace jaxinfer_cpu {
@@ -32,6 +34,19 @@ static_assert(sizeof(BlockTQ2_0) == 66 && sizeof(BlockTQ1_0) == 54, "GGUF layout
 // I2_S (x86), 32 bytes per 128 values (a group), no per-group scale; here two groups make one 256-value block:
 //   byte k of a group = | e=k | e=k+32 | e=k+64 | e=k+96 |   bits 7-6, 5-4, 3-2, 1-0: code q, value q - 1
 constexpr int kI2sGroupBytes = 32;
+
+// The sparse down projection of a ternary FFN: its rows, one per neuron, are I2_S (jaxinfer.quant.transpose_ternary,
+// exact), and an axpy call adds a panel of at most kMaxAxpyRows of them. Their coefficients h (f32) are rounded to
+// int8 with the panel's absmax (d = max |h| / 127: finer than BitNet's one scale per token) so that the codes meet
+// them in vpdpbusd, four rows at a time: y[o] += d (sum_r q_r code_r[o] - sum_r q_r). Returns d; q gets n entries.
+inline float quantize_coefs(const float* h, int n, int8_t* q) {
+  float amax = 0.0f;
+  for (int r = 0; r < n; ++r) amax = std::fmax(amax, std::fabs(h[r]));
+  const float d = amax / 127.0f, inv = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int r = 0; r < n; ++r) q[r] = static_cast<int8_t>(std::lrintf(h[r] * inv));
+  return d;
+}
+constexpr int kMaxAxpyRows = 64;  // more than sparse_handlers.cc's panels (kRowsPerTask)
 
 // The ternary fields of k (its other fields unchanged) for the named instruction set: "avx512", "avx2" or "scalar".
 Kernels with_ternary_kernels(Kernels k, const char* isa);
