@@ -133,13 +133,13 @@ float dot_i2_s_scalar(const uint8_t* w_row, const BlockQ8K* x, int n) {
 // q = clip(round-half-even(x s), -128, 127); d = 1 / s in every block.
 void quantize_row_absmax(const float* x, BlockQ8K* out, int n) {
   float amax = 0.0f;
-  for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float scale = 127.0f / std::fmax(amax, 1e-5f), d = 1.0f / scale;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = 127.0f / std::max(amax, 1e-5f), d = 1.0f / scale;
   for (int b = 0; b < n / kQK_K; ++b, x += kQK_K) {
     for (int g = 0; g < 16; ++g) {
       int sum = 0;
       for (int i = 16 * g; i < 16 * g + 16; ++i) {
-        out[b].qs[i] = (int8_t)std::fmin(std::fmax(std::nearbyint(x[i] * scale), -128.0f), 127.0f);
+        out[b].qs[i] = (int8_t)std::min(std::max(std::lrintf(x[i] * scale), -128L), 127L);
         sum += out[b].qs[i];
       }
       out[b].bsums[g] = (int16_t)sum;
