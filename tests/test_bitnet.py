@@ -164,9 +164,9 @@ def greedy(m, cfg, prompt, n_new):
 def test_sparse_modes_skip_b1_58_s_zeros_and_give_the_unsparsified_tokens(tmp_path, qtype):
     """--sparsity dense stores the ternary down projections one row per neuron, exactly (I2_S), so that the zeros
     of relu² are not read; hidden:S and gate:S run on the same rows. Greedy tokens are those of the unsparsified
-    model with XLA's products; logits within the kernels' 8-bit rounding (TQ2_0: Q8_K; I2_S's down rows take h in
-    f32 where BitNet's reference rounds it to int8 per token: measured 2.1e-2 .. 2.5e-2 of the largest logit for
-    both types and all three modes, against 2.7e-2 for TQ2_0's unsparsified kernels and 4e-7 for I2_S's)."""
+    model with XLA's products; logits within the kernels' 8-bit rounding (TQ2_0: Q8_K; the down rows round h to int8
+    per panel of 16 rows where BitNet's reference rounds it per token: measured 2.1e-2 .. 2.5e-2 of the largest logit
+    for both types and all three modes, against 2.7e-2 for TQ2_0's unsparsified kernels and 4e-7 for I2_S's)."""
     m = bitnet_model(tmp_path, "bitnet-b1.58", qtype)
     prompt = np.random.default_rng(5).integers(0, m.config.n_vocab, 6).astype(np.int32)
     expected_tokens, expected = greedy(m, m.config.replan(products="xla"), prompt, 5)
