@@ -1,9 +1,9 @@
 """XLA FFI CPU kernels for y = x · Wᵀ with W stored as GGUF blocks (C++ in this directory, see qmatmul.h).
 
 The activations are quantized to 8 bits per 32-value block (an f32 scale and the block sums that fold weight offsets
-in) and dotted with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants use the same 32-value
-activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That
-8-bit rounding makes results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
+in) and dotted with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants and the ternary TQ1_0 and
+TQ2_0 use 256-value activation blocks (llama.cpp's Q8_K), I2_S BitNet's per-token int8 (one scale a row, see
+cpu_ext/ternary.h). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
@@ -31,11 +31,14 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 _LIBRARY = "libjaxinfer_cpu.so"
+# Microsoft BitNet's I2_S, a type id gguf-py does not know (jaxinfer.ternary.I2_S): rows a multiple of 256 values, its
+# activations rounded to int8 with one scale per token (BitNet's absmax), its per-tensor scale left to the caller.
+I2_S = 36
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                 "IQ4_XS")
-)
+                 "IQ4_XS", "TQ1_0", "TQ2_0")
+) | {I2_S}
 # The types neuron_major_axpy reads, packed as jaxinfer.quant.pack_neuron_major lays them out (qmatmul.h,
 # NeuronLayout).
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
@@ -143,6 +146,8 @@ def _batched_call(op: str, qtype: GGMLQuantizationType, rows: int, cols: int, **
 
 
 def _check_type(op: str, qtype) -> GGMLQuantizationType:
+    if int(qtype) == I2_S:
+        return qtype
     qtype = GGMLQuantizationType(qtype)
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(f"cpu_ext.{op}: unsupported type {qtype.name}")

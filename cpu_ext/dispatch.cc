@@ -6,6 +6,7 @@
 #include <initializer_list>
 
 #include "qmatmul.h"
+#include "ternary.h"
 
 namespace jaxinfer_cpu {
 
@@ -70,10 +71,10 @@ bool cpu_has_avx2() { return false; }
 #endif
 
 const Kernels* by_name(const char* isa) {
-  static const Kernels scalar = scalar_kernels();
-  static const Kernels avx2 = complete(avx2_kernels());
-  static const Kernels avx512 =
-      complete(cpu_has_avx512() ? with_neuron_major_kernels(avx512_kernels()) : avx512_kernels());
+  static const Kernels scalar = with_ternary_kernels(scalar_kernels(), "scalar");
+  static const Kernels avx2 = with_ternary_kernels(complete(avx2_kernels()), "avx2");
+  static const Kernels avx512 = with_ternary_kernels(
+      complete(cpu_has_avx512() ? with_neuron_major_kernels(avx512_kernels()) : avx512_kernels()), "avx512");
   if (std::strcmp(isa, "avx512") == 0) return cpu_has_avx512() ? &avx512 : nullptr;
   if (std::strcmp(isa, "avx2") == 0) return cpu_has_avx2() ? &avx2 : nullptr;
   if (std::strcmp(isa, "scalar") == 0) return &scalar;

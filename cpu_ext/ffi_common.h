@@ -24,7 +24,8 @@ namespace jaxinfer_cpu {
 // gguf.GGMLQuantizationType values of the supported weight types.
 enum GgmlType : int64_t {
   kF32 = 0, kF16 = 1, kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11,
-  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23
+  kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23,
+  kTQ1_0 = 34, kTQ2_0 = 35, kI2_S = 36  // I2_S: Microsoft BitNet's id, not gguf's (jaxinfer.ternary)
 };
 
 struct TypeInfo {
@@ -37,6 +38,9 @@ struct TypeInfo {
   QuantDotK Kernels::*quant_dot_k;  // K-quants: these two instead of quant_dot and quant_dot4
   QuantDotK4 Kernels::*quant_dot4_k;
   QuantDot2x4 Kernels::*quant_dot_2x4;  // null where no two-row four-token dot exists
+  // K-quant-style dots whose activations are not quantize_row_k's (I2_S: one scale per row); null: quantize_row_k.
+  void (*Kernels::*quantize_k)(const float* x, BlockQ8K* out, int n);
+  QuantDotK2x4 Kernels::*quant_dot_2x4_k;  // null where no two-row four-token K-quant-style dot exists
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -90,6 +94,19 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kIQ4_XS:
       *info = {256, 136, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_iq4_xs, nullptr, &Kernels::iq4_xs,
                &Kernels::iq4_xs_x4};
+      return true;
+    // Ternary: 256-value blocks (an I2_S block is two of its 128-value groups, so rows are a multiple of 256).
+    case kTQ1_0:
+      *info = {256, 54, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_tq1_0, nullptr, &Kernels::tq1_0,
+               &Kernels::tq1_0_x4, nullptr, nullptr, &Kernels::tq1_0_2x4};
+      return true;
+    case kTQ2_0:
+      *info = {256, 66, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_tq2_0, nullptr, &Kernels::tq2_0,
+               &Kernels::tq2_0_x4, nullptr, nullptr, &Kernels::tq2_0_2x4};
+      return true;
+    case kI2_S:
+      *info = {256, 64, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_i2_s, nullptr, &Kernels::i2_s,
+               &Kernels::i2_s_x4, nullptr, &Kernels::quantize_row_absmax, &Kernels::i2_s_2x4};
       return true;
     default: return false;
   }
@@ -228,8 +245,10 @@ class RowDot {
     } else if (info.quant_dot_k != nullptr) {
       quant_dot_k_ = k.*info.quant_dot_k;
       quant_dot4_k_ = k.*info.quant_dot4_k;
+      if (info.quant_dot_2x4_k != nullptr) quant_dot_2x4_k_ = k.*info.quant_dot_2x4_k;
       blocks_ = cols / kQK_K;
-      xk_ = quantize_rows(pool, k.quantize_row_k, x, m, cols, blocks_, s.xk);
+      xk_ = quantize_rows(pool, info.quantize_k != nullptr ? k.*info.quantize_k : k.quantize_row_k, x, m, cols,
+                          blocks_, s.xk);
     } else {
       quant_dot_ = k.*info.quant_dot;
       if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
@@ -255,6 +274,7 @@ class RowDot {
   // out[4 r + i] = W row r · x[t + i] for r < 2, i < 4; rows w_row and w_row + w_stride.
   void two_by_four(const uint8_t* w_row, int64_t w_stride, int64_t t, float* out) const {
     if (quant_dot_2x4_ != nullptr) return quant_dot_2x4_(w_row, w_stride, xq_ + t * blocks_, blocks_, n_, out);
+    if (quant_dot_2x4_k_ != nullptr) return quant_dot_2x4_k_(w_row, w_stride, xk_ + t * blocks_, blocks_, n_, out);
     four(w_row, t, out);
     four(w_row + w_stride, t, out + 4);
   }
@@ -271,6 +291,7 @@ class RowDot {
   QuantDotK quant_dot_k_ = nullptr;
   QuantDotK4 quant_dot4_k_ = nullptr;
   QuantDot2x4 quant_dot_2x4_ = nullptr;
+  QuantDotK2x4 quant_dot_2x4_k_ = nullptr;
 };
 
 }  // namespace jaxinfer_cpu

@@ -133,6 +133,8 @@ using QuantDot2x4 = void (*)(const uint8_t* w_row, int64_t w_stride, const Block
 // The same for K-quant rows, against activations in super-blocks (x_stride counted in them).
 using QuantDotK = float (*)(const uint8_t* w_row, const BlockQ8K* x_row, int n);
 using QuantDotK4 = void (*)(const uint8_t* w_row, const BlockQ8K* x_row, int64_t x_stride, int n, float* out);
+using QuantDotK2x4 = void (*)(const uint8_t* w_row, int64_t w_stride, const BlockQ8K* x_row, int64_t x_stride, int n,
+                              float* out);
 // Row axpys for the sparse down projection: y[0, n) += sum over r < n_rows of h[r] * W_r[0, n), where w_rows[r]
 // points at the first block of n values of row r (n a multiple of the block size). h stays f32: each weight block
 // is dequantized to f32 and multiplied in, as dequantize(W) and an f32 product would.
@@ -223,6 +225,13 @@ struct Kernels {
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4, iq4_nl_x4;
   QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4, iq4_xs_x4;
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
+  // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
+  // set. I2_S's activations come from quantize_row_absmax.
+  QuantDotK tq1_0, tq2_0, i2_s;
+  QuantDotK4 tq1_0_x4, tq2_0_x4, i2_s_x4;
+  QuantDotK2x4 tq1_0_2x4, tq2_0_2x4, i2_s_2x4;
+  Axpy axpy_tq1_0, axpy_tq2_0, axpy_i2_s;
+  void (*quantize_row_absmax)(const float* x, BlockQ8K* out, int n);
 };
 
 const Kernels& scalar_kernels();

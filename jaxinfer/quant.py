@@ -390,12 +390,17 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend: all but F32, which stays with XLA (its own f32 GEMM is as
-# good), and BF16, which has no kernel (a rare GGUF weight type).
-CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16} - TERNARY_TYPES
+# good), and BF16, which has no kernel (a rare GGUF weight type). The ternary types' kernels take 256-value blocks:
+# I2_S rows of 128 times an odd number stay with XLA (_kernels).
+CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16}
 # The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
 # up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
 # token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
 CPU_KERNEL_MAX_TOKENS = 128
+# Ternary weights have no bound: XLA would dequantize 16 values per byte read before its GEMM, and their kernels won at
+# every size measured (a 7B-shaped ffn_up [11008, 4096], 512 tokens: 0.31x XLA's time for TQ2_0, 0.41x TQ1_0, 0.40x
+# I2_S; 0.10-0.14x at 64 tokens).
+CPU_KERNEL_UNBOUNDED_TYPES = TERNARY_TYPES
 
 
 @functools.cache
@@ -426,13 +431,14 @@ def products(kind: str):
 
 def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
     """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for up to
-    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact,
-    in `layout`."""
+    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches; any number for CPU_KERNEL_UNBOUNDED_TYPES),
+    block-quantized and F16 weights not marked exact, in `layout`."""
     use_kernels = (
         w.layout == layout
         and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
-        and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
+        and (w.qtype != I2_S or w.shape[1] % QK_K == 0)
+        and (x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS or w.qtype in CPU_KERNEL_UNBOUNDED_TYPES)
         and _PRODUCTS.get() == "cpu_ext"
     )
     return cpu_kernels() if use_kernels else None
@@ -504,6 +510,24 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
         return _scaled(kernels.masked_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1]),
                        w_t)
     return jnp.einsum("...f,fd->...d", where_zero(mask, h), dequantize(w_t))
+
+
+def transpose_ternary(w: QuantArray) -> QuantArray | None:
+    """wᵀ of a ternary weight as I2_S, exactly, where w is one scale times values in {-1, 0, +1} (every BitNet
+    checkpoint: its weights are quantized per tensor; I2_S always, TQ1_0/TQ2_0 when all their blocks' scales agree)
+    and its rows are a multiple of 256 values (I2_S's kernels); else None. A transposed TQ1_0/TQ2_0 would need a
+    scale per 256 outputs of each neuron, which it does not have, and `transpose`'s Q8_0 is 4x the bytes."""
+    if w.qtype not in TERNARY_TYPES or w.exact or w.layout != ROW_BLOCKS or w.shape[0] % QK_K:
+        return None
+    values = np.asarray(jax.device_get(dequantize(w)))
+    magnitudes = np.abs(values[values != 0])
+    scale = float(magnitudes.max()) if magnitudes.size else 1.0
+    if magnitudes.size and float(magnitudes.min()) != scale:
+        return None
+    codes = np.rint(values.T / scale).astype(np.int8) + 1
+    groups, scale = ternary.split_i2_s(ternary.encode_i2_s(codes.reshape(-1), scale), values.size)
+    rows, cols = values.shape[1], values.shape[0]
+    return QuantArray(jnp.asarray(groups.reshape(rows, cols // 4)), I2_S, (rows, cols), scale=scale)
 
 
 # Types gguf-py can quantize to, so a transposed copy keeps its source's bytes per value; others become Q8_0.

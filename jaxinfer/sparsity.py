@@ -16,6 +16,7 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
@@ -123,7 +124,7 @@ def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.nda
 def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None = None):
     """A copy of the loaded model (`engine.LoadedModel`) that runs its FFNs with `spec`. Unless dense, its down
     projections are stored one row per neuron, quantized to `down_t_type` (default: each one's own type; see
-    quant.transpose). gate:S / hidden:S read their thresholds from `thresholds_file` (calibrate -o), by default
+    quant.transpose); dense, so are the ternary ones of models with natural zeros (NATURAL_ZEROS). gate:S / hidden:S read their thresholds from `thresholds_file` (calibrate -o), by default
     from the model's sidecar."""
     if thresholds_file is not None and spec.mode not in THRESHOLD_METHODS:
         raise JaxinferError(f"--thresholds is for --sparsity gate:S or hidden:S, not {spec}")
@@ -141,6 +142,8 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
         layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec, cfg.plan)) for layer in layers]
+    elif cfg.gate_activation in NATURAL_ZEROS:
+        layers = [_with_ternary_down_t(m.path, layer) for layer in layers]
     weights = dataclasses.replace(m.weights, layers=layers)
     return dataclasses.replace(m, config=cfg, weights=weights)
 
@@ -152,15 +155,36 @@ def packs_neuron_major(spec: SparsitySpec, plan: Plan) -> bool:
     return spec.mode in THRESHOLD_METHODS and spec.level <= NEURON_MAJOR_MAX_SPARSITY and plan.neuron_major
 
 
+# Gate activations whose zeros the dense mode skips (sparse_ffn: `active` is h != 0). A ternary down projection (BitNet
+# b1.58: squared ReLU, about half the neurons zero) is then stored one row per neuron, losslessly (quant.transpose_
+# ternary), so that their rows are not read; other types keep their down projection whole in the dense mode, as a
+# transposed copy would be rounded again.
+NATURAL_ZEROS = ("relu", "relu_sqr")
+
+
+def _with_ternary_down_t(path: str, layer):
+    """The layer with its ternary ffn_down as rows per neuron (exact I2_S), or as it is where that cannot be done."""
+    if layer.ffn_down is None or layer.ffn_down.qtype not in quant.TERNARY_TYPES:
+        return layer
+    down_t = quant.transpose_ternary(layer.ffn_down)
+    if down_t is None:
+        logging.warning("%s: a %s ffn_down that is not one scale times {-1, 0, 1} (or has rows that are not a multiple "
+                        "of 256) stays whole: the dense mode reads all of it", path, layer.ffn_down.qtype.name)
+        return layer
+    return dataclasses.replace(layer, ffn_down=None, ffn_down_t=down_t)
+
+
 def with_transposed_down(layer, qtype=None, pack: bool = True):
     """The layer with its down projection stored one row per neuron (ffn_down_t, as PowerInfer files have it), so
     the rows of inactive neurons need not be read: with `pack`, a Q4_0/Q4_1/Q8_0 one repacked neuron-major, without
-    rounding (quant.pack_neuron_major), unless `qtype` asks for a transposed copy; otherwise transposed
-    (quant.transpose, for what that costs in accuracy)."""
+    rounding (quant.pack_neuron_major), unless `qtype` asks for a transposed copy; a ternary one as I2_S, exactly,
+    where quant.transpose_ternary can; otherwise transposed (quant.transpose, for what that costs in accuracy)."""
     if layer.ffn_down_t is not None:
         return layer
     if pack and qtype is None and quant.can_pack_neuron_major(layer.ffn_down):
         return dataclasses.replace(layer, ffn_down=None, ffn_down_t=quant.pack_neuron_major(layer.ffn_down))
+    if qtype is None and (down_t := quant.transpose_ternary(layer.ffn_down)) is not None:
+        return dataclasses.replace(layer, ffn_down=None, ffn_down_t=down_t)
     return dataclasses.replace(layer, ffn_down=None, ffn_down_t=quant.transpose(layer.ffn_down, qtype))
 
 

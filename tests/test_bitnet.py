@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, evaluation, model, quant, sharding, sparse_ffn, ternary
+from jaxinfer import engine, evaluation, model, quant, sharding, sparse_ffn, sparsity, ternary
 from jaxinfer.config import ARCHITECTURES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.synthetic import SyntheticSpec, write_model
@@ -74,13 +74,18 @@ def test_the_architectures_are_registered_with_their_block():
                                          ("bitnet-b1.58", ternary.I2_S), ("bitnet", Q.F32)],
                          ids=lambda v: getattr(v, "name", v))
 def test_forward_is_the_block_s_equations(tmp_path, arch, qtype):
+    """With XLA's products to f32 rounding; with cpu_ext's ternary kernels to their 8-bit activations' rounding
+    (TQ1_0/TQ2_0: llama.cpp's Q8_K, a scale per 256 values, measured 2.9e-2 and 3.3e-2 of the largest logit after two
+    layers; I2_S: the reference's own int8 activations, measured 3e-7; F32 weights stay with XLA)."""
     m = bitnet_model(tmp_path, arch, qtype)
     assert all(layer.attn_q.scale != 1.0 for layer in m.weights.layers)  # the projections' scales were read
     tokens = np.random.default_rng(0).integers(0, m.config.n_vocab, 9).astype(np.int32)
-    hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens[None], m.weights, m.config)
-    got = np.asarray(model.logits(hidden, m.weights, m.config))[0]
     expected = reference_logits(m, tokens)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+    for products, tolerance in (("xla", 2e-4), ("cpu_ext", 1e-5 if qtype in (ternary.I2_S, Q.F32) else 5e-2)):
+        cfg = m.config.replan(products=products)
+        hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens[None], m.weights, cfg)
+        got = np.asarray(model.logits(hidden, m.weights, cfg))[0]
+        np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance * np.abs(expected).max(), err_msg=products)
 
 
 def test_a_bitnet_file_gives_llama_cpp_s_logits(tmp_path):
@@ -114,7 +119,8 @@ def test_incremental_decode_matches_the_full_forward(tmp_path):
 
 def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_path):
     """b1.58's FFN: relu(gate)² is zero for about half the neurons, and the dense mode's `active` is exactly the
-    nonzero hidden values (their down rows alone are read); SiLU's bitnet has none."""
+    nonzero hidden values (their down rows alone are read); SiLU's bitnet has next to none (an integer dot of a
+    ternary row with 8-bit activations is exactly 0 now and then: 0.15% of the hidden values here)."""
     for arch, zeros in (("bitnet-b1.58", True), ("bitnet", False)):
         m = bitnet_model(tmp_path, arch, Q.TQ2_0)
         tokens = np.random.default_rng(4).integers(0, m.config.n_vocab, (1, 16)).astype(np.int32)
@@ -122,7 +128,7 @@ def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_pa
         for trace in traces:
             active = np.asarray(trace.active)
             np.testing.assert_array_equal(active, np.asarray(trace.hidden) != 0)
-            assert (0.3 < 1 - active.mean() < 0.7) if zeros else active.all()
+            assert (0.3 < 1 - active.mean() < 0.7) if zeros else active.mean() > 0.97, active.mean()
 
 
 def test_hidden_norm_keeps_the_sparse_modes_zeros():
@@ -138,3 +144,41 @@ def test_what_does_not_apply_to_bitnet_yet_says_so(tmp_path):
         sharding.check_model(m.config, 2)
     with pytest.raises(JaxinferError, match="hot/cold split .* does not apply to BitNet"):
         engine.split_model(m, 1.0, 64, None, False)
+
+
+def greedy(m, cfg, prompt, n_new):
+    """Greedy tokens after `prompt` through prefill and decode steps, and the logits of every step."""
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :len(prompt)] = prompt
+    cache = model.init_cache(cfg, 1, 32)
+    logits, cache = model.prefill(padded, jnp.int32(len(prompt)), m.weights, cache, cfg)
+    tokens, steps = [], [np.asarray(logits)[0]]
+    for _ in range(n_new):
+        tokens.append(int(np.argmax(steps[-1])))
+        logits, cache = model.decode_step(jnp.asarray([tokens[-1]], jnp.int32), m.weights, cache, cfg)
+        steps.append(np.asarray(logits)[0])
+    return tokens, np.stack(steps)
+
+
+@pytest.mark.parametrize("qtype", [Q.TQ2_0, ternary.I2_S], ids=lambda q: q.name)
+def test_sparse_modes_skip_b1_58_s_zeros_and_give_the_unsparsified_tokens(tmp_path, qtype):
+    """--sparsity dense stores the ternary down projections one row per neuron, exactly (I2_S), so that the zeros
+    of relu² are not read; hidden:S and gate:S run on the same rows. Greedy tokens are those of the unsparsified
+    model with XLA's products; logits within the kernels' 8-bit rounding (TQ2_0: Q8_K; the down rows round h to int8
+    per panel of 16 rows where BitNet's reference rounds it per token: measured 2.1e-2 .. 2.5e-2 of the largest logit
+    for both types and all three modes, against 2.7e-2 for TQ2_0's unsparsified kernels and 4e-7 for I2_S's)."""
+    m = bitnet_model(tmp_path, "bitnet-b1.58", qtype)
+    prompt = np.random.default_rng(5).integers(0, m.config.n_vocab, 6).astype(np.int32)
+    expected_tokens, expected = greedy(m, m.config.replan(products="xla"), prompt, 5)
+    thresholds = str(tmp_path / "thresholds.json")
+    for method in ("hidden", "gate"):
+        sparsity.save_thresholds(m.path, method, {0.5: np.full(SPEC["n_layer"], 1e-3)}, "test", thresholds)
+    for spec, file in (("dense", None), ("hidden:0.5", thresholds), ("gate:0.5", thresholds)):
+        sparse = sparsity.apply(m, sparsity.parse_spec(spec), thresholds_file=file)
+        for layer, original in zip(sparse.weights.layers, m.weights.layers):
+            assert layer.ffn_down is None and layer.ffn_down_t.qtype == ternary.I2_S
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(layer.ffn_down_t)),
+                                          np.asarray(quant.dequantize(original.ffn_down)).T)
+        tokens, got = greedy(sparse, sparse.config, prompt, 5)
+        assert tokens == expected_tokens, spec
+        np.testing.assert_allclose(got, expected, rtol=0, atol=4e-2 * np.abs(expected).max(), err_msg=spec)
