@@ -21,6 +21,10 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) { return _mm256_dpbusd_epi32(_mm25
 // acc + int16 pair products summed into int32 lanes, one instruction (vpdpwssd).
 inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) { return _mm256_dpwssd_epi32(acc, a, b); }
 
+// acc + dot_u8s8(a, b), one instruction; a may take all 8 bits (repacked_x86.inc).
+inline __m256i dot_add_u8s8(__m256i acc, __m256i a, __m256i b) { return _mm256_dpbusd_epi32(acc, a, b); }
+constexpr bool kWideUnsigned = true;
+
 // Byte i = 0x10 where bit i of qh is set: qh as a byte mask.
 inline __m256i fifth_bits(const uint8_t* qh) {
   uint32_t bits;
@@ -67,6 +71,7 @@ inline void add_to(float* y, F32x16 a, F32x16 b, __m128 offset) {
 }
 
 #include "kernels_x86.inc"
+#include "repacked_x86.inc"
 
 }  // namespace avx512
 
@@ -105,6 +110,14 @@ const Kernels& avx512_kernels() {
                             nullptr,  // neuron-major: dispatch.cc picks VBMI's or AVX2's
                             nullptr,
                             nullptr,
+                            avx512::x8_q8_0,
+                            avx512::x8_q4_0,
+                            avx512::x8_q4_1,
+                            avx512::x8_iq4_nl,
+                            avx512::x8_q8_0_x4,
+                            avx512::x8_q4_0_x4,
+                            avx512::x8_q4_1_x4,
+                            avx512::x8_iq4_nl_x4,
                             avx512::dot_q8_0_x4,
                             avx512::dot_q4_0_x4,
                             avx512::dot_q4_1_x4,

@@ -221,13 +221,15 @@ SUPPORTED_TYPES = frozenset(FLOAT_TYPES) | frozenset(BLOCK_DEQUANTIZERS)
 
 ROW_BLOCKS = "rows"  # GGUF's layout: blocks run along each row
 NEURON_MAJOR = "neuron_major"  # a down projection repacked for the sparse FFN: see pack_neuron_major
+ROWS_X8 = "rows_x8"  # eight rows' blocks side by side, for the repacked kernels: see pack_rows_x8
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantArray:
     """A 2-D [rows, cols] GGML tensor. `data` is the float array itself for F32/F16/BF16, otherwise the raw
-    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major."""
+    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major
+    or of pack_rows_x8."""
 
     data: jax.Array
     qtype: GGMLQuantizationType = dataclasses.field(metadata=dict(static=True))
@@ -262,6 +264,8 @@ def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
     if w.layout == NEURON_MAJOR:
         return dequantize_neuron_major(w)
+    if w.layout == ROWS_X8:
+        return dequantize(unpack_rows_x8(w))
     if w.qtype in FLOAT_TYPES:
         return w.data.astype(jnp.float32)
     block_size, type_size = GGML_QUANT_SIZES[w.qtype]
@@ -368,18 +372,86 @@ def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array
     return values.transpose(0, 2, 1, 3).reshape(n_ff, d)  # [nb, 32 neurons, spans, S] -> [n_ff, d]
 
 
+# Prompts and decode through the repacked kernels (cpu_ext/qmatmul.h draws the bytes): a Q4_0/Q4_1/Q8_0/IQ4_NL weight
+# [rows, cols] as ceil(rows / 8) groups of eight rows, data uint8 [groups, 8 * row bytes], block b of the eight rows
+# side by side (rows past `rows` padded with zero blocks):
+#
+#   group g = block 0 | ... | block cols/32 - 1,   block = | d: f16[8] | m: f16[8] (Q4_1) | chunk 0 | chunk 1 | ...
+#   chunk c = | row 8g: 4 bytes | row 8g+1: 4 bytes | ... | row 8g+7: 4 bytes |
+#     Q4_0/Q4_1/IQ4_NL: 4 chunks, row r's qs bytes 4c .. 4c+3 as GGUF stores them
+#     Q8_0:             8 chunks, row r's q of elements 4c .. 4c+3, + 128 (as uint8)
+#
+# The same bytes as the rows (plus the padding), rearranged without rounding: unpack_rows_x8 gives the rows back.
+# A group's blocks are one run, so a tensor-parallel cut of rows is whole groups (rows a multiple of 8 tp) and a cut
+# of columns whole blocks of all eight rows, as for GGUF's rows.
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+INTERLEAVE = 8
+
+
+def _x8_parts(qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """(bytes of scales per row block, 4-byte chunks per block) of a repacked type."""
+    return (4 if qtype == GGMLQuantizationType.Q4_1 else 2), (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
+
+
+def can_pack_rows_x8(w: QuantArray) -> bool:
+    return w.layout == ROW_BLOCKS and w.qtype in REPACKED_TYPES and not w.exact
+
+
+def pack_rows_x8(w: QuantArray) -> QuantArray:
+    """A Q4_0/Q4_1/Q8_0/IQ4_NL weight in GGUF's rows -> the same weight of layout ROWS_X8 (see above), in numpy: made
+    once at load, where the rows are dropped after."""
+    if not can_pack_rows_x8(w):
+        raise ValueError(f"cannot repack a {w.qtype.name} {w.layout} weight (exact={w.exact}) in groups of eight "
+                         f"rows: {sorted(t.name for t in REPACKED_TYPES)} in GGUF's rows, not exact")
+    rows, cols = w.shape
+    scale_bytes, chunks = _x8_parts(w.qtype)
+    n_blocks, type_size, groups = cols // 32, GGML_QUANT_SIZES[w.qtype][1], -(-rows // INTERLEAVE)
+    blocks = np.asarray(jax.device_get(w.data)).reshape(rows, n_blocks, type_size)
+    if groups * INTERLEAVE != rows:
+        blocks = np.concatenate([blocks, np.zeros((groups * INTERLEAVE - rows, n_blocks, type_size), np.uint8)])
+    blocks = blocks.reshape(groups, INTERLEAVE, n_blocks, type_size).transpose(0, 2, 1, 3)  # [g, b, 8 rows, bytes]
+    scales = [blocks[..., i : i + 2].reshape(groups, n_blocks, 2 * INTERLEAVE) for i in range(0, scale_bytes, 2)]
+    qs = blocks[..., scale_bytes:]
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        qs = qs ^ np.uint8(0x80)
+    chunked = qs.reshape(groups, n_blocks, INTERLEAVE, chunks, 4).transpose(0, 1, 3, 2, 4)  # [g, b, chunk, row, 4]
+    packed = np.concatenate([*scales, chunked.reshape(groups, n_blocks, -1)], axis=2).reshape(groups, -1)
+    return QuantArray(jnp.asarray(packed), w.qtype, w.shape, layout=ROWS_X8)
+
+
+def unpack_rows_x8(w: QuantArray) -> QuantArray:
+    """pack_rows_x8's inverse, in jnp: the weight in GGUF's rows (where a consumer reads rows: XLA's products, rows
+    looked up)."""
+    rows, cols = w.shape
+    scale_bytes, chunks = _x8_parts(w.qtype)
+    n_blocks, groups = cols // 32, w.data.shape[0]
+    data = w.data.reshape(groups, n_blocks, -1)
+    scales = [data[..., i * 16 : (i + 1) * 16].reshape(groups, n_blocks, INTERLEAVE, 2) for i in range(scale_bytes // 2)]
+    qs = data[..., 8 * scale_bytes :].reshape(groups, n_blocks, chunks, INTERLEAVE, 4).transpose(0, 1, 3, 2, 4)
+    qs = qs.reshape(groups, n_blocks, INTERLEAVE, 4 * chunks)
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        qs = qs ^ jnp.uint8(0x80)
+    blocks = jnp.concatenate([*scales, qs], axis=-1).transpose(0, 2, 1, 3).reshape(groups * INTERLEAVE, -1)
+    return QuantArray(blocks[:rows], w.qtype, w.shape, w.exact)
+
+
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
-    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings)."""
+    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings; a repacked
+    weight is unpacked whole first, so embeddings are not repacked)."""
+    if w.layout == ROWS_X8:
+        w = unpack_rows_x8(w)
     return dequantize(QuantArray(jnp.take(w.data, rows, axis=0), w.qtype, w.shape))
 
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend: all but F32, which stays with XLA (its own f32 GEMM is as
 # good), and BF16, which has no kernel (a rare GGUF weight type).
 CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16}
-# The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
-# up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
-# token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
+# The row kernels read each weight once per call and unpack each block once for four tokens, but are not tiled
+# further: up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x
+# at 1 token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
 CPU_KERNEL_MAX_TOKENS = 128
+# Repacked weights (ROWS_X8) take their kernels for any number of tokens: MEASURED_CROSSOVER_PLACEHOLDER
+MAX_TOKENS = {ROW_BLOCKS: CPU_KERNEL_MAX_TOKENS, ROWS_X8: None, NEURON_MAJOR: CPU_KERNEL_MAX_TOKENS}
 
 
 @functools.cache
@@ -408,41 +480,52 @@ def products(kind: str):
         _PRODUCTS.reset(token)
 
 
-def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
-    """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for up to
-    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches), block-quantized and F16 weights not marked exact,
-    in `layout`."""
+def _kernels(x: jax.Array, w: QuantArray, layouts: tuple[str, ...] = (ROW_BLOCKS,)):
+    """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for block-quantized
+    and F16 weights not marked exact, in one of `layouts`, for up to MAX_TOKENS[layout] rows of x."""
+    limit = MAX_TOKENS[w.layout]
     use_kernels = (
-        w.layout == layout
+        w.layout in layouts
         and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
-        and x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS
+        and (limit is None or x.size // x.shape[-1] <= limit)
         and _PRODUCTS.get() == "cpu_ext"
     )
     return cpu_kernels() if use_kernels else None
+
+
+DENSE_LAYOUTS = (ROW_BLOCKS, ROWS_X8)  # what quantized_matmul reads
+
+
+def _interleave(w: QuantArray) -> int:
+    return INTERLEAVE if w.layout == ROWS_X8 else 1
 
 
 def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     """x [..., cols] @ w.T -> [..., rows] in f32, whatever the storage format of `w`.
 
     Where `_kernels` allows, the cpu_ext FFI kernels quantize x to 8 bits per 32 values and dot in integers as
-    llama.cpp does (about 1e-2 relative difference on random data); otherwise XLA multiplies x with the dequantized
-    weight."""
-    kernels = _kernels(x, w)
+    llama.cpp does (about 1e-2 relative difference on random data), row by row or, for a repacked w, eight rows at a
+    time; otherwise XLA multiplies x with the dequantized weight."""
+    kernels = _kernels(x, w, DENSE_LAYOUTS)
     if kernels is not None:
-        return kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1])
+        return kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1],
+                                        interleave=_interleave(w))
     return jnp.einsum("...i,oi->...o", x, dequantize(w))
 
 
 def matmuls(x: jax.Array, ws) -> list[jax.Array]:
-    """[matmul(x, w) for w in ws]. Where cpu_ext would run each of them and they share a type and input size (a
-    layer's q/k/v, gate/up), it runs them as one kernel call: x is quantized once and one split of the rows over
+    """[matmul(x, w) for w in ws]. Where cpu_ext would run each of them and they share a type, input size and layout
+    (a layer's q/k/v, gate/up), it runs them as one kernel call: x is quantized once and one split of the rows over
     the threads serves all the weights (the default model's decode: 4.9 -> 4.2 ms per token)."""
-    kernels = _kernels(x, ws[0])
-    if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape[1]) == (ws[0].qtype, ws[0].shape[1])
+    first = ws[0]
+    kernels = _kernels(x, first, DENSE_LAYOUTS)
+    if kernels is not None and all(_kernels(x, w, DENSE_LAYOUTS) is not None and
+                                   (w.qtype, w.shape[1], w.layout) == (first.qtype, first.shape[1], first.layout)
                                    for w in ws[1:]):
-        return kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=ws[0].qtype,
-                                              rows=[w.shape[0] for w in ws], cols=ws[0].shape[1])
+        return kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=first.qtype,
+                                              rows=[w.shape[0] for w in ws], cols=first.shape[1],
+                                              interleave=_interleave(first))
     return [matmul(x, w) for w in ws]
 
 
@@ -472,7 +555,7 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows: of a NEURON_MAJOR
     weight with h in 8 bits and integer dots, of a transposed one with h in f32; the XLA path zeroes inactive inputs
     and multiplies with the dequantized weight."""
-    if (kernels := _kernels(h, w_t, NEURON_MAJOR)) is not None:
+    if (kernels := _kernels(h, w_t, (NEURON_MAJOR,))) is not None:
         return kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1],
                                          span=neuron_span(w_t.shape[1], w_t.qtype))
     if (kernels := _kernels(h, w_t)) is not None:
