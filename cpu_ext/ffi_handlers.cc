@@ -72,14 +72,20 @@ void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products,
   });
 }
 
-// The repacked kernels of a 32-value block type (qmatmul.h), or false where it has none.
-bool x8_kernels(int64_t qtype, RepackedDots Kernels::** one, RepackedDots Kernels::** four) {
+// The repacked kernels of a 32-value block type (qmatmul.h) in this kernel set; `found` false where it has none.
+struct X8Kernels {
+  bool found = true;
+  RepackedDots one = nullptr, four = nullptr;
+  RepackedDots2 two_groups = nullptr;  // null where the set has none
+};
+
+X8Kernels x8_kernels(const Kernels& k, int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: *one = &Kernels::x8_q4_0, *four = &Kernels::x8_q4_0_x4; return true;
-    case kQ4_1: *one = &Kernels::x8_q4_1, *four = &Kernels::x8_q4_1_x4; return true;
-    case kQ8_0: *one = &Kernels::x8_q8_0, *four = &Kernels::x8_q8_0_x4; return true;
-    case kIQ4_NL: *one = &Kernels::x8_iq4_nl, *four = &Kernels::x8_iq4_nl_x4; return true;
-    default: return false;
+    case kQ4_0: return {true, k.x8_q4_0, k.x8_q4_0_x4, k.x16_q4_0_x4};
+    case kQ4_1: return {true, k.x8_q4_1, k.x8_q4_1_x4, k.x16_q4_1_x4};
+    case kQ8_0: return {true, k.x8_q8_0, k.x8_q8_0_x4, k.x16_q8_0_x4};
+    case kIQ4_NL: return {true, k.x8_iq4_nl, k.x8_iq4_nl_x4, k.x16_iq4_nl_x4};
+    default: return {false};
   }
 }
 
@@ -92,10 +98,7 @@ constexpr int64_t kTokenChunkBytes = 384 * 1024;
 // order, for all m tokens, kTokenChunkBytes of activations at a time, four tokens per kernel call (then one).
 void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const BlockQ8* xq, int64_t blocks,
                  int64_t cols, const Product* products, size_t n_products, int64_t m) {
-  RepackedDots Kernels::*one_field = nullptr;
-  RepackedDots Kernels::*four_field = nullptr;
-  x8_kernels(qtype, &one_field, &four_field);
-  const RepackedDots one = k.*one_field, four = k.*four_field;
+  const X8Kernels kernels = x8_kernels(k, qtype);
   int64_t total = 0;  // groups
   for (size_t i = 0; i < n_products; ++i) total += (products[i].rows + kInterleave - 1) / kInterleave;
   const int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
@@ -113,20 +116,29 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
       const int64_t group_bytes = kInterleave * p.row_bytes;
       for (int64_t t0 = 0; t0 < m; t0 += chunk) {
         const int64_t t1 = std::min(m, t0 + chunk);
-        for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t g = g0; g < g1;) {
           const uint8_t* group = p.w + g * group_bytes;
-          const int64_t r0 = g * kInterleave, valid = std::min<int64_t>(kInterleave, p.rows - r0);
-          float out[4 * kInterleave];
+          const int64_t r0 = g * kInterleave;
+          // Two groups at a time where the kernel set has the kernel, for four tokens at a time.
+          const int64_t n_groups = kernels.two_groups != nullptr && g + 2 <= g1 && t1 - t0 >= 4 ? 2 : 1;
+          const int64_t width = n_groups * kInterleave, valid = std::min(width, p.rows - r0);
+          float out[4 * 2 * kInterleave];
           int64_t t = t0;
           for (; t + 4 <= t1; t += 4) {
-            four(group, xq + t * blocks, blocks, n, out);
-            for (int j = 0; j < 4; ++j) std::copy(out + kInterleave * j, out + kInterleave * j + valid,
-                                                  p.y + (t + j) * p.rows + r0);
+            if (n_groups == 2) {
+              kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);
+            } else {
+              kernels.four(group, xq + t * blocks, blocks, n, out);
+            }
+            for (int j = 0; j < 4; ++j) std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
           }
           for (; t < t1; ++t) {
-            one(group, xq + t * blocks, blocks, n, out);
+            for (int64_t h = 0; h < n_groups; ++h) {
+              kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n, out + h * kInterleave);
+            }
             std::copy(out, out + valid, p.y + t * p.rows + r0);
           }
+          g += n_groups;
         }
       }
     }
@@ -138,9 +150,7 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
 ffi::Error check_any_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,
                             int64_t cols, int64_t interleave, TypeInfo* info, int64_t* row_bytes) {
   if (interleave == 1) return check_weight(op, w, qtype, rows, cols, info, row_bytes);
-  RepackedDots Kernels::*one;
-  RepackedDots Kernels::*four;
-  if (interleave != kInterleave || !x8_kernels(qtype, &one, &four)) {
+  if (interleave != kInterleave || !x8_kernels(best_kernels(), qtype).found) {
     return ffi::Error::InvalidArgument(op + ": interleave must be 1, or 8 for Q4_0/Q4_1/Q8_0/IQ4_NL; got " +
                                        std::to_string(interleave) + " for GGML type " + std::to_string(qtype));
   }

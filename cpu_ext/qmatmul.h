@@ -235,6 +235,9 @@ constexpr int kInterleave = 8;
 // Eight rows of a group (`group` points at its block 0) against N tokens x, x + x_stride, ... (N = 1 or 4):
 // out[8 i + r] = row r · token i, n values a row.
 using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_stride, int n, float* out);
+// Two consecutive groups (group, group + group_bytes: sixteen rows) against four tokens: out[16 i + r].
+using RepackedDots2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, int64_t x_stride, int n,
+                               float* out);
 
 // One implementation per instruction set; a null entry means "use the scalar one" (but see the SIMD-only
 // entries at the end).
@@ -254,6 +257,7 @@ struct Kernels {
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4, iq4_nl_x4;
   QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4, iq4_xs_x4;
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
+  RepackedDots2 x16_q8_0_x4, x16_q4_0_x4, x16_q4_1_x4, x16_iq4_nl_x4;  // null: two calls of the one-group kernel
 };
 
 const Kernels& scalar_kernels();
