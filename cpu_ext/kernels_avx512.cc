@@ -97,7 +97,7 @@ void x16_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, in
   alignas(16) uint8_t biased[16];
   for (int i = 0; i < 16; ++i) biased[i] = static_cast<uint8_t>(kIq4Values[i] + 128);
   const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(biased)));
-  const __m512i table = _mm512_inserti64x4(_mm512_castsi256_si512(table256), table256, 1);
+  const __m512i table = _mm512_inserti64x4(_mm512_zextsi256_si512(table256), table256, 1);
   for (int b = 0; b < n / kQK; ++b) {
     const uint8_t* first = group + b * T::kBlockBytes;
     const uint8_t* second = first + group_bytes;
