@@ -94,10 +94,9 @@ void x16_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, in
   __m512 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(0x0F);
-  alignas(16) uint8_t biased[16];
-  for (int i = 0; i < 16; ++i) biased[i] = static_cast<uint8_t>(kIq4Values[i] + 128);
-  const __m256i table256 = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(biased)));
-  const __m512i table = _mm512_inserti64x4(_mm512_zextsi256_si512(table256), table256, 1);
+  alignas(64) uint8_t biased[64];  // the IQ4 table + 128 in each 128-bit lane, for the byte shuffle
+  for (int i = 0; i < 64; ++i) biased[i] = static_cast<uint8_t>(kIq4Values[i % 16] + 128);
+  const __m512i table = _mm512_load_si512(biased);
   for (int b = 0; b < n / kQK; ++b) {
     const uint8_t* first = group + b * T::kBlockBytes;
     const uint8_t* second = first + group_bytes;
