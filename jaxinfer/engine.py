@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import activation_profile, attention, hybrid, model, placement, programs, quant, sharding, sparsity
+from jaxinfer import (activation_profile, attention, hybrid, model, placement, programs, quant, repack, sharding,
+                      sparsity)
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -60,14 +61,19 @@ class LoadedModel:
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
-               exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1) -> LoadedModel:
+               exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1,
+               repack: bool = True) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
     products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
     kernels. `cache_type` ("f32", "f16") is the KV cache's element type. `tp` > 1 cuts the weights over the first
     `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
-    shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity)."""
-    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp))
+    shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity). `repack`
+    False keeps every weight in GGUF's rows where the plan would repack them (repack.py), for comparisons."""
+    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp)
+    if not repack:
+        m = dataclasses.replace(m, config=m.config.replan(repack=False))
+    return _placed(m)
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
@@ -86,11 +92,12 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
 
 
-def _placed(m: LoadedModel) -> LoadedModel:
-    """`m` with its weights placed on its plan's devices (sharding.shard_weights), the time it took counted in its
-    load_seconds."""
+def _placed(m: LoadedModel, repack_ffn: bool = True) -> LoadedModel:
+    """`m` with its weights repacked where its plan says (repack.py; the FFN's only with `repack_ffn`) and placed on
+    its plan's devices (sharding.shard_weights), the time it took counted in its load_seconds."""
     start = time.perf_counter()
-    weights = jax.block_until_ready(sharding.shard_weights(m.weights, m.config))
+    weights = repack.repack_weights(m.weights, m.config.plan, ffn=repack_ffn)
+    weights = jax.block_until_ready(sharding.shard_weights(weights, m.config))
     return dataclasses.replace(m, weights=weights, load_seconds=m.load_seconds + time.perf_counter() - start)
 
 
@@ -113,7 +120,7 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp)
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
-    m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file))
+    m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file), repack_ffn=vram_budget_gib is None)
     if loaded is not None:
         loaded(m)
     if vram_budget_gib is not None:

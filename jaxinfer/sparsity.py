@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
-from jaxinfer import model, quant, sidecar
+from jaxinfer import model, quant, repack, sidecar
 from jaxinfer.plan import SPARSITY_MODES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
@@ -140,7 +140,8 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
         m = dataclasses.replace(m, thresholds_path=thresholds_file or thresholds_path(m.path))
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
-        layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec, cfg.plan)) for layer in layers]
+        layers = [with_transposed_down(repack.ffn_rows(layer), down_t_type, packs_neuron_major(spec, cfg.plan))
+                  for layer in layers]
     weights = dataclasses.replace(m.weights, layers=layers)
     return dataclasses.replace(m, config=cfg, weights=weights)
 
