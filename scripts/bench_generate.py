@@ -5,10 +5,11 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--depth 0] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
         [--vram-budget GIB [--activation-dir DIR]]
-        [--llama_bench path/to/llama-bench [--threads 2]]
+        [--llama_bench path/to/llama-bench [--threads 2]] [--norepack]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
-repetition of the largest pp and of tg). With --llama_bench (a llama.cpp build you have; nothing is downloaded or
+repetition of the largest pp and of tg), and with --llama_bench llama.cpp's numbers and the ratios (llama_cpp_pp512,
+ratio_pp512, ...). --norepack keeps the weights in GGUF's rows (no repacked kernels), to compare. With --llama_bench (a llama.cpp build you have; nothing is downloaded or
 built here) llama-bench runs the same tests on the same model right after, and the ratios are printed: absolute
 numbers on shared machines are noisy, ratios measured in one run much less so. With --compare_dense, tg of the
 dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of weight
@@ -52,6 +53,8 @@ flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense
 flags.DEFINE_float("vram_budget", None, "also split the model under this device memory budget (GiB), as generate "
                    "--vram-budget, and compare its tg with the unsplit model's")
 flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budget (default: beside the model)")
+flags.DEFINE_bool("repack", True, "repack weights eight rows to a group where the plan does (repack.py); "
+                  "--norepack keeps GGUF's rows, to compare")
 FLAGS = flags.FLAGS
 
 
@@ -215,7 +218,7 @@ def main(argv):
         raise JaxinferError("--compare_dense counts the neurons of the generated tokens: use it without --depth")
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
-    dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type)
+    dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     results = {}
@@ -232,6 +235,7 @@ def main(argv):
         for test, ours in results.items():
             if test in llama:
                 print(f"{test}: jaxinfer {ours:.1f} / llama.cpp {llama[test]:.1f} tokens/s = {ours / llama[test]:.2f}x")
+                comparison |= {f"llama_cpp_{test}": llama[test], f"ratio_{test}": ours / llama[test]}
     if FLAGS.json:
         largest_pp = max(int(p) for p in FLAGS.pp)
         print(json.dumps({"model": m.path, "backend": m.config.plan.backend,
