@@ -13,8 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import (activation_profile, attention, hybrid, model, placement, programs, quant, repack, sharding,
-                      sparsity)
+from jaxinfer import activation_profile, attention, hybrid, model, placement, programs, quant, sharding, sparsity
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -70,34 +69,33 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
     shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity). `repack`
     False keeps every weight in GGUF's rows where the plan would repack them (repack.py), for comparisons."""
-    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp)
-    if not repack:
-        m = dataclasses.replace(m, config=m.config.replan(repack=False))
-    return _placed(m)
+    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp, repack=repack))
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
-                dp: int) -> LoadedModel:
-    """load_model's model before its weights are placed on the plan's devices (`_placed`). Over several processes
-    the weights stay views of the file, so that each process reads only its own shards."""
+                dp: int, repack: bool = True, repack_ffn: bool = True) -> LoadedModel:
+    """load_model's model before its weights are placed on the plan's devices (`_placed`), repacked where the plan
+    says unless `repack` is False (the FFN's only with `repack_ffn`; repack.py). Over several processes the weights
+    stay views of the file, so that each process reads only its own shards."""
     if cache_type not in CACHE_TYPES:
         raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
-    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib, tp, dp), cache_type=cache_type)
+    plan = make_plan(attn_max_batch_mib, tp, dp)
+    plan = plan if repack else dataclasses.replace(plan, repack=False)
+    cfg = dataclasses.replace(load_config(gguf), plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)
-    weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1)
+    weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1, repack_ffn=repack_ffn)
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
 
 
-def _placed(m: LoadedModel, repack_ffn: bool = True) -> LoadedModel:
-    """`m` with its weights repacked where its plan says (repack.py; the FFN's only with `repack_ffn`) and placed on
-    its plan's devices (sharding.shard_weights), the time it took counted in its load_seconds."""
+def _placed(m: LoadedModel) -> LoadedModel:
+    """`m` with its weights placed on its plan's devices (sharding.shard_weights), the time it took counted in its
+    load_seconds."""
     start = time.perf_counter()
-    weights = repack.repack_weights(m.weights, m.config.plan, ffn=repack_ffn)
-    weights = jax.block_until_ready(sharding.shard_weights(weights, m.config))
+    weights = jax.block_until_ready(sharding.shard_weights(m.weights, m.config))
     return dataclasses.replace(m, weights=weights, load_seconds=m.load_seconds + time.perf_counter() - start)
 
 
@@ -117,10 +115,12 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     for flag, count in (("--tp", tp), ("--dp", dp)):
         if count > 1 and vram_budget_gib is not None:
             raise JaxinferError(f"{flag} {count} does not combine with a hot/cold split (--vram-budget) yet")
-    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp)
+    # A dense FFN that stays whole is repacked as it is read; a sparse or split one is read in GGUF's rows.
+    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp,
+                    repack_ffn=sparsity_spec.mode == "dense" and vram_budget_gib is None)
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
-    m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file), repack_ffn=vram_budget_gib is None)
+    m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file))
     if loaded is not None:
         loaded(m)
     if vram_budget_gib is not None:

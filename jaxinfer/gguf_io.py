@@ -2,7 +2,9 @@
 
 Tensors go to JAX in their stored format (quantized blocks stay blocks). On the CPU backend `jax.device_put` of a
 64-byte-aligned read-only numpy view is zero-copy, so most weights are served straight from the file mapping, as
-llama.cpp's mmap does; the rest are copied once. Loaded `on_host`, the weights stay numpy views of the file
+llama.cpp's mmap does; the rest are copied once, and those the plan repacks (repack.py) are written once into their
+new layout; the file's pages under a copied or repacked weight are then let go, so that the process holds each
+weight once. Loaded `on_host`, the weights stay numpy views of the file
 mapping, read only where they are placed: a process of a run over several reads just its own shards
 (sharding.shard_weights, distributed.global_array).
 """
@@ -14,6 +16,7 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from jaxinfer import distributed, quant, repack
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
@@ -106,39 +109,55 @@ def load_vector(gguf: GGUFFile, name: str, on_host: bool = False):
     return data if on_host else jax.device_put(data)
 
 
-def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False) -> QuantArray:
+def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False,
+                packs=lambda w: False) -> QuantArray:
     """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
-    view."""
+    view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs)."""
     t = gguf.tensors[name]
-    w = from_gguf_data(np.asarray(t.data), GGMLQuantizationType(t.tensor_type), tensor_shape(gguf, name, 2))
-    return QuantArray(w.data if on_host else jax.device_put(w.data), w.qtype, w.shape, exact)
+    view = np.asarray(t.data)
+    w = from_gguf_data(view, GGMLQuantizationType(t.tensor_type), tensor_shape(gguf, name, 2))
+    w = QuantArray(w.data, w.qtype, w.shape, exact)
+    if on_host:
+        return w
+    placed = quant.pack_rows_x8(w) if packs(w) else dataclasses.replace(w, data=jax.device_put(w.data))
+    if placed.data.unsafe_buffer_pointer() != view.ctypes.data:  # copied or repacked: the mapping is not read again
+        jax.block_until_ready(placed.data)  # once the copy has read it
+        distributed.release_pages(view)
+    return placed
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
-    def matrix(tensor):
-        return load_matrix(gguf, name(tensor), exact, on_host)
+    def matrix(tensor, field=None):
+        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w))
 
     def optional(tensor):
         return matrix(tensor) if name(tensor) in gguf.tensors else None
 
-    tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor)
+    tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor, field)
                for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
-    down = None if down_t is not None else matrix("ffn_down")
+    down = None if down_t is not None else matrix("ffn_down", "ffn_down")
     return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"))
 
 
-def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False) -> Weights:
+def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False,
+                 repack_ffn: bool = True) -> Weights:
     """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels. Every
     tensor is checked against `cfg` first. `on_host`: the arrays are the file's numpy views, for the caller to
-    place (nothing is read yet)."""
+    place (nothing is read yet). Weights are repacked where cfg.plan says (repack.packs; the FFN's only with
+    `repack_ffn`: not for a model about to be made sparse or split)."""
     check_tensors(gguf, cfg)
+
+    def packs(field, w):
+        return repack.packs(field, w, cfg.plan, repack_ffn)
+
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host)
-    layers = [_load_layer(gguf, i, exact, on_host) for i in range(cfg.n_layer)]
-    output = load_matrix(gguf, "output.weight", exact, on_host) if "output.weight" in gguf.tensors else token_embd
+    layers = [_load_layer(gguf, i, exact, on_host, packs) for i in range(cfg.n_layer)]
+    output = (load_matrix(gguf, "output.weight", exact, on_host, lambda w: packs(repack.OUTPUT, w))
+              if "output.weight" in gguf.tensors else token_embd)
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
 
 

@@ -397,26 +397,45 @@ def can_pack_rows_x8(w: QuantArray) -> bool:
     return w.layout == ROW_BLOCKS and w.qtype in REPACKED_TYPES and not w.exact
 
 
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] starting on a 64-byte boundary: what XLA's CPU client takes without a copy (jax.device_put)."""
+    buffer = np.empty(nbytes + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    return buffer[start : start + nbytes]
+
+
+def _fill_groups(out: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """out [g, b, group block bytes] = the groups of blocks [8 g, b, type_size] (rows in order), drawn above."""
+    groups, n_blocks, _ = out.shape
+    scale_bytes, chunks = _x8_parts(qtype)
+    rows = blocks.reshape(groups, INTERLEAVE, n_blocks, -1)
+    for i in range(0, scale_bytes, 2):  # [g, b, 8 rows, 2 bytes]: one f16 of each row
+        out[..., 8 * i : 8 * i + 16].reshape(groups, n_blocks, INTERLEAVE, 2)[...] = \
+            rows[..., i : i + 2].transpose(0, 2, 1, 3)
+    q = out[..., 8 * scale_bytes :].reshape(groups, n_blocks, chunks, INTERLEAVE, 4)
+    q[...] = rows[..., scale_bytes:].reshape(groups, INTERLEAVE, n_blocks, chunks, 4).transpose(0, 2, 3, 1, 4)
+    if qtype == GGMLQuantizationType.Q8_0:
+        np.bitwise_xor(q, np.uint8(0x80), out=q)
+
+
 def pack_rows_x8(w: QuantArray) -> QuantArray:
-    """A Q4_0/Q4_1/Q8_0/IQ4_NL weight in GGUF's rows -> the same weight of layout ROWS_X8 (see above), in numpy: made
-    once at load, where the rows are dropped after."""
+    """A Q4_0/Q4_1/Q8_0/IQ4_NL weight in GGUF's rows (numpy, a view of the file, or a jax array) -> the same weight of
+    layout ROWS_X8 (see above). Made once at load straight from the file (gguf_io): the result is written in place
+    into one new buffer that XLA takes without a copy, so the weight is held once."""
     if not can_pack_rows_x8(w):
         raise ValueError(f"cannot repack a {w.qtype.name} {w.layout} weight (exact={w.exact}) in groups of eight "
                          f"rows: {sorted(t.name for t in REPACKED_TYPES)} in GGUF's rows, not exact")
     rows, cols = w.shape
-    scale_bytes, chunks = _x8_parts(w.qtype)
     n_blocks, type_size, groups = cols // 32, GGML_QUANT_SIZES[w.qtype][1], -(-rows // INTERLEAVE)
-    blocks = np.asarray(jax.device_get(w.data)).reshape(rows, n_blocks, type_size)
-    if groups * INTERLEAVE != rows:
-        blocks = np.concatenate([blocks, np.zeros((groups * INTERLEAVE - rows, n_blocks, type_size), np.uint8)])
-    blocks = blocks.reshape(groups, INTERLEAVE, n_blocks, type_size).transpose(0, 2, 1, 3)  # [g, b, 8 rows, bytes]
-    scales = [blocks[..., i : i + 2].reshape(groups, n_blocks, 2 * INTERLEAVE) for i in range(0, scale_bytes, 2)]
-    qs = blocks[..., scale_bytes:]
-    if w.qtype == GGMLQuantizationType.Q8_0:
-        qs = qs ^ np.uint8(0x80)
-    chunked = qs.reshape(groups, n_blocks, INTERLEAVE, chunks, 4).transpose(0, 1, 3, 2, 4)  # [g, b, chunk, row, 4]
-    packed = np.concatenate([*scales, chunked.reshape(groups, n_blocks, -1)], axis=2).reshape(groups, -1)
-    return QuantArray(jnp.asarray(packed), w.qtype, w.shape, layout=ROWS_X8)
+    blocks = np.asarray(w.data).reshape(rows, n_blocks, type_size)
+    out = _aligned_empty(groups * INTERLEAVE * n_blocks * type_size).reshape(groups, n_blocks, -1)
+    whole = rows // INTERLEAVE
+    _fill_groups(out[:whole], blocks[: whole * INTERLEAVE], w.qtype)
+    if whole < groups:  # the last group's rows past `rows` are zero blocks
+        padded = np.zeros((INTERLEAVE, n_blocks, type_size), np.uint8)
+        padded[: rows - whole * INTERLEAVE] = blocks[whole * INTERLEAVE :]
+        _fill_groups(out[whole:], padded, w.qtype)
+    return QuantArray(jax.device_put(out.reshape(groups, -1)), w.qtype, w.shape, layout=ROWS_X8)
 
 
 def unpack_rows_x8(w: QuantArray) -> QuantArray:

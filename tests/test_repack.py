@@ -83,20 +83,22 @@ def test_what_is_not_repacked(make_model):
 
 
 def test_under_tensor_parallelism_rows_cut_on_whole_groups_only(make_model):
-    """Cut 4 ways, gate/up's 96 rows are 24 a device, three groups: repacked; the output head's 263 rows are not
-    whole groups a device: kept; columns (attention output, down) are cut on whole blocks of every group."""
+    """Cut 4 ways, gate/up's 96 rows are 24 a device, three groups: repacked; an output head of 264 rows is not
+    whole groups a device (66): kept; columns (attention output, down) are cut on whole blocks of every group."""
     m = engine.load_model(make_model(weight_type=Q.Q8_0, **{**SHAPE, "n_vocab": 264}), repack=False)
     plan = dataclasses.replace(m.config.plan, repack=True, tp=4)
-    weights = repack.repack_weights(m.weights, plan)
-    layer = weights.layers[0]
-    assert (layer.ffn_gate.layout, layer.attn_output.layout, layer.ffn_down.layout) == (ROWS_X8,) * 3
-    assert weights.output.layout == ROW_BLOCKS  # 264 / 4 = 66 rows a device
-    assert repack.repack_weights(m.weights, dataclasses.replace(plan, tp=2)).output.layout == ROW_BLOCKS
+    layer = m.weights.layers[0]
+    assert all(repack.packs(name, getattr(layer, name), plan) for name in ("ffn_gate", "attn_output", "ffn_down"))
+    assert not repack.packs(repack.OUTPUT, m.weights.output, plan)
+    assert not repack.packs(repack.OUTPUT, m.weights.output, dataclasses.replace(plan, tp=2))  # 132 rows a device
+    assert repack.packs(repack.OUTPUT, m.weights.output, dataclasses.replace(plan, tp=1))  # padded
+    assert not repack.packs("ffn_gate", layer.ffn_gate, plan, ffn=False)
+    assert not repack.packs("ffn_gate", layer.ffn_gate, dataclasses.replace(plan, repack=False))
 
 
 def test_a_repacked_model_made_sparse_reads_the_rows_back(make_model):
-    """sparsity.apply after load (scripts that compare modes) gets the FFN's rows back without rounding; a split
-    keeps them (build_model repacks the FFN only without one)."""
+    """sparsity.apply after load (scripts that compare modes) gets the FFN's rows back without rounding; build_model
+    reads a sparse FFN in rows."""
     path = make_model(weight_type=Q.Q4_0, **SHAPE)
     on, off = engine.load_model(path), engine.load_model(path, repack=False)
     rows = repack.ffn_rows(on.weights.layers[0])
@@ -111,3 +113,6 @@ def test_a_repacked_model_made_sparse_reads_the_rows_back(make_model):
     np.testing.assert_allclose(forward_logits(sparse_on, tokens), forward_logits(sparse_off, tokens), rtol=0,
                                atol=2e-2 * np.abs(forward_logits(sparse_off, tokens)).max())
     assert sparse_on.weights.layers[0].attn_q.layout == ROWS_X8
+    built = engine.build_model(path, sparsity_spec=spec).weights.layers[0]
+    assert (built.attn_q.layout, built.ffn_gate.layout, built.ffn_down_t.layout) == (ROWS_X8, ROW_BLOCKS,
+                                                                                    quant.NEURON_MAJOR)
