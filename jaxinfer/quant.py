@@ -430,7 +430,8 @@ def pack_rows_x8(w: QuantArray) -> QuantArray:
     blocks = np.asarray(w.data).reshape(rows, n_blocks, type_size)
     out = _aligned_empty(groups * INTERLEAVE * n_blocks * type_size).reshape(groups, n_blocks, -1)
     whole = rows // INTERLEAVE
-    _fill_groups(out[:whole], blocks[: whole * INTERLEAVE], w.qtype)
+    if whole:
+        _fill_groups(out[:whole], blocks[: whole * INTERLEAVE], w.qtype)
     if whole < groups:  # the last group's rows past `rows` are zero blocks
         padded = np.zeros((INTERLEAVE, n_blocks, type_size), np.uint8)
         padded[: rows - whole * INTERLEAVE] = blocks[whole * INTERLEAVE :]
