@@ -5,6 +5,10 @@ in) and dotted with the weight blocks in integers, as llama.cpp's CPU backend do
 activation blocks (their sub-blocks). F16/F32 weights are dotted in f32 without quantizing the activations. That
 8-bit rounding makes results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
 
+Weights repacked eight rows to a group (`jaxinfer.quant.pack_rows_x8`, Q4_0/Q4_1/Q8_0/IQ4_NL: REPACKED_TYPES) take
+`quantized_matmul(..., interleave=8)`: kernels tiled over rows x tokens (one vpdpbusd adds eight or sixteen rows'
+partial dots), for prompts of any length and decode, with the portable row kernels' bits.
+
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
 down projection stored transposed, one row per neuron; h stays f32, so these match their references to f32

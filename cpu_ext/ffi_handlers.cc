@@ -130,7 +130,9 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
             } else {
               kernels.four(group, xq + t * blocks, blocks, n, out);
             }
-            for (int j = 0; j < 4; ++j) std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
+            for (int j = 0; j < 4; ++j) {
+              std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
+            }
           }
           for (; t < t1; ++t) {
             for (int64_t h = 0; h < n_groups; ++h) {

@@ -446,7 +446,7 @@ def unpack_rows_x8(w: QuantArray) -> QuantArray:
     scale_bytes, chunks = _x8_parts(w.qtype)
     n_blocks, groups = cols // 32, w.data.shape[0]
     data = w.data.reshape(groups, n_blocks, -1)
-    scales = [data[..., i * 16 : (i + 1) * 16].reshape(groups, n_blocks, INTERLEAVE, 2) for i in range(scale_bytes // 2)]
+    scales = [data[..., 8 * i : 8 * i + 16].reshape(groups, n_blocks, INTERLEAVE, 2) for i in range(0, scale_bytes, 2)]
     qs = data[..., 8 * scale_bytes :].reshape(groups, n_blocks, chunks, INTERLEAVE, 4).transpose(0, 1, 3, 2, 4)
     qs = qs.reshape(groups, n_blocks, INTERLEAVE, 4 * chunks)
     if w.qtype == GGMLQuantizationType.Q8_0:
@@ -470,7 +470,9 @@ CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantization
 # further: up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x
 # at 1 token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
 CPU_KERNEL_MAX_TOKENS = 128
-# Repacked weights (ROWS_X8) take their kernels for any number of tokens: MEASURED_CROSSOVER_PLACEHOLDER
+# Repacked weights (ROWS_X8) take their kernels for any number of tokens (None: no limit): tiled over rows x tokens
+# they beat dequantize + XLA's GEMM at every length measured, 1 to 2048 tokens a call
+# (scripts/bench_repacked_kernels.py; README, CPU kernels).
 MAX_TOKENS = {ROW_BLOCKS: CPU_KERNEL_MAX_TOKENS, ROWS_X8: None, NEURON_MAJOR: CPU_KERNEL_MAX_TOKENS}
 
 

@@ -9,15 +9,16 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
 repetition of the largest pp and of tg), and with --llama_bench llama.cpp's numbers and the ratios (llama_cpp_pp512,
-ratio_pp512, ...). --norepack keeps the weights in GGUF's rows (no repacked kernels), to compare. With --llama_bench (a llama.cpp build you have; nothing is downloaded or
-built here) llama-bench runs the same tests on the same model right after, and the ratios are printed: absolute
-numbers on shared machines are noisy, ratios measured in one run much less so. With --compare_dense, tg of the
-dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of weight
-bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp and tg
-run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed deep
-into a long context, where attention reads the cache. With --vram-budget the model is also split between device
-and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and tg of
-the unsplit and the split model are timed alternately and compared.
+ratio_pp512, ...). --norepack keeps the weights in GGUF's rows (no repacked kernels), to compare. With --llama_bench
+(a llama.cpp build you have; nothing is downloaded or built here) llama-bench runs the same tests on the same model
+right after, and the ratios are printed: absolute numbers on shared machines are noisy, ratios measured in one run
+much less so. With --compare_dense, tg of the dense model and of the --sparsity one are timed alternately, and the
+speed-up is set against the share of weight bytes a decode step skips (counted from the neurons active on the
+generated tokens). With --depth D both pp and tg run after D tokens are already in the KV cache (llama-bench's -d,
+which --llama_bench passes on): the speed deep into a long context, where attention reads the cache. With
+--vram-budget the model is also split between device and host memory as generate splits it (its activation profile
+is needed: python -m jaxinfer.profile), and tg of the unsplit and the split model are timed alternately and
+compared.
 """
 
 import json
