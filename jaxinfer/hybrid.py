@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from jaxinfer import model
+from jaxinfer import model, repack
 from jaxinfer.config import Config
 from jaxinfer.placement import ModelCosts
 from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, ROW_BLOCKS, QuantArray, tree_nbytes
@@ -104,9 +104,11 @@ def placement_costs(weights: model.Weights, cfg: Config, kv_bytes: int) -> Model
 
 
 def ffn_part(layer: model.Layer, rows: np.ndarray, on_host: bool = False) -> FFNPart | None:
-    """The layer's FFN neurons `rows` (whole units of unit_neurons) as a part; None for no rows."""
+    """The layer's FFN neurons `rows` (whole units of unit_neurons) as a part; None for no rows. An FFN repacked at
+    load is read in GGUF's rows (repack.ffn_rows): a part is rows."""
     if len(rows) == 0:
         return None
+    layer = repack.ffn_rows(layer)
     unit = unit_neurons(layer)
     starts = rows[::unit]
     if len(rows) % unit or np.any(starts % unit) or np.any(rows.reshape(-1, unit) != starts[:, None] + np.arange(unit)):

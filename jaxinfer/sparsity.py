@@ -140,8 +140,7 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
         m = dataclasses.replace(m, thresholds_path=thresholds_file or thresholds_path(m.path))
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
-        layers = [with_transposed_down(repack.ffn_rows(layer), down_t_type, packs_neuron_major(spec, cfg.plan))
-                  for layer in layers]
+        layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec, cfg.plan)) for layer in layers]
     weights = dataclasses.replace(m.weights, layers=layers)
     return dataclasses.replace(m, config=cfg, weights=weights)
 
@@ -157,7 +156,9 @@ def with_transposed_down(layer, qtype=None, pack: bool = True):
     """The layer with its down projection stored one row per neuron (ffn_down_t, as PowerInfer files have it), so
     the rows of inactive neurons need not be read: with `pack`, a Q4_0/Q4_1/Q8_0 one repacked neuron-major, without
     rounding (quant.pack_neuron_major), unless `qtype` asks for a transposed copy; otherwise transposed
-    (quant.transpose, for what that costs in accuracy)."""
+    (quant.transpose, for what that costs in accuracy). An FFN repacked at load for dense products is read back in
+    GGUF's rows first (repack.ffn_rows): the row-sparse kernels read rows."""
+    layer = repack.ffn_rows(layer)
     if layer.ffn_down_t is not None:
         return layer
     if pack and qtype is None and quant.can_pack_neuron_major(layer.ffn_down):
