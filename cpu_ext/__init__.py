@@ -3,7 +3,12 @@
 The activations are quantized to 8 bits per 32-value block (an f32 scale and the block sums that fold weight offsets
 in) and dotted with the weight blocks in integers, as llama.cpp's CPU backend does; K-quants and the ternary TQ1_0 and
 TQ2_0 use 256-value activation blocks (llama.cpp's Q8_K), I2_S BitNet's per-token int8 (one scale a row, see
-cpu_ext/ternary.h). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
+cpu_ext/ternary.h). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes
+results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
+
+Weights repacked eight rows to a group (`jaxinfer.quant.pack_rows_x8`, Q4_0/Q4_1/Q8_0/IQ4_NL: REPACKED_TYPES) take
+`quantized_matmul(..., interleave=8)`: kernels tiled over rows x tokens (one vpdpbusd adds eight or sixteen rows'
+partial dots), for prompts of any length and decode, with the portable row kernels' bits.
 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
@@ -21,6 +26,7 @@ cpu_ext/build`, for machines without network access).
 """
 
 import ctypes
+import enum
 import functools
 import pathlib
 import sys
@@ -33,12 +39,15 @@ from gguf import GGMLQuantizationType
 _LIBRARY = "libjaxinfer_cpu.so"
 # Microsoft BitNet's I2_S, a type id gguf-py does not know (jaxinfer.ternary.I2_S): rows a multiple of 256 values, its
 # activations rounded to int8 with one scale per token (BitNet's absmax), its per-tensor scale left to the caller.
-I2_S = 36
+I2_S = enum.IntEnum("BitNetType", {"I2_S": 36}).I2_S  # named, and equal to jaxinfer.ternary.I2_S
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[name]
     for name in ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
                  "IQ4_XS", "TQ1_0", "TQ2_0")
 ) | {I2_S}
+# The types the repacked kernels read (quantized_matmul's interleave 8; jaxinfer.quant.pack_rows_x8 lays them out,
+# qmatmul.h draws the layout).
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
 # The types neuron_major_axpy reads, packed as jaxinfer.quant.pack_neuron_major lays them out (qmatmul.h,
 # NeuronLayout).
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
@@ -179,11 +188,16 @@ def _index(op: str, index) -> jax.Array:
     return index if index.dtype.itemsize >= 4 else index.astype(jnp.int32)
 
 
-def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationType, rows: int, cols: int) -> jax.Array:
+def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationType, rows: int, cols: int,
+                     interleave: int = 1) -> jax.Array:
     """x [..., cols] · Wᵀ -> f32 [..., rows], W given as `QuantArray.data`: uint8 blocks [rows, cols / block_size *
-    type_size], or f16/f32 [rows, cols]. Raises on shapes, byte counts or types the kernels do not take."""
+    type_size], or f16/f32 [rows, cols]; with `interleave` 8, a Q4_0/Q4_1/Q8_0/IQ4_NL W repacked eight rows to a group
+    (`jaxinfer.quant.pack_rows_x8`, REPACKED_TYPES): uint8 [ceil(rows / 8), 8 * cols / 32 * type_size], dotted by the
+    repacked kernels, which give the portable row kernels' bits for any number of tokens. Raises on shapes, byte
+    counts or types the kernels do not take."""
     qtype = _check_type("quantized_matmul", qtype)
-    return _batched_call("quantized_matmul", qtype, int(rows), int(cols))(jnp.asarray(x, jnp.float32), data)
+    call = _batched_call("quantized_matmul", qtype, int(rows), int(cols), interleave=int(interleave))
+    return call(jnp.asarray(x, jnp.float32), data)
 
 
 def quantized_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -192,26 +206,28 @@ def quantized_matmul_reference(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 @functools.cache
-def _group_call(qtype: GGMLQuantizationType, rows: tuple[int, ...], cols: int):
+def _group_call(qtype: GGMLQuantizationType, rows: tuple[int, ...], cols: int, interleave: int):
     """The FFI call of quantized_matmul_group for one tuple of weight shapes, batched by _token_batched (x is the
     one token arg)."""
 
     def call(x, *datas):
         outs = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + (r,), jnp.float32) for r in rows)
-        attrs = dict(qtype=np.int64(int(qtype)), rows=np.array(rows, np.int64), cols=np.int64(cols))
+        attrs = dict(qtype=np.int64(int(qtype)), rows=np.array(rows, np.int64), cols=np.int64(cols),
+                     interleave=np.int64(interleave))
         return tuple(jax.ffi.ffi_call("jaxinfer_quantized_matmul_group", outs)(x, *datas, **attrs))
 
     return _token_batched(call, (True,) + (False,) * len(rows), (True,) * len(rows))
 
 
-def quantized_matmul_group(x: jax.Array, datas, *, qtype: GGMLQuantizationType, rows, cols: int) -> list[jax.Array]:
-    """[quantized_matmul(x, datas[i], rows=rows[i]) ...] in one call, for weights of one type and input size (a
-    layer's q/k/v, or gate/up): x is quantized once and the rows of all the weights are split over the threads
-    together. Gives the same bits as the separate calls."""
+def quantized_matmul_group(x: jax.Array, datas, *, qtype: GGMLQuantizationType, rows, cols: int,
+                           interleave: int = 1) -> list[jax.Array]:
+    """[quantized_matmul(x, datas[i], rows=rows[i], interleave=interleave) ...] in one call, for weights of one type,
+    input size and layout (a layer's q/k/v, or gate/up): x is quantized once and the rows of all the weights are
+    split over the threads together. Gives the same bits as the separate calls."""
     qtype = _check_type("quantized_matmul_group", qtype)
     if len(datas) != len(rows):
         raise ValueError(f"cpu_ext.quantized_matmul_group: {len(datas)} weights but {len(rows)} row counts")
-    call = _group_call(qtype, tuple(int(r) for r in rows), int(cols))
+    call = _group_call(qtype, tuple(int(r) for r in rows), int(cols), int(interleave))
     return list(call(jnp.asarray(x, jnp.float32), *datas))
 
 

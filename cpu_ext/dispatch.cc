@@ -40,6 +40,10 @@ Kernels complete(Kernels k) {
   for (auto field : {&Kernels::neuron_block_q4_0, &Kernels::neuron_block_q4_1, &Kernels::neuron_block_q8_0}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
+  for (auto field : {&Kernels::x8_q8_0, &Kernels::x8_q4_0, &Kernels::x8_q4_1, &Kernels::x8_iq4_nl,
+                     &Kernels::x8_q8_0_x4, &Kernels::x8_q4_0_x4, &Kernels::x8_q4_1_x4, &Kernels::x8_iq4_nl_x4}) {
+    if (k.*field == nullptr) k.*field = s.*field;
+  }
   return k;
 }
 

@@ -2,6 +2,8 @@
 // and the same for a group of weights sharing x, type and cols (a layer's q/k/v, or gate/up): one call quantizes x
 // once and splits the rows of all of them over the threads, instead of paying a call, a quantization and a thread
 // hand-off per weight (the default model's decode: 4.9 -> 4.2 ms per token for 4 calls per layer instead of 7).
+// The weights come as GGUF rows (attribute interleave = 1) or repacked eight rows to a group (interleave = 8,
+// qmatmul.h, jaxinfer.quant.pack_rows_x8), which the repacked kernels dot with any number of tokens.
 #include <string>
 
 #include "ffi_common.h"
@@ -70,6 +72,107 @@ void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products,
   });
 }
 
+// The repacked kernels of a 32-value block type (qmatmul.h) in this kernel set; `found` false where it has none.
+struct X8Kernels {
+  bool found = true;
+  RepackedDots one = nullptr, four = nullptr;
+  RepackedDots2 two_groups = nullptr;  // null where the set has none
+};
+
+X8Kernels x8_kernels(const Kernels& k, int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: return {true, k.x8_q4_0, k.x8_q4_0_x4, k.x16_q4_0_x4};
+    case kQ4_1: return {true, k.x8_q4_1, k.x8_q4_1_x4, k.x16_q4_1_x4};
+    case kQ8_0: return {true, k.x8_q8_0, k.x8_q8_0_x4, k.x16_q8_0_x4};
+    case kIQ4_NL: return {true, k.x8_iq4_nl, k.x8_iq4_nl_x4, k.x16_iq4_nl_x4};
+    default: return {false};
+  }
+}
+
+// Activation bytes of the tokens a task dots with each group before moving on: they stay in L2 (1 MiB a core on
+// Zen 4, the weights' groups beside them) while the task's groups stream past, instead of every token's blocks
+// coming from L3 once per group.
+constexpr int64_t kTokenChunkBytes = 384 * 1024;
+
+// ys = x · Wᵀ for repacked weights: each task is a band of groups (eight rows each), counted across the products in
+// order, for all m tokens, kTokenChunkBytes of activations at a time, four tokens per kernel call (then one).
+void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const BlockQ8* xq, int64_t blocks,
+                 int64_t cols, const Product* products, size_t n_products, int64_t m) {
+  const X8Kernels kernels = x8_kernels(k, qtype);
+  int64_t total = 0;  // groups
+  for (size_t i = 0; i < n_products; ++i) total += (products[i].rows + kInterleave - 1) / kInterleave;
+  const int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
+  const int64_t chunk = std::max<int64_t>(4, kTokenChunkBytes / (blocks * int64_t{sizeof(BlockQ8)}) / 4 * 4);
+  const int n = static_cast<int>(cols);
+  Product own[kMaxGroup];
+  std::copy(products, products + n_products, own);
+  parallel_for(pool, (total + band - 1) / band, [=](int64_t task) {
+    int64_t start = 0;  // first group of product i in the count across products
+    for (size_t i = 0; i < n_products; ++i) {
+      const Product& p = own[i];
+      const int64_t groups = (p.rows + kInterleave - 1) / kInterleave;
+      const int64_t g0 = std::max(task * band - start, int64_t{0}), g1 = std::min((task + 1) * band - start, groups);
+      start += groups;
+      const int64_t group_bytes = kInterleave * p.row_bytes;
+      for (int64_t t0 = 0; t0 < m; t0 += chunk) {
+        const int64_t t1 = std::min(m, t0 + chunk);
+        for (int64_t g = g0; g < g1;) {
+          const uint8_t* group = p.w + g * group_bytes;
+          const int64_t r0 = g * kInterleave;
+          // Two groups at a time where the kernel set has the kernel, for four tokens at a time.
+          const int64_t n_groups = kernels.two_groups != nullptr && g + 2 <= g1 && t1 - t0 >= 4 ? 2 : 1;
+          const int64_t width = n_groups * kInterleave, valid = std::min(width, p.rows - r0);
+          float out[4 * 2 * kInterleave];
+          int64_t t = t0;
+          for (; t + 4 <= t1; t += 4) {
+            if (n_groups == 2) {
+              kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);
+            } else {
+              kernels.four(group, xq + t * blocks, blocks, n, out);
+            }
+            for (int j = 0; j < 4; ++j) {
+              std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
+            }
+          }
+          for (; t < t1; ++t) {
+            for (int64_t h = 0; h < n_groups; ++h) {
+              kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n, out + h * kInterleave);
+            }
+            std::copy(out, out + valid, p.y + t * p.rows + r0);
+          }
+          g += n_groups;
+        }
+      }
+    }
+  });
+}
+
+// Checks W for its interleave: GGUF rows (1, check_weight), or groups of eight rows (8) of a type with repacked
+// kernels: u8 [ceil(rows / 8), 8 row_bytes]. Fills `info` and the bytes of one row as GGUF stores it.
+ffi::Error check_any_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,
+                            int64_t cols, int64_t interleave, TypeInfo* info, int64_t* row_bytes) {
+  if (interleave == 1) return check_weight(op, w, qtype, rows, cols, info, row_bytes);
+  if (interleave != kInterleave || !x8_kernels(best_kernels(), qtype).found) {
+    return ffi::Error::InvalidArgument(op + ": interleave must be 1, or 8 for Q4_0/Q4_1/Q8_0/IQ4_NL; got " +
+                                       std::to_string(interleave) + " for GGML type " + std::to_string(qtype));
+  }
+  type_info(qtype, info);
+  if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % kQK != 0 || cols > (int64_t{1} << 30)) {
+    return ffi::Error::InvalidArgument(op + ": rows=" + std::to_string(rows) + " must be positive and cols=" +
+                                       std::to_string(cols) + " a positive multiple of 32");
+  }
+  *row_bytes = cols / kQK * info->type_size;
+  const int64_t groups = (rows + kInterleave - 1) / kInterleave;
+  const auto dims = w.dimensions();
+  if (w.element_type() != ffi::DataType::U8 || dims.size() != 2 || dims[0] != groups ||
+      dims[1] != kInterleave * *row_bytes) {
+    return ffi::Error::InvalidArgument(op + ": a weight repacked in groups of eight rows must be u8 [" +
+                                       std::to_string(groups) + ", " + std::to_string(kInterleave * *row_bytes) +
+                                       "]");
+  }
+  return ffi::Error::Success();
+}
+
 // Checks x [..., cols] and returns the number of tokens m in *m.
 ffi::Error check_x(const std::string& op, const ffi::Buffer<ffi::F32>& x, int64_t cols, int64_t* m) {
   if (!tokens_of(x.dimensions(), cols, m)) {
@@ -85,25 +188,40 @@ ffi::Error check_output(const std::string& op, const ffi::AnyBuffer& y, int64_t 
   return ffi::Error::Success();
 }
 
+// Quantizes x and runs the products: multiply_x8 for repacked weights, else multiply.
+void run_products(ffi::ThreadPool& pool, const TypeInfo& info, int64_t qtype, int64_t interleave, const float* x,
+                  int64_t m, int64_t cols, const Product* products, size_t n) {
+  const Kernels& k = best_kernels();
+  Scratch& scratch = thread_scratch();
+  if (interleave == kInterleave) {
+    const int64_t blocks = cols / kQK;
+    const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, scratch.xq);
+    return multiply_x8(pool, k, qtype, xq, blocks, cols, products, n, m);
+  }
+  const RowDot dot(pool, k, info, x, m, cols, scratch);
+  multiply(pool, dot, products, n, m);
+}
+
 ffi::Error QuantizedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                               ffi::Result<ffi::AnyBuffer> y, int64_t qtype, int64_t rows, int64_t cols) {
+                               ffi::Result<ffi::AnyBuffer> y, int64_t qtype, int64_t rows, int64_t cols,
+                               int64_t interleave) {
   TypeInfo info;
   int64_t row_bytes, m;
-  if (ffi::Error error = check_weight("quantized_matmul", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
+  if (ffi::Error error = check_any_weight("quantized_matmul", w, qtype, rows, cols, interleave, &info, &row_bytes);
+      error.failure()) {
     return error;
   }
   if (ffi::Error error = check_x("quantized_matmul", x, cols, &m); error.failure()) return error;
   if (ffi::Error error = check_output("quantized_matmul", *y, m, rows); error.failure()) return error;
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch());
   const Product product{static_cast<const uint8_t*>(w.untyped_data()), row_bytes, rows,
                         static_cast<float*>(y->untyped_data())};
-  multiply(pool, dot, &product, 1, m);
+  run_products(pool, info, qtype, interleave, x.typed_data(), m, cols, &product, 1);
   return ffi::Error::Success();
 }
 
 ffi::Error QuantizedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
                                     ffi::RemainingRets ys, int64_t qtype, ffi::Span<const int64_t> rows,
-                                    int64_t cols) {
+                                    int64_t cols, int64_t interleave) {
   const std::string op = "quantized_matmul_group";
   const size_t n = ws.size();
   if (n == 0 || n > kMaxGroup || ys.size() != n || rows.size() != n) {
@@ -121,15 +239,15 @@ ffi::Error QuantizedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> 
     auto y = ys.get<ffi::AnyBuffer>(i);
     if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument(op + ": weights and outputs are buffers");
     int64_t row_bytes;
-    if (ffi::Error error = check_weight(op, *w, qtype, rows[i], cols, &info, &row_bytes); error.failure()) {
+    if (ffi::Error error = check_any_weight(op, *w, qtype, rows[i], cols, interleave, &info, &row_bytes);
+        error.failure()) {
       return error;
     }
     if (ffi::Error error = check_output(op, **y, m, rows[i]); error.failure()) return error;
     products[i] = {static_cast<const uint8_t*>(w->untyped_data()), row_bytes, rows[i],
                    static_cast<float*>((*y)->untyped_data())};
   }
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, thread_scratch());
-  multiply(pool, dot, products, n, m);
+  run_products(pool, info, qtype, interleave, x.typed_data(), m, cols, products, n);
   return ffi::Error::Success();
 }
 
@@ -140,11 +258,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmul, jaxinfer_cpu::QuantizedMatmulImpl
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., cols]
-                                  .Arg<ffi::AnyBuffer>()         // W: u8 blocks [rows, bytes] or f16/f32 [rows, cols]
+                                  .Arg<ffi::AnyBuffer>()         // W: u8 blocks [rows, bytes] or f16/f32 [rows, cols],
+                                                                 // or repacked u8 [ceil(rows / 8), 8 bytes]
                                   .Ret<ffi::AnyBuffer>()         // y [..., rows], f32
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("cols"));
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("interleave"));  // 1: GGUF rows; 8: groups of eight rows
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulGroup, jaxinfer_cpu::QuantizedMatmulGroupImpl,
                               ffi::Ffi::Bind()
@@ -154,4 +274,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulGroup, jaxinfer_cpu::QuantizedMatmu
                                   .RemainingRets()               // y_1 .. y_n [..., rows_i], f32
                                   .Attr<int64_t>("qtype")
                                   .Attr<ffi::Span<const int64_t>>("rows")
-                                  .Attr<int64_t>("cols"));
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("interleave"));

@@ -21,6 +21,10 @@ inline __m256i dot_u8s8(__m256i a, __m256i b) {
 // acc + int16 pair products summed into int32 lanes.
 inline __m256i madd_add(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 
+// acc + dot_u8s8(a, b); a must stay below 128, as for dot_u8s8 (repacked_x86.inc).
+inline __m256i dot_add_u8s8(__m256i acc, __m256i a, __m256i b) { return _mm256_add_epi32(acc, dot_u8s8(a, b)); }
+constexpr bool kWideUnsigned = false;
+
 // Byte i takes byte i / 8 of qh (a shuffle within each 128-bit half, both holding qh), keeps bit i % 8 of it, and
 // becomes 0x10 where that bit is set.
 inline __m256i fifth_bits(const uint8_t* qh) {
@@ -86,6 +90,7 @@ inline void add_to(float* y, F32x16 a, F32x16 b, __m128 offset) {
 }
 
 #include "kernels_x86.inc"
+#include "repacked_x86.inc"
 
 // The neuron-major down projection (NeuronBlockAxpy in qmatmul.h) without VBMI's byte permutes. A tile of 64 outputs
 // is two halves of 32 (Q4: low and high nibbles of a neuron's 32 bytes; Q8_0: its two 32-byte halves); per half, the
@@ -238,6 +243,14 @@ const Kernels& avx2_kernels() {
                             avx2::neuron_block_q4<false>,
                             avx2::neuron_block_q4<true>,
                             avx2::neuron_block_q8_0,
+                            avx2::x8_q8_0,
+                            avx2::x8_q4_0,
+                            avx2::x8_q4_1,
+                            avx2::x8_iq4_nl,
+                            avx2::x8_q8_0_x4,
+                            avx2::x8_q4_0_x4,
+                            avx2::x8_q4_1_x4,
+                            avx2::x8_iq4_nl_x4,
                             avx2::dot_q8_0_x4,
                             avx2::dot_q4_0_x4,
                             avx2::dot_q4_1_x4,

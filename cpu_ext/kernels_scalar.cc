@@ -403,6 +403,55 @@ void neuron_block_q8_0(const uint8_t* block, int d, const NeuronLayout& layout, 
   }
 }
 
+// Repacked groups (qmatmul.h): the q of element e of row r in block `blk` (after the scales), unsigned as stored.
+int x8_nibble(const uint8_t* q, int r, int e) {
+  const uint8_t byte = q[32 * (e % 16 / 4) + 4 * r + e % 4];
+  return e < 16 ? byte & 0x0F : byte >> 4;
+}
+
+// Per row and token, the portable row kernels' steps: Q4_0 (d x.d) (q·x - 8 S); Q8_0, IQ4_NL (d x.d) (v·x), here
+// (v + 128)·x - 128 S; Q4_1 x.d (d q·x + m S).
+enum class X8Format { kQ4_0, kQ4_1, kQ8_0, kIQ4_NL };
+
+template <X8Format F, int N>
+void x8_dots(const uint8_t* group, const BlockQ8* x, int64_t stride, int n, float* out) {
+  constexpr bool kHasMin = F == X8Format::kQ4_1;
+  constexpr int kScaleBytes = kHasMin ? 32 : 16, kBlockBytes = F == X8Format::kQ8_0 ? 272 : kScaleBytes + 128;
+  constexpr int kOffset = F == X8Format::kQ4_0 ? -8 : F == X8Format::kQ4_1 ? 0 : -128;
+  for (int i = 0; i < N; ++i) {
+    for (int r = 0; r < kInterleave; ++r) {
+      float total = 0.0f;
+      for (int b = 0; b < n / kQK; ++b) {
+        const uint8_t* blk = group + b * kBlockBytes;
+        const uint8_t* q = blk + kScaleBytes;
+        const BlockQ8& xb = x[i * stride + b];
+        const int sum = xb.sum[0] + xb.sum[1];
+        int dot = kOffset * sum;
+        for (int e = 0; e < kQK; ++e) {
+          int v;
+          if constexpr (F == X8Format::kQ8_0) {
+            v = q[32 * (e / 4) + 4 * r + e % 4];
+          } else if constexpr (F == X8Format::kIQ4_NL) {
+            v = kIq4Values[x8_nibble(q, r, e)] + 128;
+          } else {
+            v = x8_nibble(q, r, e);
+          }
+          dot += v * xb.qs[e];
+        }
+        uint16_t d, m;
+        std::memcpy(&d, blk + 2 * r, 2);
+        if constexpr (kHasMin) {
+          std::memcpy(&m, blk + 16 + 2 * r, 2);
+          total += xb.d * (fp16_to_f32(d) * (float)dot + fp16_to_f32(m) * (float)sum);
+        } else {
+          total += fp16_to_f32(d) * xb.d * (float)dot;
+        }
+      }
+      out[kInterleave * i + r] = total;
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() {
@@ -439,7 +488,15 @@ const Kernels& scalar_kernels() {
                             axpy<1, sizeof(float), dequantize_f32>,
                             neuron_block_q4<false>,
                             neuron_block_q4<true>,
-                            neuron_block_q8_0};
+                            neuron_block_q8_0,
+                            x8_dots<X8Format::kQ8_0, 1>,
+                            x8_dots<X8Format::kQ4_0, 1>,
+                            x8_dots<X8Format::kQ4_1, 1>,
+                            x8_dots<X8Format::kIQ4_NL, 1>,
+                            x8_dots<X8Format::kQ8_0, 4>,
+                            x8_dots<X8Format::kQ4_0, 4>,
+                            x8_dots<X8Format::kQ4_1, 4>,
+                            x8_dots<X8Format::kIQ4_NL, 4>};
   return k;
 }
 

@@ -209,6 +209,38 @@ inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronL
   return n;
 }
 
+// Repacked weights for prompts and decode (jaxinfer.quant.pack_rows_x8, made once at load): row by row, a dot is
+// bound by unpacking each block for a few tokens; with eight rows' blocks side by side, one 256-bit vector holds four
+// consecutive q of each of eight rows, and one vpdpbusd against four activations broadcast to every lane adds eight
+// rows' partial dots (llama.cpp's repacked block_q4_0x8 idea, with its own layout). A Q4_0/Q4_1/Q8_0/IQ4_NL weight
+// [rows, cols] becomes ceil(rows / 8) groups of eight rows (the last one padded with zero blocks), each group one run
+// of bytes, its blocks in order:
+//
+//   group     = block 0 | block 1 | ... | block cols/32 - 1             (the eight rows' blocks b, side by side)
+//   Q4_0, IQ4_NL: 144 bytes  | d: f16[8] |           chunk 0 | chunk 1 | chunk 2 | chunk 3 |
+//   Q4_1:         160 bytes  | d: f16[8] | m: f16[8] | chunk 0 | chunk 1 | chunk 2 | chunk 3 |
+//   Q8_0:         272 bytes  | d: f16[8] |           chunk 0 | ... | chunk 7 |
+//   chunk c   = | row 0: 4 bytes | row 1: 4 bytes | ... | row 7: 4 bytes |      (32 bytes: one vector, lane r = row r)
+//     Q4_0/Q4_1/IQ4_NL: row r's qs bytes 4c .. 4c+3 as stored (byte i: element i low nibble, element i + 16 high),
+//                       so that the low nibbles are elements 4c .. 4c+3 and the high ones 16+4c .. 16+4c+3
+//     Q8_0:             row r's q of elements 4c .. 4c+3, each + 128 (unsigned, as vpdpbusd takes it)
+//
+// Scales come eight at a time, one f16 vector: one multiply scales the eight rows' dots of a block. The weight
+// offsets enter as integers: the dot of a block starts from -8 S (Q4_0: q - 8) or -128 S (Q8_0, IQ4_NL: stored +128;
+// the IQ4 table is read + 128), S the block's activation sum, so the integer dot is the row kernels' exactly; Q4_1
+// adds m S. The float steps are those of the portable row kernels, per row and block in order, with no fused
+// multiply-add: every ISA's repacked kernels, for one token or four, give the portable row kernels' bits.
+// Every 32-value block type of the Kernels table can take this layout; K-quants would take groups of eight
+// super-blocks the same way, with their sub-block scales grouped as these scales are.
+constexpr int kInterleave = 8;
+
+// Eight rows of a group (`group` points at its block 0) against N tokens x, x + x_stride, ... (N = 1 or 4):
+// out[8 i + r] = row r · token i, n values a row.
+using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_stride, int n, float* out);
+// Two consecutive groups (group, group + group_bytes: sixteen rows) against four tokens: out[16 i + r].
+using RepackedDots2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, int64_t x_stride, int n,
+                               float* out);
+
 // One implementation per instruction set; a null entry means "use the scalar one" (but see the SIMD-only
 // entries at the end).
 struct Kernels {
@@ -221,10 +253,13 @@ struct Kernels {
   Axpy axpy_q8_0, axpy_q4_0, axpy_q4_1, axpy_q5_0, axpy_q5_1, axpy_q2_k, axpy_q3_k, axpy_q4_k, axpy_q5_k, axpy_q6_k;
   Axpy axpy_iq4_nl, axpy_iq4_xs, axpy_f16, axpy_f32;
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
+  RepackedDots x8_q8_0, x8_q4_0, x8_q4_1, x8_iq4_nl;              // one token
+  RepackedDots x8_q8_0_x4, x8_q4_0_x4, x8_q4_1_x4, x8_iq4_nl_x4;  // four tokens
   // SIMD only, last so that the portable table can leave them out; null: single dots.
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4, iq4_nl_x4;
   QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4, iq4_xs_x4;
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
+  RepackedDots2 x16_q8_0_x4, x16_q4_0_x4, x16_q4_1_x4, x16_iq4_nl_x4;  // null: two calls of the one-group kernel
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;

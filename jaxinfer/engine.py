@@ -60,28 +60,33 @@ class LoadedModel:
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
-               exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1) -> LoadedModel:
+               exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1,
+               repack: bool = True) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
     products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
     kernels. `cache_type` ("f32", "f16") is the KV cache's element type. `tp` > 1 cuts the weights over the first
     `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
-    shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity)."""
-    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp))
+    shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity). `repack`
+    False keeps every weight in GGUF's rows where the plan would repack them (repack.py), for comparisons."""
+    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp, repack=repack))
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
-                dp: int) -> LoadedModel:
-    """load_model's model before its weights are placed on the plan's devices (`_placed`). Over several processes
-    the weights stay views of the file, so that each process reads only its own shards."""
+                dp: int, repack: bool = True, repack_ffn: bool = True) -> LoadedModel:
+    """load_model's model before its weights are placed on the plan's devices (`_placed`), repacked where the plan
+    says unless `repack` is False (the FFN's only with `repack_ffn`; repack.py). Over several processes the weights
+    stay views of the file, so that each process reads only its own shards."""
     if cache_type not in CACHE_TYPES:
         raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
     path = path or default_model_path()
     start = time.perf_counter()
     gguf = open_gguf(path)
-    cfg = dataclasses.replace(load_config(gguf), plan=make_plan(attn_max_batch_mib, tp, dp), cache_type=cache_type)
+    plan = make_plan(attn_max_batch_mib, tp, dp)
+    plan = plan if repack else dataclasses.replace(plan, repack=False)
+    cfg = dataclasses.replace(load_config(gguf), plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)
-    weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1)
+    weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1, repack_ffn=repack_ffn)
     tokenizer = load_tokenizer(gguf)
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
 
@@ -110,7 +115,9 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     for flag, count in (("--tp", tp), ("--dp", dp)):
         if count > 1 and vram_budget_gib is not None:
             raise JaxinferError(f"{flag} {count} does not combine with a hot/cold split (--vram-budget) yet")
-    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp)
+    # A dense FFN that stays whole is repacked as it is read; a sparse or split one is read in GGUF's rows.
+    m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp,
+                    repack_ffn=sparsity_spec.mode == "dense" and vram_budget_gib is None)
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
     m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file))

@@ -2,8 +2,9 @@
 
 Tensors go to JAX in their stored format (quantized blocks stay blocks). On the CPU backend `jax.device_put` of a
 64-byte-aligned read-only numpy view is zero-copy, served straight from the file mapping as llama.cpp's mmap does;
-but GGUF aligns tensors to 32 bytes, so most are copied, once, and the pages of the mapping they were read from are
-then let go (`place`): the weights are in memory once, not twice. Loaded `on_host`, the weights stay numpy views of
+but GGUF aligns tensors to 32 bytes, so most are copied, once, and those the plan repacks (repack.py) are written
+once into their new layout; the pages of the mapping a weight was copied or repacked from are then let go (`place`):
+the process holds each weight once, not twice. Loaded `on_host`, the weights stay numpy views of
 the file mapping, read only where they are placed: a process of a run over several reads just its own shards
 (sharding.shard_weights, distributed.global_array).
 """
@@ -15,7 +16,7 @@ import jax
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
-from jaxinfer import distributed
+from jaxinfer import distributed, quant, repack
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
@@ -120,44 +121,61 @@ def place(view: np.ndarray) -> jax.Array:
     return placed
 
 
-def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False) -> QuantArray:
+def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False,
+                packs=lambda w: False) -> QuantArray:
     """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
-    view. A `NAME.scale` tensor beside `NAME.weight` (llama.cpp's bitnet: one f32 multiplying the projection's
-    result) becomes part of its scale."""
+    view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs). A `NAME.scale` tensor beside
+    `NAME.weight` (llama.cpp's bitnet: one f32 multiplying the projection's result) becomes part of its scale."""
     t = gguf.tensors[name]
-    w = from_gguf_data(np.asarray(t.data), quant_type(t.tensor_type), tensor_shape(gguf, name, 2))
+    view = np.asarray(t.data)
+    w = from_gguf_data(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 2))
     scale_name = name.removesuffix(".weight") + ".scale"
     scale = w.scale * float(gguf.tensors[scale_name].data[0]) if scale_name in gguf.tensors else w.scale
-    return dataclasses.replace(w, data=w.data if on_host else place(w.data), exact=exact, scale=scale)
+    w = dataclasses.replace(w, exact=exact, scale=scale)
+    if on_host:
+        return w
+    if not packs(w):
+        return dataclasses.replace(w, data=place(w.data))
+    packed = quant.pack_rows_x8(w)
+    jax.block_until_ready(packed.data)  # the new layout has read the mapping: its pages are not needed again
+    distributed.release_pages(view)
+    return packed
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, sub_norms: bool) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, sub_norms: bool) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
-    def matrix(tensor):
-        return load_matrix(gguf, name(tensor), exact, on_host)
+    def matrix(tensor, field=None):
+        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w))
 
     def optional(tensor):
         return matrix(tensor) if name(tensor) in gguf.tensors else None
 
-    tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor)
+    tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor, field)
                for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
-    down = None if down_t is not None else matrix("ffn_down")
+    down = None if down_t is not None else matrix("ffn_down", "ffn_down")
     norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
              if sub_norms}
     return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"), **norms)
 
 
-def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False) -> Weights:
+def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False,
+                 repack_ffn: bool = True) -> Weights:
     """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels. Every
     tensor is checked against `cfg` first. `on_host`: the arrays are the file's numpy views, for the caller to
-    place (nothing is read yet)."""
+    place (nothing is read yet). Weights are repacked where cfg.plan says (repack.packs; the FFN's only with
+    `repack_ffn`: not for a model about to be made sparse or split)."""
     check_tensors(gguf, cfg)
+
+    def packs(field, w):
+        return repack.packs(field, w, cfg.plan, repack_ffn)
+
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host)
-    layers = [_load_layer(gguf, i, exact, on_host, cfg.sub_norms) for i in range(cfg.n_layer)]
-    output = load_matrix(gguf, "output.weight", exact, on_host) if "output.weight" in gguf.tensors else token_embd
+    layers = [_load_layer(gguf, i, exact, on_host, packs, cfg.sub_norms) for i in range(cfg.n_layer)]
+    output = (load_matrix(gguf, "output.weight", exact, on_host, lambda w: packs(repack.OUTPUT, w))
+              if "output.weight" in gguf.tensors else token_embd)
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
 
 

@@ -16,12 +16,13 @@ import dataclasses
 
 import jax
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGMLQuantizationType
 
-from jaxinfer import model
+from jaxinfer import model, repack
 from jaxinfer.config import Config
 from jaxinfer.placement import ModelCosts
 from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, ROW_BLOCKS, QuantArray, tree_nbytes
+from jaxinfer.ternary import QUANT_SIZES
 from jaxinfer.sparse_ffn import FFNPart, KernelPart
 from pallas_kernels import sparse_ffn as pallas_ffn
 
@@ -44,7 +45,7 @@ def unit_neurons(layer: model.Layer) -> int:
     shares scales among 32 neurons, so their parts hold whole blocks."""
     if layer.ffn_down_t is not None:
         return NEURON_MAJOR_BLOCK if layer.ffn_down_t.layout == NEURON_MAJOR else 1
-    return 1 if layer.ffn_down.qtype in FLOAT_TYPES else GGML_QUANT_SIZES[layer.ffn_down.qtype][0]
+    return 1 if layer.ffn_down.qtype in FLOAT_TYPES else QUANT_SIZES[layer.ffn_down.qtype][0]
 
 
 def _down_part(layer: model.Layer, rows: np.ndarray) -> dict:
@@ -104,9 +105,11 @@ def placement_costs(weights: model.Weights, cfg: Config, kv_bytes: int) -> Model
 
 
 def ffn_part(layer: model.Layer, rows: np.ndarray, on_host: bool = False) -> FFNPart | None:
-    """The layer's FFN neurons `rows` (whole units of unit_neurons) as a part; None for no rows."""
+    """The layer's FFN neurons `rows` (whole units of unit_neurons) as a part; None for no rows. An FFN repacked at
+    load is read in GGUF's rows (repack.ffn_rows): a part is rows."""
     if len(rows) == 0:
         return None
+    layer = repack.ffn_rows(layer)
     unit = unit_neurons(layer)
     starts = rows[::unit]
     if len(rows) % unit or np.any(starts % unit) or np.any(rows.reshape(-1, unit) != starts[:, None] + np.arange(unit)):

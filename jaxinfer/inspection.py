@@ -84,6 +84,11 @@ def kernel_route(type_id: int, plan: Plan, isa: str | None) -> str:
             "unsupported (unknown type id)"
     if plan.products == "cpu_ext" and type_id in _types_by_id(quant.CPU_KERNEL_TYPES):
         dots = "f32 dots" if type_id in _types_by_id(quant.FLOAT_TYPES) else "8-bit activations"
+        if type_id in _types_by_id(quant.CPU_KERNEL_UNBOUNDED_TYPES):
+            return f"cpu_ext {isa} ({dots}) for any number of tokens"
+        if plan.repack and type_id in _types_by_id(quant.REPACKED_TYPES):
+            return (f"cpu_ext {isa} ({dots}), repacked eight rows to a group for dense products at any number of "
+                    f"tokens (repack.py); in GGUF's rows up to {quant.CPU_KERNEL_MAX_TOKENS} tokens a call, XLA beyond")
         return f"cpu_ext {isa} ({dots}) up to {quant.CPU_KERNEL_MAX_TOKENS} tokens a call, XLA beyond"
     if type_id == GGMLQuantizationType.F32:
         return "XLA f32"

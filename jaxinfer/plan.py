@@ -5,8 +5,10 @@ A frozen, static value built from the devices, the flags and the model's shapes;
 
                        CPU backend                                   GPU backend
     products           cpu_ext (8-bit activations, integer dots)     XLA (dequantize, f32)
-                       up to quant.CPU_KERNEL_MAX_TOKENS a call,
-                       XLA beyond; "exact" weights always XLA
+                       on weights repacked eight rows to a group
+                       (repack.py) for any number of tokens, on
+                       GGUF's rows up to quant.CPU_KERNEL_MAX_TOKENS
+                       a call, XLA beyond; "exact" weights always XLA
     attention          XLA in key steps; cpu_ext against the cache   Pallas flash kernels
                        for decode-sized steps
     split FFN, hot     on the device, the products above             Pallas masked sparse FFN (predictor models)
@@ -48,6 +50,7 @@ class Plan:
     attn_max_batch_mib: float | None = None  # bound on XLA attention's K·Q scores per step (attention.py); None: none
     hot_ffn: str = "xla"  # a split's device part with a predictor, one of HOT_FFN (sparse_ffn.ffn)
     neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
+    repack: bool = False  # dense products' weights repacked eight rows to a group at load (repack.py)
     host_memory_kind: str = "pinned_host"  # where a split's cold parts live
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
     dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
@@ -55,6 +58,7 @@ class Plan:
     def describe(self) -> str:
         bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
         down = "neuron-major" if self.neuron_major else "transposed"
+        repacked = ", Q4_0/Q4_1/Q8_0/IQ4_NL weights repacked eight rows to a group" if self.repack else ""
         devices = "" if self.tp == 1 else (f", tensor-parallel over {self.tp} devices (heads, neurons and vocabulary "
                                            f"cut {self.tp} ways, an all-reduce after attention and after the FFN)")
         if self.dp > 1:
@@ -63,7 +67,7 @@ class Plan:
         devices += f", {processes} processes" if processes > 1 else ""
         return (f"plan: {self.backend} backend, FFN {self.ffn_sparsity}, products {self.products}, attention "
                 f"{self.attention}{bound}, split FFN hot {self.hot_ffn} / cold {self.host_products} in "
-                f"{self.host_memory_kind}, down projection {down} when sparse{devices}")
+                f"{self.host_memory_kind}, down projection {down} when sparse{repacked}{devices}")
 
 
 def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1, dp: int = 1) -> Plan:
@@ -98,9 +102,11 @@ def _device_plan(attn_max_batch_mib: float | None) -> Plan:
     kernels = quant.cpu_kernels()
     host_products = "cpu_ext" if kernels is not None else "xla"
     if backend == "cpu":
+        # Repacking reads every weight whole: over several processes each reads only its own shards, so not there.
         return Plan(backend, products=host_products, host_products=host_products, attention=host_products,
                     attn_max_batch_mib=attn_max_batch_mib,
-                    neuron_major=kernels is not None and kernels.fast_neuron_major())
+                    neuron_major=kernels is not None and kernels.fast_neuron_major(),
+                    repack=kernels is not None and jax.process_count() == 1)
     host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
     gpu_kernels = "pallas" if backend == "gpu" else "xla"
     return Plan(backend, products="xla", host_products=host_products, attention=gpu_kernels,

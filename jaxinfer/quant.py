@@ -227,14 +227,15 @@ TERNARY_TYPES = frozenset({GGMLQuantizationType.TQ1_0, GGMLQuantizationType.TQ2_
 
 ROW_BLOCKS = "rows"  # GGUF's layout: blocks run along each row
 NEURON_MAJOR = "neuron_major"  # a down projection repacked for the sparse FFN: see pack_neuron_major
+ROWS_X8 = "rows_x8"  # eight rows' blocks side by side, for the repacked kernels: see pack_rows_x8
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class QuantArray:
     """A 2-D [rows, cols] GGML tensor. `data` is the float array itself for F32/F16/BF16, otherwise the raw
-    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major.
-    Its values are `scale` times what the data encode."""
+    blocks as uint8 [rows, cols / block_size * type_size] (layout ROW_BLOCKS), or the packing of pack_neuron_major
+    or of pack_rows_x8. Its values are `scale` times what the data encode."""
 
     data: jax.Array
     qtype: GGMLQuantizationType | ternary.BitNetType = dataclasses.field(metadata=dict(static=True))
@@ -276,6 +277,8 @@ def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
     if w.layout == NEURON_MAJOR:
         values = dequantize_neuron_major(w)
+    elif w.layout == ROWS_X8:
+        values = dequantize(dataclasses.replace(unpack_rows_x8(w), scale=1.0))
     elif w.qtype in FLOAT_TYPES:
         values = w.data.astype(jnp.float32)
     else:
@@ -384,8 +387,94 @@ def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array
     return values.transpose(0, 2, 1, 3).reshape(n_ff, d)  # [nb, 32 neurons, spans, S] -> [n_ff, d]
 
 
+# Prompts and decode through the repacked kernels (cpu_ext/qmatmul.h draws the bytes): a Q4_0/Q4_1/Q8_0/IQ4_NL weight
+# [rows, cols] as ceil(rows / 8) groups of eight rows, data uint8 [groups, 8 * row bytes], block b of the eight rows
+# side by side (rows past `rows` padded with zero blocks):
+#
+#   group g = block 0 | ... | block cols/32 - 1,   block = | d: f16[8] | m: f16[8] (Q4_1) | chunk 0 | chunk 1 | ...
+#   chunk c = | row 8g: 4 bytes | row 8g+1: 4 bytes | ... | row 8g+7: 4 bytes |
+#     Q4_0/Q4_1/IQ4_NL: 4 chunks, row r's qs bytes 4c .. 4c+3 as GGUF stores them
+#     Q8_0:             8 chunks, row r's q of elements 4c .. 4c+3, + 128 (as uint8)
+#
+# The same bytes as the rows (plus the padding), rearranged without rounding: unpack_rows_x8 gives the rows back.
+# A group's blocks are one run, so a tensor-parallel cut of rows is whole groups (rows a multiple of 8 tp) and a cut
+# of columns whole blocks of all eight rows, as for GGUF's rows.
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+INTERLEAVE = 8
+
+
+def _x8_parts(qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """(bytes of scales per row block, 4-byte chunks per block) of a repacked type."""
+    return (4 if qtype == GGMLQuantizationType.Q4_1 else 2), (8 if qtype == GGMLQuantizationType.Q8_0 else 4)
+
+
+def can_pack_rows_x8(w: QuantArray) -> bool:
+    return w.layout == ROW_BLOCKS and w.qtype in REPACKED_TYPES and not w.exact
+
+
+def _aligned_empty(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] starting on a 64-byte boundary: what XLA's CPU client takes without a copy (jax.device_put)."""
+    buffer = np.empty(nbytes + 64, np.uint8)
+    start = -buffer.ctypes.data % 64
+    return buffer[start : start + nbytes]
+
+
+def _fill_groups(out: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """out [g, b, group block bytes] = the groups of blocks [8 g, b, type_size] (rows in order), drawn above."""
+    groups, n_blocks, _ = out.shape
+    scale_bytes, chunks = _x8_parts(qtype)
+    rows = blocks.reshape(groups, INTERLEAVE, n_blocks, -1)
+    for i in range(0, scale_bytes, 2):  # [g, b, 8 rows, 2 bytes]: one f16 of each row
+        out[..., 8 * i : 8 * i + 16].reshape(groups, n_blocks, INTERLEAVE, 2)[...] = \
+            rows[..., i : i + 2].transpose(0, 2, 1, 3)
+    q = out[..., 8 * scale_bytes :].reshape(groups, n_blocks, chunks, INTERLEAVE, 4)
+    q[...] = rows[..., scale_bytes:].reshape(groups, INTERLEAVE, n_blocks, chunks, 4).transpose(0, 2, 3, 1, 4)
+    if qtype == GGMLQuantizationType.Q8_0:
+        np.bitwise_xor(q, np.uint8(0x80), out=q)
+
+
+def pack_rows_x8(w: QuantArray) -> QuantArray:
+    """A Q4_0/Q4_1/Q8_0/IQ4_NL weight in GGUF's rows (numpy, a view of the file, or a jax array) -> the same weight of
+    layout ROWS_X8 (see above). Made once at load straight from the file (gguf_io): the result is written in place
+    into one new buffer that XLA takes without a copy, so the weight is held once."""
+    if not can_pack_rows_x8(w):
+        raise ValueError(f"cannot repack a {w.qtype.name} {w.layout} weight (exact={w.exact}) in groups of eight "
+                         f"rows: {sorted(t.name for t in REPACKED_TYPES)} in GGUF's rows, not exact")
+    rows, cols = w.shape
+    n_blocks, type_size, groups = cols // 32, QUANT_SIZES[w.qtype][1], -(-rows // INTERLEAVE)
+    blocks = np.asarray(w.data).reshape(rows, n_blocks, type_size)
+    out = _aligned_empty(groups * INTERLEAVE * n_blocks * type_size).reshape(groups, n_blocks, -1)
+    whole = rows // INTERLEAVE
+    if whole:
+        _fill_groups(out[:whole], blocks[: whole * INTERLEAVE], w.qtype)
+    if whole < groups:  # the last group's rows past `rows` are zero blocks
+        padded = np.zeros((INTERLEAVE, n_blocks, type_size), np.uint8)
+        padded[: rows - whole * INTERLEAVE] = blocks[whole * INTERLEAVE :]
+        _fill_groups(out[whole:], padded, w.qtype)
+    return QuantArray(jax.device_put(out.reshape(groups, -1)), w.qtype, w.shape, layout=ROWS_X8, scale=w.scale)
+
+
+def unpack_rows_x8(w: QuantArray) -> QuantArray:
+    """pack_rows_x8's inverse, in jnp: the weight in GGUF's rows (where a consumer reads rows: XLA's products, rows
+    looked up)."""
+    rows, cols = w.shape
+    scale_bytes, chunks = _x8_parts(w.qtype)
+    n_blocks, groups = cols // 32, w.data.shape[0]
+    data = w.data.reshape(groups, n_blocks, -1)
+    scales = [data[..., 8 * i : 8 * i + 16].reshape(groups, n_blocks, INTERLEAVE, 2) for i in range(0, scale_bytes, 2)]
+    qs = data[..., 8 * scale_bytes :].reshape(groups, n_blocks, chunks, INTERLEAVE, 4).transpose(0, 1, 3, 2, 4)
+    qs = qs.reshape(groups, n_blocks, INTERLEAVE, 4 * chunks)
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        qs = qs ^ jnp.uint8(0x80)
+    blocks = jnp.concatenate([*scales, qs], axis=-1).transpose(0, 2, 1, 3).reshape(groups * INTERLEAVE, -1)
+    return QuantArray(blocks[:rows], w.qtype, w.shape, w.exact, scale=w.scale)
+
+
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
-    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings)."""
+    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings; a repacked
+    weight is unpacked whole first, so embeddings are not repacked)."""
+    if w.layout == ROWS_X8:
+        w = unpack_rows_x8(w)
     return dequantize(dataclasses.replace(w, data=jnp.take(w.data, rows, axis=0), exact=False, layout=ROW_BLOCKS))
 
 
@@ -393,14 +482,24 @@ def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
 # good), and BF16, which has no kernel (a rare GGUF weight type). The ternary types' kernels take 256-value blocks:
 # I2_S rows of 128 times an odd number stay with XLA (_kernels).
 CPU_KERNEL_TYPES = SUPPORTED_TYPES - {GGMLQuantizationType.F32, GGMLQuantizationType.BF16}
-# The kernels read each weight once per call and unpack each block once for four tokens, but are not tiled further:
-# up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x at 1
-# token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
+# The row kernels read each weight once per call and unpack each block once for four tokens, but are not tiled
+# further: up to this many tokens per call they beat dequantize + XLA's f32 GEMM (prefill of the default model: 20-30x
+# at 1 token, 2.5x at 32, 1.8x at 64, 1.15x at 128), beyond it XLA wins (0.9x at 256, 0.77x at 512).
 CPU_KERNEL_MAX_TOKENS = 128
-# Ternary weights have no bound: XLA would dequantize 16 values per byte read before its GEMM, and their kernels won at
-# every size measured (a 7B-shaped ffn_up [11008, 4096], 512 tokens: 0.31x XLA's time for TQ2_0, 0.41x TQ1_0, 0.40x
-# I2_S; 0.10-0.14x at 64 tokens).
+# Repacked weights (ROWS_X8) take their kernels for any number of tokens: tiled over rows x tokens they beat
+# dequantize + XLA's GEMM at every length measured, 1 to 2048 tokens a call (scripts/bench_repacked_kernels.py; README,
+# CPU kernels). So do ternary weights: XLA would dequantize 16 values per byte read before its GEMM, and their kernels
+# won at every size measured (a 7B-shaped ffn_up [11008, 4096], 512 tokens: 0.31x XLA's time for TQ2_0, 0.41x TQ1_0,
+# 0.40x I2_S; 0.10-0.14x at 64 tokens).
 CPU_KERNEL_UNBOUNDED_TYPES = TERNARY_TYPES
+
+
+def kernel_token_limit(w: QuantArray) -> int | None:
+    """The most tokens a call for which cpu_ext's kernels multiply by w (beyond, XLA's GEMM on dequantized weights);
+    None: any number."""
+    if w.layout == ROWS_X8 or w.qtype in CPU_KERNEL_UNBOUNDED_TYPES:
+        return None
+    return CPU_KERNEL_MAX_TOKENS
 
 
 @functools.cache
@@ -429,30 +528,38 @@ def products(kind: str):
         _PRODUCTS.reset(token)
 
 
-def _kernels(x: jax.Array, w: QuantArray, layout: str = ROW_BLOCKS):
-    """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for up to
-    CPU_KERNEL_MAX_TOKENS rows of x (decode, small micro-batches; any number for CPU_KERNEL_UNBOUNDED_TYPES),
-    block-quantized and F16 weights not marked exact, in `layout`."""
+def _kernels(x: jax.Array, w: QuantArray, layouts: tuple[str, ...] = (ROW_BLOCKS,)):
+    """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for block-quantized
+    and F16 weights not marked exact, in one of `layouts`, for up to kernel_token_limit(w) rows of x."""
+    limit = kernel_token_limit(w)
     use_kernels = (
-        w.layout == layout
+        w.layout in layouts
         and not w.exact
         and w.qtype in CPU_KERNEL_TYPES
         and (w.qtype != I2_S or w.shape[1] % QK_K == 0)
-        and (x.size // x.shape[-1] <= CPU_KERNEL_MAX_TOKENS or w.qtype in CPU_KERNEL_UNBOUNDED_TYPES)
+        and (limit is None or x.size // x.shape[-1] <= limit)
         and _PRODUCTS.get() == "cpu_ext"
     )
     return cpu_kernels() if use_kernels else None
+
+
+DENSE_LAYOUTS = (ROW_BLOCKS, ROWS_X8)  # what quantized_matmul reads
+
+
+def _interleave(w: QuantArray) -> int:
+    return INTERLEAVE if w.layout == ROWS_X8 else 1
 
 
 def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     """x [..., cols] @ w.T -> [..., rows] in f32, whatever the storage format of `w`.
 
     Where `_kernels` allows, the cpu_ext FFI kernels quantize x to 8 bits per 32 values and dot in integers as
-    llama.cpp does (about 1e-2 relative difference on random data); otherwise XLA multiplies x with the dequantized
-    weight."""
-    kernels = _kernels(x, w)
+    llama.cpp does (about 1e-2 relative difference on random data), row by row or, for a repacked w, eight rows at a
+    time; otherwise XLA multiplies x with the dequantized weight."""
+    kernels = _kernels(x, w, DENSE_LAYOUTS)
     if kernels is not None:
-        return _scaled(kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1]), w)
+        return _scaled(kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1],
+                                                interleave=_interleave(w)), w)
     if w.qtype == I2_S and not w.exact:  # BitNet's reference quantizes the activations per token to int8
         x = ternary.absmax_int8(x)
     return jnp.einsum("...i,oi->...o", x, dequantize(w))
@@ -464,14 +571,17 @@ def _scaled(y: jax.Array, w: QuantArray) -> jax.Array:
 
 
 def matmuls(x: jax.Array, ws) -> list[jax.Array]:
-    """[matmul(x, w) for w in ws]. Where cpu_ext would run each of them and they share a type and input size (a
-    layer's q/k/v, gate/up), it runs them as one kernel call: x is quantized once and one split of the rows over
+    """[matmul(x, w) for w in ws]. Where cpu_ext would run each of them and they share a type, input size and layout
+    (a layer's q/k/v, gate/up), it runs them as one kernel call: x is quantized once and one split of the rows over
     the threads serves all the weights (the default model's decode: 4.9 -> 4.2 ms per token)."""
-    kernels = _kernels(x, ws[0])
-    if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape[1]) == (ws[0].qtype, ws[0].shape[1])
+    first = ws[0]
+    kernels = _kernels(x, first, DENSE_LAYOUTS)
+    if kernels is not None and all(_kernels(x, w, DENSE_LAYOUTS) is not None and
+                                   (w.qtype, w.shape[1], w.layout) == (first.qtype, first.shape[1], first.layout)
                                    for w in ws[1:]):
-        products = kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=ws[0].qtype,
-                                                  rows=[w.shape[0] for w in ws], cols=ws[0].shape[1])
+        products = kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=first.qtype,
+                                                  rows=[w.shape[0] for w in ws], cols=first.shape[1],
+                                                  interleave=_interleave(first))
         return [_scaled(y, w) for y, w in zip(products, ws)]
     return [matmul(x, w) for w in ws]
 
@@ -503,7 +613,7 @@ def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows: of a NEURON_MAJOR
     weight with h in 8 bits and integer dots, of a transposed one with h in f32; the XLA path zeroes inactive inputs
     and multiplies with the dequantized weight."""
-    if (kernels := _kernels(h, w_t, NEURON_MAJOR)) is not None:
+    if (kernels := _kernels(h, w_t, (NEURON_MAJOR,))) is not None:
         return _scaled(kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0],
                                                  cols=w_t.shape[1], span=neuron_span(w_t.shape[1], w_t.qtype)), w_t)
     if (kernels := _kernels(h, w_t)) is not None:

@@ -13,9 +13,9 @@ cache are cut into shards, and the `shard_map` that runs the one model.forward o
 Weights stay in their GGML formats: a shard of rows is whole rows, a shard of columns whole blocks (a row of a
 [rows, cols] weight is cols / block_size consecutive blocks, so columns are cut on block boundaries, which needs
 cols / N a multiple of the block size: 32, or 256 for K-quants); a neuron-major down projection is cut on its
-32-neuron blocks. Inside the shard_map each device's QuantArrays are views of its own shard (their static shapes
-divided), so quant.matmul runs the cpu_ext kernels on the local shard as on a small model. What cannot be cut is a
-one-line JaxinferError saying why.
+32-neuron blocks, a weight repacked eight rows to a group (repack.py) by rows on whole groups. Inside the shard_map
+each device's QuantArrays are views of its own shard (their static shapes divided), so quant.matmul runs the cpu_ext
+kernels on the local shard as on a small model. What cannot be cut is a one-line JaxinferError saying why.
 
 With one device (Plan.tp 1) nothing is cut, no mesh exists and no shard_map runs: the model runs as it always did.
 
@@ -33,14 +33,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from gguf import GGML_QUANT_SIZES
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import distributed
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
-from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, QuantArray, take_rows
+from jaxinfer.quant import FLOAT_TYPES, INTERLEAVE, NEURON_MAJOR, ROWS_X8, QuantArray, take_rows
+from jaxinfer.ternary import QUANT_SIZES
 
 AXIS = "tp"
 DATA_AXIS = "dp"  # the evaluation windows' axis (data parallelism)
@@ -98,11 +98,15 @@ def _cut_spec(name: str, w: QuantArray, axis: int, tp: int) -> QuantArray:
         if rows % (NEURON_BLOCK * tp):
             raise JaxinferError(f"--tp {tp}: {described}, neuron-major, is cut on blocks of {NEURON_BLOCK} neurons: "
                                 f"{rows} / {tp} is not a multiple of {NEURON_BLOCK}")
+    elif axis == ROWS and w.layout == ROWS_X8:  # data [rows / 8, bytes]: one row of data per group of eight rows
+        if rows % (INTERLEAVE * tp):
+            raise JaxinferError(f"--tp {tp}: {described}, repacked, is cut on groups of {INTERLEAVE} rows: {rows} / "
+                                f"{tp} is not a multiple of {INTERLEAVE}")
     elif axis == ROWS:
         if rows % tp:
             raise JaxinferError(f"--tp {tp}: {described} cannot be cut into {tp} equal row shards")
     else:
-        block = 1 if w.qtype in FLOAT_TYPES else GGML_QUANT_SIZES[w.qtype][0]
+        block = 1 if w.qtype in FLOAT_TYPES else QUANT_SIZES[w.qtype][0]
         if cols % (block * tp):
             raise JaxinferError(f"--tp {tp}: {described} is cut by columns on whole {block}-value blocks: {cols} / "
                                 f"{tp} is not a multiple of {block}")

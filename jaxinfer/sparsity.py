@@ -20,7 +20,7 @@ from absl import logging
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
-from jaxinfer import model, quant, sidecar
+from jaxinfer import model, quant, repack, sidecar
 from jaxinfer.plan import SPARSITY_MODES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
@@ -178,7 +178,10 @@ def with_transposed_down(layer, qtype=None, pack: bool = True):
     """The layer with its down projection stored one row per neuron (ffn_down_t, as PowerInfer files have it), so
     the rows of inactive neurons need not be read: with `pack`, a Q4_0/Q4_1/Q8_0 one repacked neuron-major, without
     rounding (quant.pack_neuron_major), unless `qtype` asks for a transposed copy; a ternary one as I2_S, exactly,
-    where quant.transpose_ternary can; otherwise transposed (quant.transpose, for what that costs in accuracy)."""
+    where quant.transpose_ternary can; otherwise transposed (quant.transpose, for what that costs in accuracy). An FFN
+    repacked at load for dense products is read back in GGUF's rows first (repack.ffn_rows): the row-sparse kernels
+    read rows."""
+    layer = repack.ffn_rows(layer)
     if layer.ffn_down_t is not None:
         return layer
     if pack and qtype is None and quant.can_pack_neuron_major(layer.ffn_down):

@@ -5,18 +5,20 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--depth 0] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
         [--vram-budget GIB [--activation-dir DIR]]
-        [--llama_bench path/to/llama-bench [--threads 2]]
+        [--llama_bench path/to/llama-bench [--threads 2]] [--norepack]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
-repetition of the largest pp and of tg). With --llama_bench (a llama.cpp build you have; nothing is downloaded or
-built here) llama-bench runs the same tests on the same model right after, and the ratios are printed: absolute
-numbers on shared machines are noisy, ratios measured in one run much less so. With --compare_dense, tg of the
-dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of weight
-bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp and tg
-run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed deep
-into a long context, where attention reads the cache. With --vram-budget the model is also split between device
-and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and tg of
-the unsplit and the split model are timed alternately and compared.
+repetition of the largest pp and of tg), and with --llama_bench llama.cpp's numbers and the ratios (llama_cpp_pp512,
+ratio_pp512, ...). --norepack keeps the weights in GGUF's rows (no repacked kernels), to compare. With --llama_bench
+(a llama.cpp build you have; nothing is downloaded or built here) llama-bench runs the same tests on the same model
+right after, and the ratios are printed: absolute numbers on shared machines are noisy, ratios measured in one run
+much less so. With --compare_dense, tg of the dense model and of the --sparsity one are timed alternately, and the
+speed-up is set against the share of weight bytes a decode step skips (counted from the neurons active on the
+generated tokens). With --depth D both pp and tg run after D tokens are already in the KV cache (llama-bench's -d,
+which --llama_bench passes on): the speed deep into a long context, where attention reads the cache. With
+--vram-budget the model is also split between device and host memory as generate splits it (its activation profile
+is needed: python -m jaxinfer.profile), and tg of the unsplit and the split model are timed alternately and
+compared.
 """
 
 import json
@@ -53,6 +55,8 @@ flags.DEFINE_float("vram_budget", None, "also split the model under this device 
                    "--vram-budget, and compare its tg with the unsplit model's")
 flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budget (default: beside the model)")
 cli.define_receipt_flag()
+flags.DEFINE_bool("repack", True, "repack weights eight rows to a group where the plan does (repack.py); "
+                  "--norepack keeps GGUF's rows, to compare")
 flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 
@@ -218,7 +222,7 @@ def main(argv):
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
     receipt.check_path(FLAGS.receipt)
-    dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type)
+    dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     results = {}
@@ -236,9 +240,9 @@ def main(argv):
         for test, ours in results.items():
             if test in llama:
                 print(f"{test}: jaxinfer {ours:.1f} / llama.cpp {llama[test]:.1f} tokens/s = {ours / llama[test]:.2f}x")
+                comparison |= {f"llama_cpp_{test}": llama[test], f"ratio_{test}": ours / llama[test]}
     receipt.write(FLAGS.receipt, m, {"load_seconds": dense.load_seconds, "repetitions": FLAGS.repetitions,
-                                     **{f"{test}_tokens_per_s": rate for test, rate in results.items()}, **comparison,
-                                     **{f"llama.cpp_{test}_tokens_per_s": rate for test, rate in llama.items()}})
+                                     **{f"{test}_tokens_per_s": rate for test, rate in results.items()}, **comparison})
     if FLAGS.json:
         largest_pp = max(int(p) for p in FLAGS.pp)
         print(json.dumps({"model": m.path, "backend": m.config.plan.backend,

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import activation_profile, engine, evaluation, hybrid, model, placement, quant, sparse_ffn, sparsity
+from jaxinfer import (activation_profile, engine, evaluation, hybrid, model, placement, quant, repack, sparse_ffn,
+                      sparsity)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams
 
@@ -124,7 +125,7 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
             sparsity.with_transposed_down(layer) for layer in m.weights.layers]))
         assert m.weights.layers[0].ffn_down_t.layout == quant.NEURON_MAJOR
     split = hybrid.split_weights(m.weights, hot, m.config)
-    original = m.weights.layers[0]
+    original = repack.ffn_rows(m.weights.layers[0])  # a dense FFN repacked at load is split as GGUF's rows
     for part in [p for layer in split.layers for p in layer.ffn_parts]:  # the stored type and layout are kept
         placed = part.ffn_down_t if part.ffn_down is None else part.ffn_down
         source = original.ffn_down_t if original.ffn_down is None else original.ffn_down

@@ -80,6 +80,49 @@ def test_neuron_major_packing_keeps_every_value(qtype, rows, cols, span):
                                    np.where(x > 0, x, 0) @ expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("qtype", sorted(quant.REPACKED_TYPES, key=int), ids=lambda q: q.name)
+@pytest.mark.parametrize("rows,cols", [(1, 32), (8, 64), (13, 96)])
+def test_rows_x8_packing_keeps_every_byte(qtype, rows, cols):
+    """pack_rows_x8 rearranges the rows' bytes (the last group padded with zero blocks) into one 64-byte-aligned
+    buffer; unpacked, they are the rows again; dequantized and looked up, gguf-py's values."""
+    data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
+    w = quant.QuantArray(data, qtype, (rows, cols))
+    packed = quant.pack_rows_x8(w)
+    groups = -(-rows // 8)
+    assert packed.layout == quant.ROWS_X8 and packed.shape == (rows, cols)
+    assert packed.data.shape == (groups, 8 * data.shape[1]) and packed.data.unsafe_buffer_pointer() % 64 == 0
+    np.testing.assert_array_equal(np.asarray(quant.unpack_rows_x8(packed).data), data)
+    expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), expected)
+    np.testing.assert_array_equal(np.asarray(quant.take_rows(packed, jax.numpy.array([rows - 1, 0]))),
+                                  expected[[rows - 1, 0]])
+
+
+def test_rows_x8_dispatch_runs_the_repacked_kernel_for_any_number_of_tokens():
+    """Under products("cpu_ext") a repacked weight goes to the repacked kernels past the row kernels' 128 tokens;
+    exact weights are never repacked; without cpu_ext products XLA multiplies the unpacked weight."""
+    import cpu_ext
+
+    rng = np.random.default_rng(3)
+    rows, cols = 13, 64
+    w = quant.QuantArray(encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), Q.Q4_0, rng), Q.Q4_0,
+                         (rows, cols))
+    packed = quant.pack_rows_x8(w)
+    x = rng.normal(size=(200, cols)).astype(np.float32)
+    kernel = cpu_ext.quantized_matmul(x, packed.data, qtype=Q.Q4_0, rows=rows, cols=cols, interleave=8)
+    with quant.products("cpu_ext"):
+        np.testing.assert_array_equal(np.asarray(jax.jit(quant.matmul)(x, packed)), np.asarray(kernel))
+        grouped = quant.matmuls(x, [packed, packed])
+        rows_out = quant.matmul(x, w)  # 200 tokens of GGUF's rows: XLA
+    np.testing.assert_array_equal(np.asarray(grouped[1]), np.asarray(kernel))
+    np.testing.assert_allclose(np.asarray(rows_out), x @ np.asarray(quant.dequantize(w)).T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(quant.matmul(x, packed)), np.asarray(rows_out), rtol=1e-5, atol=1e-5)
+    assert not quant.can_pack_rows_x8(dataclasses.replace(w, exact=True))
+    assert not quant.can_pack_rows_x8(packed)
+    with pytest.raises(ValueError, match="cannot repack"):
+        quant.pack_rows_x8(dataclasses.replace(w, exact=True))
+
+
 def test_neuron_span_keeps_long_rows_whole():
     assert quant.neuron_span(576, Q.Q4_1) == 64 and quant.neuron_span(4096, Q.Q4_0) == 4096
     assert quant.neuron_span(1024, Q.Q4_0) == 64 and quant.neuron_span(1024, Q.Q8_0) == 1024

@@ -131,6 +131,18 @@ def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
 
 
+def test_bench_repacked_kernels_runs_and_rejects_types_without_repacked_kernels():
+    result = run("scripts/bench_repacked_kernels.py", "--types", "Q4_0,IQ4_NL", "--shapes", "13x64", "--tokens", "1,5",
+                 "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith(("| Q4_0", "| IQ4_NL"))]
+    assert [(row[0].strip(), row[2].strip()) for row in rows] == [("Q4_0", "1"), ("Q4_0", "5"), ("IQ4_NL", "1"),
+                                                                  ("IQ4_NL", "5")]
+    bad = run("scripts/bench_repacked_kernels.py", "--types", "Q4_K")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("error: --types: the repacked types are"), bad.stderr
+
+
 def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
     result = run("scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"), "--sparsity", "1.5")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")

@@ -117,6 +117,9 @@ def test_cli_says_which_shape_cannot_be_cut(make_model):
     (dict(n_embd=64), 4, "blk.0.attn_output [64, 64] (Q8_0) is cut by columns on whole 32-value blocks: 64 / 4"),
     (dict(n_embd=256, n_ff=512, weight_type=Q.Q4_K), 2, "blk.0.attn_output [256, 256] (Q4_K) is cut by columns on "
                                                        "whole 256-value blocks: 256 / 2 is not a multiple of 256"),
+    # repacked for one device (repack.py), cut 2 ways: 132 rows a device are not whole groups
+    (dict(tied_output=False, embedding_type=Q.Q8_0), 2, "output [264, 128] (Q8_0), repacked, is cut on groups of 8 "
+                                                        "rows: 264 / 2 is not a multiple of 8"),
 ])
 def test_shapes_that_cannot_be_cut(make_model, fields, tp, message):
     m = engine.load_model(make_model(**{**SHAPE, **fields}))

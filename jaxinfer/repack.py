@@ -1,0 +1,41 @@
+"""Which weights are repacked eight rows to a group for cpu_ext's repacked kernels (quant.pack_rows_x8): decided
+here, made once at load, straight from the file (gguf_io.load_weights), where the plan says so (Plan.repack): every
+Q4_0/Q4_1/Q8_0/IQ4_NL weight that only dense products read.
+
+    repacked    attention q/k/v/output; the FFN's gate/up/down when it runs dense and is not split between devices
+                (`ffn`); the output head when it is not the embedding
+    kept        the embedding (rows looked up, and a tied output head with it); weights marked exact (XLA's f32
+                products); a sparse or split FFN (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives
+                them back, without rounding, where a model loaded dense is made sparse after)
+
+A repacked weight is read from the file into its new layout and the file's pages let go: the model holds it once.
+Under tensor parallelism a weight cut by rows is repacked only if each device's rows are whole groups (rows a
+multiple of 8 tp); a cut by columns cuts every group on whole blocks, as it cuts rows.
+"""
+
+import dataclasses
+
+from jaxinfer import quant, sharding
+from jaxinfer.plan import Plan
+from jaxinfer.quant import QuantArray
+
+ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
+FFN = ("ffn_gate", "ffn_up", "ffn_down")
+OUTPUT = "output"  # the output head of its own (a tied one is the embedding, never repacked)
+ROW_CUT = frozenset(name for name, axis in sharding.LAYER_CUTS.items() if axis == sharding.ROWS) | {OUTPUT}
+
+
+def packs(name: str, w: QuantArray, plan: Plan, ffn: bool = True) -> bool:
+    """Whether the weight `w` of Layer field `name` (or OUTPUT) is repacked at load (see above)."""
+    if not plan.repack or not quant.can_pack_rows_x8(w):
+        return False
+    if name not in ATTENTION + (OUTPUT,) and not (ffn and name in FFN):
+        return False
+    return plan.tp == 1 or name not in ROW_CUT or w.shape[0] % (quant.INTERLEAVE * plan.tp) == 0
+
+
+def ffn_rows(layer):
+    """The layer with its FFN weights in GGUF's rows (unpacked where repacked): what a sparse FFN reads."""
+    return dataclasses.replace(layer, **{name: quant.unpack_rows_x8(getattr(layer, name)) for name in FFN
+                                         if getattr(layer, name) is not None
+                                         and getattr(layer, name).layout == quant.ROWS_X8})

@@ -1,0 +1,125 @@
+"""cpu_ext's repacked kernels (quantized_matmul with interleave 8: weights repacked eight rows to a group by
+quant.pack_rows_x8): the portable row kernels' bits on every instruction set this CPU runs, for one token, four-token
+tiles, two-group tiles and tails; the jnp reference within 8-bit activations' error; jit, vmap, groups; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import cpu_ext
+from jaxinfer import quant
+from test_cpu_ext import REL_ERROR, available_isas, check, random_weight
+
+TYPES = sorted(cpu_ext.REPACKED_TYPES, key=int)
+# (rows, cols): rows below, at and past one group, an odd count past several (a padded last group, an odd group out
+# of the two-group tiles); cols of one block and SmolLM2's 576.
+SHAPES = [(1, 32), (8, 576), (13, 256), (67, 576)]
+TOKENS = [1, 4, 7, 130]  # one, a four-token tile, tiles and a tail, past the row kernels' 128
+
+
+@pytest.fixture(params=available_isas())
+def isa(request):
+    cpu_ext.select_isa(request.param)
+    yield request.param
+    cpu_ext.select_isa("best")
+
+
+def repacked(data, qtype, rows, cols):
+    return quant.pack_rows_x8(quant.QuantArray(jnp.asarray(data), qtype, (rows, cols))).data
+
+
+def x8_matmul(x, packed, qtype, rows, cols):
+    return cpu_ext.quantized_matmul(x, packed, qtype=qtype, rows=rows, cols=cols, interleave=8)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_repacked_kernels_give_the_portable_row_kernels_bits(qtype, isa):
+    """Same integer dots and the same float steps per row and block as the portable row kernels: the same bits, on
+    every ISA, for any number of tokens; and the reference product within the 8-bit activations' error."""
+    rng = np.random.default_rng(int(qtype))
+    for rows, cols in SHAPES:
+        data = random_weight(qtype, rows, cols, rng)
+        packed = repacked(data, qtype, rows, cols)
+        for tokens in TOKENS:
+            x = rng.normal(size=(tokens, cols)).astype(np.float32)
+            cpu_ext.select_isa("scalar")
+            row_bits = np.asarray(cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=rows, cols=cols))
+            cpu_ext.select_isa(isa)
+            y = x8_matmul(x, packed, qtype, rows, cols)
+            np.testing.assert_array_equal(np.asarray(y), row_bits, err_msg=f"{rows}x{cols}, {tokens} tokens")
+            check(x, data, qtype, rows, cols, y)
+
+
+def test_q8_0_extremes_and_zero_activations(isa):
+    """Q8_0's q of -128 and 127 (stored + 128: 0 and 255, the sign trick's widest case without VNNI), and blocks
+    of activations that are all zero, give the row kernels' bits."""
+    rng = np.random.default_rng(3)
+    rows, cols = 16, 64
+    data = random_weight(Q.Q8_0, rows, cols, rng).reshape(rows, 2, 34)
+    data[:8, :, 2:] = np.uint8(0x80)  # q = -128
+    data[8:, :, 2:] = np.uint8(0x7F)  # q = 127
+    data = data.reshape(rows, -1)
+    x = rng.normal(size=(5, cols)).astype(np.float32)
+    x[:, :32] = 0.0
+    cpu_ext.select_isa("scalar")
+    row_bits = np.asarray(cpu_ext.quantized_matmul(x, data, qtype=Q.Q8_0, rows=rows, cols=cols))
+    cpu_ext.select_isa(isa)
+    y = x8_matmul(x, repacked(data, Q.Q8_0, rows, cols), Q.Q8_0, rows, cols)
+    np.testing.assert_array_equal(np.asarray(y), row_bits)
+
+
+def test_jit_vmap_and_leading_dims():
+    rng = np.random.default_rng(4)
+    rows, cols = 21, 256
+    datas = [random_weight(Q.Q4_0, rows, cols, rng) for _ in range(3)]
+    packed = np.stack([repacked(d, Q.Q4_0, rows, cols) for d in datas])
+    x = rng.normal(size=(3, 5, cols)).astype(np.float32)
+
+    def f(x, packed):
+        return x8_matmul(x, packed, Q.Q4_0, rows, cols)
+
+    for in_axes in [(0, None), (None, 0), (0, 0)]:
+        y = jax.jit(jax.vmap(f, in_axes=in_axes))(x if in_axes[0] == 0 else x[0],
+                                                  packed if in_axes[1] == 0 else packed[0])
+        assert y.shape == (3, 5, rows)
+        for i in range(3):
+            check(x[i if in_axes[0] == 0 else 0], datas[i if in_axes[1] == 0 else 0], Q.Q4_0, rows, cols, y[i])
+    leading = jax.jit(f)(x, packed[0])
+    np.testing.assert_array_equal(np.asarray(leading), np.asarray(jax.vmap(f, in_axes=(0, None))(x, packed[0])))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.IQ4_NL], ids=lambda q: q.name)
+def test_group_gives_the_bits_of_separate_calls(qtype):
+    rng = np.random.default_rng(5)
+    rows, cols = [67, 16, 3], 576
+    datas = [repacked(random_weight(qtype, r, cols, rng), qtype, r, cols) for r in rows]
+    for tokens in (1, 9):
+        x = rng.normal(size=(tokens, cols)).astype(np.float32)
+        grouped = jax.jit(lambda x, *d: cpu_ext.quantized_matmul_group(x, list(d), qtype=qtype, rows=rows, cols=cols,
+                                                                         interleave=8))(x, *datas)
+        for y, packed, r in zip(grouped, datas, rows):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x8_matmul(x, packed, qtype, r, cols)))
+
+
+def test_bad_input_raises():
+    rng = np.random.default_rng(6)
+    rows, cols = 13, 64
+    data = random_weight(Q.Q4_0, rows, cols, rng)
+    packed = repacked(data, Q.Q4_0, rows, cols)
+    x = rng.normal(size=(2, cols)).astype(np.float32)
+    with pytest.raises(Exception, match=r"repacked in groups of eight rows must be u8 \[2, 288\]"):
+        jax.block_until_ready(x8_matmul(x, data, Q.Q4_0, rows, cols))  # GGUF's rows passed as groups
+    with pytest.raises(Exception, match="weight must be"):
+        jax.block_until_ready(cpu_ext.quantized_matmul(x, packed, qtype=Q.Q4_0, rows=rows, cols=cols))
+    q5 = random_weight(Q.Q5_0, 8, cols, rng)
+    with pytest.raises(Exception, match="interleave must be 1, or 8 for Q4_0/Q4_1/Q8_0/IQ4_NL"):
+        jax.block_until_ready(x8_matmul(x, q5, Q.Q5_0, 8, cols))
+    with pytest.raises(Exception, match="interleave must be 1, or 8"):
+        jax.block_until_ready(cpu_ext.quantized_matmul(x, packed, qtype=Q.Q4_0, rows=rows, cols=cols, interleave=4))
+
+
+def test_repacked_types_are_what_quant_packs():
+    assert quant.REPACKED_TYPES == cpu_ext.REPACKED_TYPES
+    assert set(REL_ERROR) >= cpu_ext.REPACKED_TYPES

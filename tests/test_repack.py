@@ -1,0 +1,118 @@
+"""repack.py: which weights a model repacks eight rows to a group at load, and that the model computes what it computes
+in GGUF's rows: the portable kernels' bits, the same greedy tokens, the same sparse FFN after load."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+import cpu_ext
+from jaxinfer import engine, model, quant, repack, sparsity
+from jaxinfer.quant import ROW_BLOCKS, ROWS_X8
+
+# Rows of 256 (attention, down), 96 (gate/up: 12 groups, an odd one out of the two-group tiles) and an untied output
+# head of 263 (a padded last group).
+SHAPE = dict(n_embd=256, n_ff=96, n_head=4, n_head_kv=2, tied_output=False, embedding_type=Q.Q8_0)
+
+
+def greedy(m, prompt, steps):
+    """Logits of an 8-token prefill and `steps` greedy decode steps, and the tokens chosen."""
+    padded = np.zeros((1, 16), np.int32)
+    padded[0, :len(prompt)] = prompt
+    cache = model.init_cache(m.config, 1, 32)
+    logits, cache = model.prefill(padded, jnp.int32(len(prompt)), m.weights, cache, m.config)
+    out, tokens = [np.asarray(logits)[0]], []
+    for _ in range(steps):
+        tokens.append(int(np.argmax(out[-1])))
+        logits, cache = model.decode_step(jnp.array(tokens[-1:], jnp.int32), m.weights, cache, m.config)
+        out.append(np.asarray(logits)[0])
+    return np.stack(out), tokens
+
+
+def forward_logits(m, tokens):
+    hidden, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
+    return np.asarray(model.logits(hidden, m.weights, m.config))
+
+
+def layouts(m):
+    layer = m.weights.layers[0]
+    return {name: getattr(layer, name).layout for name in repack.ATTENTION + repack.FFN} | {
+        "output": m.weights.output.layout, "token_embd": m.weights.token_embd.layout}
+
+
+@pytest.mark.parametrize("weight_type", sorted(quant.REPACKED_TYPES, key=int), ids=lambda q: q.name)
+def test_repacked_model_gives_the_row_kernels_bits_and_greedy_tokens(make_model, monkeypatch, weight_type):
+    """Every dense product's weight repacked, the embedding kept; the same bytes held; with the portable kernels the
+    logits of the row kernels bit for bit (prefill and decode steps, and a 150-token forward with the row kernels
+    allowed past their 128 tokens); the same greedy tokens with the best kernels."""
+    path = make_model(weight_type=weight_type, **SHAPE)
+    on, off = engine.load_model(path), engine.load_model(path, repack=False)
+    assert on.config.plan.repack and not off.config.plan.repack
+    assert set(layouts(off).values()) == {ROW_BLOCKS}
+    assert layouts(on) == {**{name: ROWS_X8 for name in layouts(on)}, "token_embd": ROW_BLOCKS}
+    padding = on.weights.output.data.shape[1] // 8  # the output head's 263 rows: one padding row of 8 in a group
+    assert quant.tree_nbytes(on.weights) == quant.tree_nbytes(off.weights) + padding
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    long = np.random.default_rng(1).integers(0, on.config.n_vocab, size=(1, 150)).astype(np.int32)
+    monkeypatch.setitem(quant.MAX_TOKENS, ROW_BLOCKS, None)
+    jax.clear_caches()  # no program traced with the row kernels' limit
+    try:
+        cpu_ext.select_isa("scalar")
+        np.testing.assert_array_equal(greedy(on, prompt, 3)[0], greedy(off, prompt, 3)[0])
+        np.testing.assert_array_equal(forward_logits(on, long), forward_logits(off, long))
+    finally:
+        cpu_ext.select_isa("best")
+    logits_on, tokens_on = greedy(on, prompt, 6)
+    logits_off, tokens_off = greedy(off, prompt, 6)
+    assert tokens_on == tokens_off
+    np.testing.assert_allclose(logits_on, logits_off, rtol=0, atol=2e-2 * np.abs(logits_off).max())
+
+
+def test_what_is_not_repacked(make_model):
+    """Exact weights (XLA's f32 products), a tied output head (the embedding's rows are looked up), other types."""
+    exact = engine.load_model(make_model(weight_type=Q.Q4_0, **SHAPE), exact=True)
+    assert set(layouts(exact).values()) == {ROW_BLOCKS}
+    tied = engine.load_model(make_model(name="tied.gguf", weight_type=Q.Q8_0, **{**SHAPE, "tied_output": True}))
+    assert tied.weights.output is tied.weights.token_embd and tied.weights.output.layout == ROW_BLOCKS
+    assert tied.weights.layers[0].attn_q.layout == ROWS_X8
+    k_quant = engine.load_model(make_model(name="k.gguf", weight_type=Q.Q4_K, **{**SHAPE, "n_ff": 256}))
+    assert k_quant.weights.layers[0].attn_q.layout == ROW_BLOCKS
+
+
+def test_under_tensor_parallelism_rows_cut_on_whole_groups_only(make_model):
+    """Cut 4 ways, gate/up's 96 rows are 24 a device, three groups: repacked; an output head of 264 rows is not
+    whole groups a device (66): kept; columns (attention output, down) are cut on whole blocks of every group."""
+    m = engine.load_model(make_model(weight_type=Q.Q8_0, **{**SHAPE, "n_vocab": 264}), repack=False)
+    plan = dataclasses.replace(m.config.plan, repack=True, tp=4)
+    layer = m.weights.layers[0]
+    assert all(repack.packs(name, getattr(layer, name), plan) for name in ("ffn_gate", "attn_output", "ffn_down"))
+    assert not repack.packs(repack.OUTPUT, m.weights.output, plan)
+    assert not repack.packs(repack.OUTPUT, m.weights.output, dataclasses.replace(plan, tp=2))  # 132 rows a device
+    assert repack.packs(repack.OUTPUT, m.weights.output, dataclasses.replace(plan, tp=1))  # padded
+    assert not repack.packs("ffn_gate", layer.ffn_gate, plan, ffn=False)
+    assert not repack.packs("ffn_gate", layer.ffn_gate, dataclasses.replace(plan, repack=False))
+
+
+def test_a_repacked_model_made_sparse_reads_the_rows_back(make_model):
+    """sparsity.apply after load (scripts that compare modes) gets the FFN's rows back without rounding; build_model
+    reads a sparse FFN in rows."""
+    path = make_model(weight_type=Q.Q4_0, **SHAPE)
+    on, off = engine.load_model(path), engine.load_model(path, repack=False)
+    rows = repack.ffn_rows(on.weights.layers[0])
+    for name in repack.FFN:
+        assert getattr(rows, name).layout == ROW_BLOCKS
+        np.testing.assert_array_equal(np.asarray(getattr(rows, name).data),
+                                      np.asarray(getattr(off.weights.layers[0], name).data))
+    sparsity.save_thresholds(path, "hidden", {0.5: np.full(2, 0.05, np.float32)}, "test")
+    spec = sparsity.SparsitySpec("hidden", 0.5)
+    sparse_on, sparse_off = sparsity.apply(on, spec), sparsity.apply(off, spec)
+    tokens = np.arange(5, 14, dtype=np.int32)[None]
+    np.testing.assert_allclose(forward_logits(sparse_on, tokens), forward_logits(sparse_off, tokens), rtol=0,
+                               atol=2e-2 * np.abs(forward_logits(sparse_off, tokens)).max())
+    assert sparse_on.weights.layers[0].attn_q.layout == ROWS_X8
+    built = engine.build_model(path, sparsity_spec=spec).weights.layers[0]
+    assert (built.attn_q.layout, built.ffn_gate.layout, built.ffn_down_t.layout) == (ROWS_X8, ROW_BLOCKS,
+                                                                                    quant.NEURON_MAJOR)
