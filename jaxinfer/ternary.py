@@ -26,9 +26,6 @@ I2_S = BitNetType.I2_S
 I2_S_GROUP = 128  # values per group of 32 bytes
 I2_S_GROUP_BYTES = 32
 I2_S_TAIL_BYTES = 32  # after the packed values: the f32 scale, then 28 bytes of padding
-# Supported elsewhere in llama.cpp's BitNet ecosystem but not here, for a clear error naming them.
-UNSUPPORTED_TERNARY = {"TL1": "bitnet.cpp's ARM lookup-table format (per-model generated kernels)",
-                       "TL2": "bitnet.cpp's x86 lookup-table format (per-model generated kernels)"}
 
 
 # TQ2_0, 66 bytes per 256 values: | qs[64] | d:f16 |            x = d * (q - 1), q in 0..2
