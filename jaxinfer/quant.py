@@ -275,10 +275,10 @@ def from_gguf_data(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[i
 
 def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
+    if w.layout == ROWS_X8:
+        return dequantize(unpack_rows_x8(w))  # GGUF's rows, w's scale with them
     if w.layout == NEURON_MAJOR:
         values = dequantize_neuron_major(w)
-    elif w.layout == ROWS_X8:
-        values = dequantize(dataclasses.replace(unpack_rows_x8(w), scale=1.0))
     elif w.qtype in FLOAT_TYPES:
         values = w.data.astype(jnp.float32)
     else:

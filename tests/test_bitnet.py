@@ -14,6 +14,7 @@ from jaxinfer import engine, evaluation, model, quant, sharding, sparse_ffn, spa
 from jaxinfer.config import ARCHITECTURES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.synthetic import SyntheticSpec, write_model
+from test_model import assert_incremental_decode_matches_full_forward
 
 SPEC = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2)
 LLAMA_CPP_LOGITS = pathlib.Path(__file__).parent / "data" / "llama_cpp_bitnet_tq2_0.kld"  # see data/README.md
@@ -101,20 +102,7 @@ def test_a_bitnet_file_gives_llama_cpp_s_logits(tmp_path):
 
 
 def test_incremental_decode_matches_the_full_forward(tmp_path):
-    m = bitnet_model(tmp_path, "bitnet-b1.58", ternary.I2_S)
-    tokens = np.random.default_rng(2).integers(0, m.config.n_vocab, size=(1, 11)).astype(np.int32)
-    full, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
-    expected = np.asarray(model.logits(full, m.weights, m.config))[0]
-    n_prompt = 5
-    padded = np.zeros((1, 16), np.int32)
-    padded[0, :n_prompt] = tokens[0, :n_prompt]
-    cache = model.init_cache(m.config, 1, 32)
-    step_logits, cache = model.prefill(padded, jnp.int32(n_prompt), m.weights, cache, m.config)
-    got = [np.asarray(step_logits)[0]]
-    for position in range(n_prompt, tokens.shape[1]):
-        step_logits, cache = model.decode_step(tokens[:, position], m.weights, cache, m.config)
-        got.append(np.asarray(step_logits)[0])
-    np.testing.assert_allclose(np.stack(got), expected[n_prompt - 1:], rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert_incremental_decode_matches_full_forward(bitnet_model(tmp_path, "bitnet-b1.58", ternary.I2_S), n_prompt=5)
 
 
 def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_path):

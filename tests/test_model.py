@@ -73,11 +73,15 @@ def test_attend_matches_per_head_loop_with_gqa():
 @pytest.mark.parametrize("weight_type", [Q.F32, Q.Q4_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_incremental_decode_matches_full_forward(make_model, weight_type):
     m = engine.load_model(make_model(n_embd=256, n_ff=256, weight_type=weight_type, embedding_type=Q.Q8_0))
+    assert_incremental_decode_matches_full_forward(m, n_prompt=6)
+
+
+def assert_incremental_decode_matches_full_forward(m, n_prompt: int):
+    """A prefill of n_prompt of 11 random tokens, then decode steps of the rest, give the full forward's logits."""
     tokens = np.random.default_rng(2).integers(0, m.config.n_vocab, size=(1, 11)).astype(np.int32)
     full, _, _ = jax.jit(model.forward, static_argnums=2)(tokens, m.weights, m.config)
     expected = np.asarray(model.logits(full, m.weights, m.config))[0]
 
-    n_prompt = 6
     padded = np.zeros((1, 16), np.int32)
     padded[0, :n_prompt] = tokens[0, :n_prompt]
     cache = model.init_cache(m.config, 1, 32)
