@@ -1,4 +1,5 @@
-// XLA FFI handler: causal GQA attention of a few new queries against one layer of the whole KV cache.
+// XLA FFI handler: causal GQA attention of new queries against one layer of the whole KV cache. A few queries (a
+// decode step) are done here; more (a prompt, a perplexity window) by the tiled kernel of attention_prefill.cc.
 //
 // XLA:CPU runs a decode step's attention as a loop of a dozen small thunks per layer (slices of the cache, two
 // einsums, the softmax pieces), about 120 µs a layer for 9 heads; here it is one call that reads exactly the filled
@@ -16,6 +17,8 @@
 //                                                  K/V included); an f16 cache's chunk is widened to f32 once per task
 //   layer   s32 []                           which layer of the caches
 //   start   s32 [B]                          position of each row's first query (rows at different depths)
+//   row     s32 []                           the cache row of query row 0 (query row b reads cache row row + b: a
+//                                            server's slot prefills alone)
 //   out     f32 [B, T, H, hd]                query head h uses KV head h / (H / H_kv)
 #include <algorithm>
 #include <cmath>
@@ -28,41 +31,40 @@
 #include <immintrin.h>
 #endif
 
+#include "attention_prefill.h"
+#include "attention_vectors.h"
 #include "ffi_common.h"
 
 namespace jaxinfer_cpu {
-namespace {
 
+// n f16 values -> f32: with F16C 8 values per instruction (GCC 12 converts _Float16 through a libgcc call per value
+// even where F16C is enabled: 0.39x llama.cpp's decode at 3072 tokens of context), else the portable conversion.
 #if JAXINFER_CPU_X86
-#define JAXINFER_VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define JAXINFER_VECTOR_CLONES
+static __attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) dst[i] = fp16_to_f32(src[i]);
+}
 #endif
 
+void widen_f16(const uint16_t* src, int64_t n, float* dst) {
+#if JAXINFER_CPU_X86
+  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
+  if (f16c) return widen_f16_f16c(src, n, dst);
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_f32(src[i]);
+}
+
+namespace {
+
+using namespace attention_vectors;
+
 constexpr int64_t kChunkKeys = 64;  // positions per task: enough work to hide the task claim, few enough to balance
-constexpr int kLanes = 16;
-// The vector helpers below are always inlined into each clone, so the ABI of passing 64-byte vectors, which GCC notes
-// differs between the clones' targets, never applies (CMakeLists.txt builds this file with -Wno-psabi).
-typedef float F32x16 __attribute__((vector_size(64)));
-typedef int32_t I32x16 __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) inline F32x16 load(const float* p) {
-  F32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-__attribute__((always_inline)) inline void store(float* p, F32x16 v) { std::memcpy(p, &v, sizeof v); }
-__attribute__((always_inline)) inline F32x16 splat(float x) { return F32x16{} + x; }
-
-// A tree, so the halves add in vector registers.
-__attribute__((always_inline)) inline float sum_lanes(const F32x16& v) {
-  typedef float F32x8 __attribute__((vector_size(32)));
-  typedef float F32x4 __attribute__((vector_size(16)));
-  const F32x8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const F32x4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) + __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
-  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
-}
+// Above this many queries a call, the tiled kernel of attention_prefill.cc takes them: its tasks are blocks of
+// queries, too few to spread a decode step's long context over the threads.
+constexpr int64_t kDecodeQueries = 8;
 
 // Sixteen vectors -> one: lane i = sum of the lanes of v[i]. Four levels, each adding two shuffles of a pair so that
 // every output keeps half as many lanes per vector, twice as many vectors per output: ~3 operations per vector
@@ -91,21 +93,6 @@ __attribute__((always_inline)) inline F32x16 sum_lanes_16(const F32x16 v[16]) {
                    __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   // d holds v[i]'s sum at lane bit_reverse(i) (each level interleaves); bit reversal undoes itself
   return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-}
-
-// exp(x) for x <= 0 (scores minus their maximum), to about 2e-7 relative: x = (n + r) ln 2 with n an integer and
-// |r| <= 1/2, 2^n built in the exponent bits, e^(r ln 2) a degree-6 Taylor polynomial. Below -87 the result is
-// ~1e-38 instead of 0 (harmless as a softmax weight).
-__attribute__((always_inline)) inline F32x16 exp_nonpositive(const F32x16& x) {
-  const F32x16 t = (x < -87.0f ? splat(-87.0f) : x) * 1.44269504f;
-  const I32x16 n = __builtin_convertvector(t - 0.5f, I32x16);  // truncation toward zero: round(t) for t <= 0
-  const F32x16 y = (t - __builtin_convertvector(n, F32x16)) * 0.69314718f;
-  F32x16 p = splat(1.0f / 720);
-  for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = p * y + c;
-  const I32x16 bits = (n + 127) << 23;
-  F32x16 two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return p * two_n;
 }
 
 // The query heads of one KV head (`group` queries of `head_dim`, scaled by 1/sqrt(hd)) against keys [0, n_keys) of
@@ -190,26 +177,6 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
   }
 }
 
-// n f16 values -> f32: with F16C 8 values per instruction (GCC 12 converts _Float16 through a libgcc call per value
-// even where F16C is enabled: 0.39x llama.cpp's decode at 3072 tokens of context), else the portable conversion.
-#if JAXINFER_CPU_X86
-__attribute__((target("avx2,f16c"))) void widen_f16_f16c(const uint16_t* src, int64_t n, float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-  for (; i < n; ++i) dst[i] = fp16_to_f32(src[i]);
-}
-#endif
-
-void widen_f16(const uint16_t* src, int64_t n, float* dst) {
-#if JAXINFER_CPU_X86
-  static const bool f16c = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx2");
-  if (f16c) return widen_f16_f16c(src, n, dst);
-#endif
-  for (int64_t i = 0; i < n; ++i) dst[i] = fp16_to_f32(src[i]);
-}
-
 JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, int head_dim, const float* keys,
                                              const float* values, int64_t row, int64_t n_keys, float* scores,
                                              float* m, float* l, float* o) {
@@ -222,7 +189,7 @@ JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, in
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> start_buf,
-                               ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::S32> row_buf, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
     return ffi::Error::InvalidArgument("cached_attention: q must be [B, T, H, hd], k and v [L, R, S, H_kv, hd]");
@@ -233,7 +200,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   }
   const bool f16 = cache_type == ffi::DataType::F16;
   const int64_t batch = qd[0], n_query = qd[1], n_head = qd[2], head_dim = qd[3];
-  // The queries' rows are the cache's first B of R (a server's decode step over its first busy slots).
+  // The queries' rows are B of the cache's R from `row` on (a server's decode step over its first busy slots, the
+  // prefill of one slot).
   const int64_t n_layer = kd[0], cache_rows = kd[1], max_len = kd[2], n_head_kv = kd[3];
   if (cache_rows < batch || kd[4] != head_dim || n_head_kv <= 0 || n_head % n_head_kv != 0) {
     return ffi::Error::InvalidArgument("cached_attention: q [B, T, H, hd] and caches [L, R, S, H_kv, hd] disagree "
@@ -243,11 +211,19 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("cached_attention: the output must have q's shape [B, T, H, hd]");
   }
   // Counts checked before any element is read: an empty one has no element 0.
-  if (layer_buf.element_count() != 1 || static_cast<int64_t>(start_buf.element_count()) != batch) {
-    return ffi::Error::InvalidArgument("cached_attention: layer must be a single int32 value and start one int32 "
-                                       "per batch row (" + std::to_string(batch) + "), got " +
-                                       std::to_string(layer_buf.element_count()) + " and " +
+  if (layer_buf.element_count() != 1 || row_buf.element_count() != 1 ||
+      static_cast<int64_t>(start_buf.element_count()) != batch) {
+    return ffi::Error::InvalidArgument("cached_attention: layer and row must be single int32 values and start one "
+                                       "int32 per batch row (" + std::to_string(batch) + "), got " +
+                                       std::to_string(layer_buf.element_count()) + ", " +
+                                       std::to_string(row_buf.element_count()) + " and " +
                                        std::to_string(start_buf.element_count()));
+  }
+  const int64_t first_row = *row_buf.typed_data();
+  if (first_row < 0 || first_row + batch > cache_rows) {
+    return ffi::Error::InvalidArgument("cached_attention: rows " + std::to_string(first_row) + ".." +
+                                       std::to_string(first_row + batch - 1) + " outside the cache's " +
+                                       std::to_string(cache_rows));
   }
   const int64_t layer = *layer_buf.typed_data();
   const int32_t* starts = start_buf.typed_data();
@@ -264,10 +240,16 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     deepest = std::max(deepest, start + n_query);
   }
   const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;  // row: one position of one layer's cache
-  const int64_t elem = f16 ? 2 : 4, layer_bytes = layer * cache_rows * max_len * row * elem;
-  const char* ks = static_cast<const char*>(k.untyped_data()) + layer_bytes;
-  const char* vs = static_cast<const char*>(v.untyped_data()) + layer_bytes;
+  // From here on, batch row b is cache row first_row + b of the layer.
+  const int64_t elem = f16 ? 2 : 4, offset = (layer * cache_rows + first_row) * max_len * row * elem;
+  const char* ks = static_cast<const char*>(k.untyped_data()) + offset;
+  const char* vs = static_cast<const char*>(v.untyped_data()) + offset;
   const float* qs = q.typed_data();
+  if (n_query > kDecodeQueries) {
+    attend_prefill(pool, {qs, ks, vs, f16, batch, n_query, n_head, n_head_kv, head_dim, max_len, starts,
+                          out->typed_data()});
+    return ffi::Error::Success();
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t n_chunks = (deepest + kChunkKeys - 1) / kChunkKeys;
 
@@ -368,4 +350,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedAttention, jaxinfer_cpu::CachedAttentionImpl
                                   .Arg<ffi::AnyBuffer>()         // v cache
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // start [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // row []
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, H, hd]

@@ -172,10 +172,11 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     def packs(field, w):
         return repack.packs(field, w, cfg.plan, repack_ffn)
 
-    token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host)
+    tied = "output.weight" not in gguf.tensors
+    token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w))
     layers = [_load_layer(gguf, i, exact, on_host, packs, cfg.sub_norms) for i in range(cfg.n_layer)]
-    output = (load_matrix(gguf, "output.weight", exact, on_host, lambda w: packs(repack.OUTPUT, w))
-              if "output.weight" in gguf.tensors else token_embd)
+    output = token_embd if tied else load_matrix(gguf, "output.weight", exact, on_host,
+                                                 lambda w: packs(repack.OUTPUT, w))
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
 
 

@@ -77,16 +77,21 @@ def rms_norm(x, gamma, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
 
 
-def rope(x, positions, cfg: Config):
-    """Rotate pairs of each head's values, pair i by pos * theta^(-2i/rope_dim). llama.cpp's "NORM" RoPE pairs
-    adjacent values (x[2i], x[2i+1]), which is what GGUF llama weights expect (their q/k rows are permuted at
-    conversion; rotate-half gives a ~20x worse PPL); its "NEOX" RoPE (cfg.rope_type, BitNet) pairs the halves
-    (x[i], x[i + rope_dim/2]). x [B, T, H, hd], positions [T] (every row alike) or [B, T]; only the first rope_dim
-    dims of each head rotate."""
-    rot, rest = x[..., : cfg.rope_dim], x[..., cfg.rope_dim :]
+def rope_rotation(positions, cfg: Config):
+    """(cos, sin) [(B,) T, 1, rope_dim / 2] of the angles pos * theta^(-2i/rope_dim) at positions [T] (every row
+    alike) or [B, T]: made once a forward, for every layer's q and k (XLA does not share the sines between layers)."""
     inv_freq = cfg.rope_theta ** (-jnp.arange(0, cfg.rope_dim, 2, dtype=jnp.float32) / cfg.rope_dim)
     angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) T, rope_dim / 2]
-    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # broadcast over the heads
+    return jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # broadcast over the heads
+
+
+def rope(x, rotation, cfg: Config):
+    """Rotate pairs of each head's values, pair i by its angle in `rotation` (rope_rotation). llama.cpp's "NORM" RoPE
+    pairs adjacent values (x[2i], x[2i+1]), which is what GGUF llama weights expect (their q/k rows are permuted at
+    conversion; rotate-half gives a ~20x worse PPL); its "NEOX" RoPE (cfg.rope_type, BitNet) pairs the halves
+    (x[i], x[i + rope_dim/2]). x [B, T, H, hd]; only the first rope_dim dims of each head rotate."""
+    cos, sin = rotation
+    rot, rest = x[..., : cfg.rope_dim], x[..., cfg.rope_dim :]
     pair_axis = -2 if cfg.rope_type == "neox" else -1  # [.., 2, rope_dim / 2] halves, or [.., rope_dim / 2, 2]
     pairs = rot.reshape(*rot.shape[:-1], 2, -1) if cfg.rope_type == "neox" else rot.reshape(*rot.shape[:-1], -1, 2)
     x1, x2 = jnp.take(pairs, 0, axis=pair_axis), jnp.take(pairs, 1, axis=pair_axis)
@@ -106,12 +111,6 @@ def attend(q, k, v, q_pos, k_pos):
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
 
 
-# Up to this many new tokens (decode, small micro-batches) cpu_ext's attention reads the cache in one call; beyond,
-# XLA's batched products win (the kernel visits keys query by query, on one thread per 64 keys: a 16-token prefill
-# took 57 ms with it and 44 ms with XLA's attention; even at 8).
-CPU_ATTENTION_MAX_QUERIES = 8
-
-
 def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0):
     """Attention as the plan says (Plan.attention); all give `attend`'s result. keys/values are the T new tokens' own
     [B, T, H_kv, hd] at positions q_pos [T] (no cache), or, with `layer`, the whole KV caches
@@ -128,25 +127,26 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0):
         if q.shape[1] == 1:
             return flash_attention.decode_attention(q[:, 0], keys, values, starts, interpret=interpret)[:, None]
         return flash_attention.attention(q, keys, values, starts, interpret=interpret)
-    first_rows = layer is not None and isinstance(row, int) and row == 0  # the kernel reads the cache's first B rows
-    if first_rows and plan.attention == "cpu_ext" and q.shape[1] <= CPU_ATTENTION_MAX_QUERIES:
-        return cpu_kernels().cached_attention(q, keys, values, layer, starts)
+    if plan.attention == "cpu_ext":
+        if layer is None:  # the T tokens' own keys: a cache of one layer, T positions
+            return cpu_kernels().cached_attention(q, keys[None], values[None], 0, starts)
+        return cpu_kernels().cached_attention(q, keys, values, layer, starts, row)
     if layer is not None:
         return attention.cached_attention(q, keys, values, layer, q_pos, row=row,
                                           max_batch_mib=plan.attn_max_batch_mib)
     return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=plan.attn_max_batch_mib)
 
 
-def attention_block(x, layer: Layer, index: int, positions, cache: KVCache | None, cfg: Config, written=None,
-                    row=0):
-    """x [B, T, d] at `positions` ([T] without a cache, [B, T] with one) -> ([B, T, d], cache with this layer's K/V
-    written at those positions of its rows row .. row + B - 1). `written` [B, T] bool, if given, says which tokens'
-    K/V are written; the others are not (a row sitting out a prefill chunk, padding)."""
+def attention_block(x, layer: Layer, index: int, positions, rotation, cache: KVCache | None, cfg: Config,
+                    written=None, row=0):
+    """x [B, T, d] at `positions` ([T] without a cache, [B, T] with one; `rotation` their rope_rotation) -> ([B, T, d],
+    cache with this layer's K/V written at those positions of its rows row .. row + B - 1). `written` [B, T] bool, if
+    given, says which tokens' K/V are written; the others are not (a row sitting out a prefill chunk, padding)."""
     b, t, _ = x.shape
     q, k, v = matmuls(x, (layer.attn_q, layer.attn_k, layer.attn_v))
     # Heads counted from the products: all of them, or one device's share under tensor parallelism (sharding.py).
-    q = rope(q.reshape(b, t, -1, cfg.head_dim), positions, cfg)
-    k = rope(k.reshape(b, t, -1, cfg.head_dim), positions, cfg)
+    q = rope(q.reshape(b, t, -1, cfg.head_dim), rotation, cfg)
+    k = rope(k.reshape(b, t, -1, cfg.head_dim), rotation, cfg)
     v = v.reshape(b, t, -1, cfg.head_dim)
     if cache is None:
         out = attention_kernel(q, k, v, positions, cfg)
@@ -194,11 +194,12 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             length = jnp.where(n_valid > 0, length, 0)
         positions = length[:, None] + steps
     x = sharding.embed(weights.token_embd, tokens, cfg.plan)
+    rotation = rope_rotation(positions, cfg)
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
-                                              cache, cfg, written, row)
+                                              rotation, cache, cfg, written, row)
             x = x + attn_out
             hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
                                                                           eps=cfg.rms_eps)

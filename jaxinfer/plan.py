@@ -56,7 +56,8 @@ class Plan:
     dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
 
     def describe(self) -> str:
-        bound = "" if self.attn_max_batch_mib is None else f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)"
+        bounded = self.attn_max_batch_mib is not None and self.attention == "xla"  # the kernels hold a block a task
+        bound = f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)" if bounded else ""
         down = "neuron-major" if self.neuron_major else "transposed"
         repacked = ", Q4_0/Q4_1/Q8_0/IQ4_NL weights repacked eight rows to a group" if self.repack else ""
         devices = "" if self.tp == 1 else (f", tensor-parallel over {self.tp} devices (heads, neurons and vocabulary "

@@ -471,11 +471,17 @@ def unpack_rows_x8(w: QuantArray) -> QuantArray:
 
 
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
-    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings; a repacked
-    weight is unpacked whole first, so embeddings are not repacked)."""
+    """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings; of a
+    repacked weight, the groups of eight holding them, unpacked)."""
     if w.layout == ROWS_X8:
-        w = unpack_rows_x8(w)
-    return dequantize(dataclasses.replace(w, data=jnp.take(w.data, rows, axis=0), exact=False, layout=ROW_BLOCKS))
+        flat = rows.reshape(-1)
+        groups = dataclasses.replace(w, data=jnp.take(w.data, flat // INTERLEAVE, axis=0),
+                                     shape=(flat.size * INTERLEAVE, w.shape[1]))
+        in_groups = unpack_rows_x8(groups).data.reshape(flat.size, INTERLEAVE, -1)
+        data = jnp.take_along_axis(in_groups, (flat % INTERLEAVE)[:, None, None], axis=1).reshape(*rows.shape, -1)
+    else:
+        data = jnp.take(w.data, rows, axis=0)
+    return dequantize(dataclasses.replace(w, data=data, exact=False, layout=ROW_BLOCKS))
 
 
 # GGUF types sent to the cpu_ext kernels on the CPU backend: all but F32, which stays with XLA (its own f32 GEMM is as

@@ -3,10 +3,11 @@ here, made once at load, straight from the file (gguf_io.load_weights), where th
 Q4_0/Q4_1/Q8_0/IQ4_NL weight that only dense products read.
 
     repacked    attention q/k/v/output; the FFN's gate/up/down when it runs dense and is not split between devices
-                (`ffn`); the output head when it is not the embedding
-    kept        the embedding (rows looked up, and a tied output head with it); weights marked exact (XLA's f32
-                products); a sparse or split FFN (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives
-                them back, without rounding, where a model loaded dense is made sparse after)
+                (`ffn`); the output head, and the embedding when it is the output head too (tied): the head is the
+                largest product of a perplexity window, and a lookup unpacks only the groups of the rows it reads
+    kept        an embedding only looked up; weights marked exact (XLA's f32 products); a sparse or split FFN
+                (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives them back, without rounding,
+                where a model loaded dense is made sparse after)
 
 A repacked weight is read from the file into its new layout and the file's pages let go: the model holds it once.
 Under tensor parallelism a weight cut by rows is repacked only if each device's rows are whole groups (rows a
@@ -21,7 +22,7 @@ from jaxinfer.quant import QuantArray
 
 ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
-OUTPUT = "output"  # the output head of its own (a tied one is the embedding, never repacked)
+OUTPUT = "output"  # the output head, of its own or the embedding
 ROW_CUT = frozenset(name for name, axis in sharding.LAYER_CUTS.items() if axis == sharding.ROWS) | {OUTPUT}
 
 

@@ -252,7 +252,7 @@ def embed(table: QuantArray, tokens, plan: Plan):
 def forward_on_shards(body, tokens, weights, cfg, cache, observe, n_valid, row):
     """body(tokens, weights, cfg, cache, observe, n_valid, row) (model._forward) run on every device over its
     shards of the weights and the cache (shard_map), its hidden states coming out replicated and its cache cut by
-    KV heads; body itself with one device. A Python `row` stays static (cpu_ext attention reads the first rows)."""
+    KV heads; body itself with one device. A Python `row` stays static."""
     tp = cfg.plan.tp
     if tp == 1:
         return body(tokens, weights, cfg, cache, observe, n_valid, row)

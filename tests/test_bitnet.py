@@ -48,8 +48,8 @@ def reference_logits(m, tokens: np.ndarray) -> np.ndarray:
         h = rms(x, np.asarray(layer.attn_norm), cfg.rms_eps)
         q, k, v = (product(h, p).reshape(len(tokens), -1, cfg.head_dim)
                    for p in (layer.attn_q, layer.attn_k, layer.attn_v))
-        q, k = (np.asarray(model.rope(jnp.asarray(t[None], jnp.float32), jnp.asarray(positions), cfg))[0]
-                for t in (q, k))
+        rotation = model.rope_rotation(jnp.asarray(positions), cfg)
+        q, k = (np.asarray(model.rope(jnp.asarray(t[None], jnp.float32), rotation, cfg))[0] for t in (q, k))
         group = cfg.n_head // cfg.n_head_kv
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
         scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(cfg.head_dim)

@@ -23,6 +23,12 @@ def caches(seed, n_layer, batch, max_len, n_head_kv, head_dim, filled):
     (1, 12, 9, 3, 64, 60),    # queries on both sides of a 64-key chunk boundary: partials merged per query
     (2, 2, 4, 2, 128, 130),   # the other unrolled head size, three chunks
     (1, 1, 2, 1, 80, 5),      # a head size with a 16-lane body and no tail
+    # more than 8 queries: the tiled kernel (attention_prefill.cc)
+    (1, 300, 9, 3, 64, 0),    # a prompt: blocks of 21 queries x 3 heads (63 rows, one of padding), keys in 5 blocks
+    (2, 70, 4, 4, 128, 130),  # a micro-batch after a context, blocks of 64 queries, key blocks crossing the queries
+    (1, 40, 2, 1, 80, 5),     # a head size with no unrolled tile: the loops of any size
+    (1, 20, 6, 2, 40, 100),   # ... one that is not a multiple of 16
+    (1, 33, 2, 1, 256, 10),   # the largest unrolled head size
 ])
 def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_head_kv, head_dim, start,
                                                       cache_dtype):
@@ -49,6 +55,21 @@ def test_the_queries_may_be_the_first_rows_of_a_larger_cache():
     assert not np.isnan(np.asarray(got)).any()
 
 
+@pytest.mark.parametrize("n_query", [1, 40], ids=["decode", "tiled"])
+def test_the_queries_may_be_later_rows_of_the_cache(n_query):
+    """A server's slot 2 of 4 prefilling alone (row 2): query row 0 reads cache row 2, the others (NaN) are never
+    read."""
+    k, v = caches(5, 2, 4, 96, 3, 64, 30 + n_query)
+    k[:, [0, 1, 3]] = v[:, [0, 1, 3]] = np.nan
+    q = np.random.default_rng(6).normal(size=(1, n_query, 9, 64)).astype(np.float32)
+    got = jax.jit(cpu_ext.cached_attention)(q, k, v, jnp.int32(1), jnp.int32(30), jnp.int32(2))
+    expected = cpu_ext.cached_attention_reference(q, np.nan_to_num(k), np.nan_to_num(v), 1, 30, row=2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    for row in (-1, 4):
+        with pytest.raises(Exception, match="outside the cache's 4"):
+            jax.block_until_ready(cpu_ext.cached_attention(q, k, v, 1, 30, row))
+
+
 def test_cached_attention_kernel_rejects_positions_outside_the_cache():
     k, v = caches(0, 2, 1, 8, 1, 16, 8)
     q = np.zeros((1, 2, 2, 16), np.float32)
@@ -69,6 +90,7 @@ def test_cached_attention_kernel_rejects_positions_outside_the_cache():
     (1, [0, 700, 63]),     # decode of three sequences at different depths: 1, 12 and 1 chunks
     (4, [130, 0, 60]),     # a micro-batch; the last row's queries straddle a chunk boundary
     (3, [5, 5]),           # equal depths, given per row
+    (100, [0, 37, 64]),    # prompts at different depths, through the tiled kernel
 ])
 def test_cached_attention_kernel_with_a_start_per_row_equals_the_reference(n_query, starts, cache_dtype):
     """Each row reads its own filled positions only: past them a row's cache holds NaN, which would show."""

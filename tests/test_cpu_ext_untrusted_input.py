@@ -62,11 +62,12 @@ q = np.zeros((1, 2, 2, 16), np.float32)
 empty = np.zeros(0, np.int32)
 case("attention empty layer", lambda: cpu_ext.cached_attention(q, k, k, empty, 0).block_until_ready())
 case("attention empty start", lambda: cpu_ext.cached_attention(q, k, k, 0, empty).block_until_ready())
+case("attention empty row", lambda: cpu_ext.cached_attention(q, k, k, 0, 0, empty).block_until_ready())
 k2, q2 = np.zeros((2, 2, 8, 1, 16), np.float32), np.zeros((2, 2, 2, 16), np.float32)
 case("attention start for one of two rows", lambda: cpu_ext.cached_attention(
     q2, k2, k2, 0, np.array([3], np.int32)).block_until_ready())
 case("attention small output", lambda: jax.ffi.ffi_call("jaxinfer_cached_attention", jax.ShapeDtypeStruct(
-    (1, 1, 2, 16), jnp.float32))(q, k, k, jnp.int32(0), jnp.int32(0)).block_until_ready())
+    (1, 1, 2, 16), jnp.float32))(q, k, k, jnp.int32(0), jnp.int32(0), jnp.int32(0)).block_until_ready())
 
 for dtype in (jnp.int64, jnp.uint64):
     case(f"gather_matmul {dtype.__name__}", lambda: cpu_ext.gather_matmul(
@@ -91,10 +92,11 @@ def test_crashing_inputs_give_results_or_errors():
     for name in ("masked_matmul 1", "masked_axpy 1", "masked_matmul 3", "masked_axpy 3", "neuron_major_axpy",
                  "gather int64 in range"):
         assert got[name] == "True", (name, got)
-    one_each = "layer must be a single int32 value and start one int32 per batch row"
-    for name, message in (("attention empty layer", one_each + " (1), got 0 and 1"),
-                          ("attention empty start", one_each + " (1), got 1 and 0"),
-                          ("attention start for one of two rows", one_each + " (2), got 1 and 1"),
+    one_each = "layer and row must be single int32 values and start one int32 per batch row"
+    for name, message in (("attention empty layer", one_each + " (1), got 0, 1 and 1"),
+                          ("attention empty start", one_each + " (1), got 1, 1 and 0"),
+                          ("attention empty row", one_each + " (1), got 1, 0 and 1"),
+                          ("attention start for one of two rows", one_each + " (2), got 1, 1 and 1"),
                           ("attention small output", "the output must have q's shape"),
                           ("gather_matmul int64", "outside the int32 range"),
                           ("gather_matmul uint64", "outside the int32 range"),

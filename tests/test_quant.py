@@ -84,7 +84,7 @@ def test_neuron_major_packing_keeps_every_value(qtype, rows, cols, span):
 @pytest.mark.parametrize("rows,cols", [(1, 32), (8, 64), (13, 96)])
 def test_rows_x8_packing_keeps_every_byte(qtype, rows, cols):
     """pack_rows_x8 rearranges the rows' bytes (the last group padded with zero blocks) into one 64-byte-aligned
-    buffer; unpacked, they are the rows again; dequantized and looked up, gguf-py's values."""
+    buffer; unpacked, they are the rows again; dequantized and looked up (through their groups), gguf-py's values."""
     data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
     w = quant.QuantArray(data, qtype, (rows, cols))
     packed = quant.pack_rows_x8(w)
@@ -94,8 +94,8 @@ def test_rows_x8_packing_keeps_every_byte(qtype, rows, cols):
     np.testing.assert_array_equal(np.asarray(quant.unpack_rows_x8(packed).data), data)
     expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), expected)
-    np.testing.assert_array_equal(np.asarray(quant.take_rows(packed, jax.numpy.array([rows - 1, 0]))),
-                                  expected[[rows - 1, 0]])
+    ids = np.array([[rows - 1, 0, rows // 2], [1 % rows, rows - 1, 8 % rows]])  # any shape, any lane of a group, repeats
+    np.testing.assert_array_equal(np.asarray(quant.take_rows(packed, jax.numpy.array(ids))), expected[ids])
 
 
 def test_rows_x8_dispatch_runs_the_repacked_kernel_for_any_number_of_tokens():

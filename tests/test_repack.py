@@ -71,13 +71,26 @@ def test_repacked_model_gives_the_row_kernels_bits_and_greedy_tokens(make_model,
     np.testing.assert_allclose(logits_on, logits_off, rtol=0, atol=2e-2 * np.abs(logits_off).max())
 
 
+def test_a_tied_output_head_is_repacked_with_the_embedding(make_model):
+    """The embedding that is also the output head is repacked once (the same array for both); its rows looked up
+    through their groups and the head's products give the row kernels' bits with the portable kernels."""
+    path = make_model(name="tied.gguf", weight_type=Q.Q8_0, **{**SHAPE, "tied_output": True})
+    on, off = engine.load_model(path), engine.load_model(path, repack=False)
+    assert on.weights.output is on.weights.token_embd and on.weights.output.layout == ROWS_X8
+    assert off.weights.output.layout == ROW_BLOCKS
+    tokens = np.random.default_rng(2).integers(0, on.config.n_vocab, size=(2, 20)).astype(np.int32)
+    try:
+        cpu_ext.select_isa("scalar")
+        np.testing.assert_array_equal(forward_logits(on, tokens), forward_logits(off, tokens))
+    finally:
+        cpu_ext.select_isa("best")
+
+
 def test_what_is_not_repacked(make_model):
-    """Exact weights (XLA's f32 products), a tied output head (the embedding's rows are looked up), other types."""
+    """Exact weights (XLA's f32 products), an embedding that is only looked up (SHAPE's head is untied), other
+    types."""
     exact = engine.load_model(make_model(weight_type=Q.Q4_0, **SHAPE), exact=True)
     assert set(layouts(exact).values()) == {ROW_BLOCKS}
-    tied = engine.load_model(make_model(name="tied.gguf", weight_type=Q.Q8_0, **{**SHAPE, "tied_output": True}))
-    assert tied.weights.output is tied.weights.token_embd and tied.weights.output.layout == ROW_BLOCKS
-    assert tied.weights.layers[0].attn_q.layout == ROWS_X8
     k_quant = engine.load_model(make_model(name="k.gguf", weight_type=Q.Q4_K, **{**SHAPE, "n_ff": 256}))
     assert k_quant.weights.layers[0].attn_q.layout == ROW_BLOCKS
 
