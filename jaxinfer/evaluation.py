@@ -30,6 +30,27 @@ def scored_positions(n_ctx: int) -> tuple[int, int]:
     return first, n_ctx - first - 1
 
 
+TOKENIZE_MARGIN = 64  # tokens past those needed that a prefix of the text must give (see leading_tokens)
+
+
+def leading_tokens(encode, text: str, n_tokens: int) -> np.ndarray:
+    """encode(text)[:n_tokens] as int32, tokenizing only a prefix of the text: one that ends at a line break and
+    gives TOKENIZE_MARGIN tokens more than asked for (the prefix doubles until it does, or is the whole text).
+    BPE merges within the pieces that pre-tokenization cuts at spaces and line breaks, so only the prefix's last few
+    tokens can differ from the whole text's. A perplexity run of 20 windows of 512 needs 10,240 of WikiText-2's
+    303,415 tokens (0.7 s to tokenize them all here)."""
+    chars = max(4096, 8 * n_tokens)
+    while chars < len(text):
+        cut = text.find("\n", chars)
+        if cut < 0:
+            break
+        tokens = encode(text[:cut + 1])
+        if len(tokens) >= n_tokens + TOKENIZE_MARGIN:
+            return np.asarray(tokens[:n_tokens], np.int32)
+        chars = 2 * cut
+    return np.asarray(encode(text)[:n_tokens], np.int32)
+
+
 def make_windows(tokens: np.ndarray, n_ctx: int, n_chunks: int, bos_id: int | None) -> np.ndarray:
     """Non-overlapping windows [n_chunk, n_ctx]; the first token of each replaced by BOS when given."""
     if len(tokens) < 2 * n_ctx:

@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from jaxinfer.errors import JaxinferError, exit_on_error
-from jaxinfer.evaluation import evaluate, read_logits_file, write_logits_header
+from jaxinfer.evaluation import evaluate, leading_tokens, read_logits_file, write_logits_header
 
 
 def _cli_main(argv):
@@ -76,8 +76,13 @@ def _evaluate(tp: int, dp: int):
         if not text.strip():
             raise JaxinferError(f"{f.file} is empty")
         start = time.perf_counter()
-        tokens = np.asarray(m.tokenizer.encode(text), np.int32)
-        print(f"tokenized {f.file}: {len(tokens)} tokens in {time.perf_counter() - start:.2f} s", file=sys.stderr)
+        if f.chunks <= 0:
+            tokens = np.asarray(m.tokenizer.encode(text), np.int32)
+            what = f"{len(tokens)} tokens"
+        else:  # only the text the windows asked for need (and two windows' worth: make_windows's least)
+            tokens = leading_tokens(m.tokenizer.encode, text, max(f.chunks, 2) * ctx_size)
+            what = f"the first {len(tokens)} tokens"
+        print(f"tokenized {f.file}: {what} in {time.perf_counter() - start:.2f} s", file=sys.stderr)
         n_ctx, n_chunks, source = ctx_size, f.chunks, f.file
     n_windows = len(tokens) // n_ctx if n_chunks < 0 else min(n_chunks, len(tokens) // n_ctx)  # those asked for
     n_seq = cli.windows_per_batch(f.batch_size, n_ctx, n_windows)

@@ -90,6 +90,24 @@ def test_quantized_log_probs_decode_to_log_softmax():
     np.testing.assert_allclose(decoded[visible], log_softmax[visible], atol=1e-3)
 
 
+def test_leading_tokens_are_the_whole_texts_first_tokens(default_model):
+    """A prefix of the text, cut at a line break, tokenizes to the whole text's first tokens (SmolLM2's BPE); only as
+    much is read as the tokens asked for need, and a text with fewer gives all of them."""
+    text = WIKITEXT.read_text(encoding="utf-8")
+    whole = default_model.tokenizer.encode(text)
+    read = []
+
+    def encode(piece):
+        read.append(len(piece))
+        return default_model.tokenizer.encode(piece)
+
+    for n in (1, 700, 2 * 512, 10_240):
+        read.clear()
+        np.testing.assert_array_equal(evaluation.leading_tokens(encode, text, n), whole[:n])
+        assert n == 10_240 or max(read) < len(text) / 2
+    np.testing.assert_array_equal(evaluation.leading_tokens(encode, text, len(whole) + 1), whole)
+
+
 def test_default_model_matches_llama_cpp_perplexity(default_model):
     tokens = default_model.tokenizer.encode(WIKITEXT.read_text(encoding="utf-8"))
     result = evaluation.evaluate(default_model, tokens, n_ctx=512, n_chunks=20)
