@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGUFReader, GGUFValueType
 from gguf.gguf_reader import ReaderField, ReaderTensor
 
-from jaxinfer.ternary import I2_S, QUANT_SIZES, i2_s_nbytes, quant_type
+from jaxinfer.ternary import I2_S, QUANT_SIZES, i2_s_nbytes, quant_type, unsupported_type_note
 
 GGUF_MAGIC = b"GGUF"
 POWERINFER_MAGIC = b"PWRI"  # PowerInfer: a GGUF v3 file whose first 4 bytes say it carries sparse-inference tensors
@@ -197,7 +197,9 @@ class Reader(GGUFReader):
             try:
                 qtype = quant_type(int(raw_type[0]))
             except ValueError:
-                raise CorruptGGUF(f"tensor {shown(name)} has unknown type id {int(raw_type[0])}") from None
+                type_id = int(raw_type[0])
+                raise CorruptGGUF(f"tensor {shown(name)} has unknown type id {type_id}"
+                                  f"{unsupported_type_note(type_id)}") from None
             dims = [int(n) for n in dims]
             if min(dims) < 1:
                 raise CorruptGGUF(f"tensor {shown(name)} has an empty dimension (shape {dims})")

@@ -16,10 +16,24 @@ QK_K = 256
 
 
 class BitNetType(enum.IntEnum):
-    """GGML type ids used by BitNet's llama.cpp fork (and ik_llama.cpp) that gguf-py lacks. Id 36 is I2_S there; ids
-    of other forks' types (TL1/TL2 are per-model codegen, not GGUF types) stay unknown."""
+    """GGML type ids used by BitNet's llama.cpp fork (and ik_llama.cpp) that gguf-py lacks: I2_S, the one read."""
 
     I2_S = 36
+
+
+# The other ids of bitnet.cpp's llama.cpp fork (Eddie-Wang1120/llama.cpp, gguf-py/gguf/constants.py: I2_S 36,
+# TL1 38, TL2 39): lookup-table layouts whose tiles bitnet.cpp generates per model shape, not read here. llama.cpp
+# had IQ4_NL_8_8 at 38 and has MXFP4 at 39, so a refusal names both readings.
+BITNET_FORK_LAYOUTS = {38: "TL1", 39: "TL2"}
+
+
+def unsupported_type_note(type_id: int) -> str:
+    """What to say of a tensor type id jaxinfer does not read: which BitNet layout it is, if it may be one."""
+    layout = BITNET_FORK_LAYOUTS.get(int(type_id))
+    if layout is None:
+        return ""
+    return (f" (in bitnet.cpp's files: its {layout} lookup-table layout, which jaxinfer does not read; convert the "
+            f"model to I2_S, TQ1_0 or TQ2_0)")
 
 
 I2_S = BitNetType.I2_S

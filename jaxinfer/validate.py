@@ -16,7 +16,7 @@ from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import shown
 from jaxinfer.quant import SUPPORTED_TYPES
-from jaxinfer.ternary import quant_type
+from jaxinfer.ternary import quant_type, unsupported_type_note
 
 LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 VOCABULARY_KEY = "tokenizer.ggml.tokens"
@@ -42,8 +42,8 @@ def _check(gguf, name: str, shape: tuple[int, ...], types=SUPPORTED_TYPES) -> No
     qtype = quant_type(gguf.tensors[name].tensor_type)
     if qtype not in types:
         supported = ", ".join(sorted(q.name for q in types))
-        raise JaxinferError(f"{gguf.path}: tensor {name} has type {qtype.name}, which jaxinfer does not support "
-                            f"here (supported: {supported})")
+        raise JaxinferError(f"{gguf.path}: tensor {name} has type {qtype.name}{unsupported_type_note(qtype)}, which "
+                            f"jaxinfer does not support here (supported: {supported})")
 
 
 def _check_layer(gguf, cfg: Config, i: int) -> None:

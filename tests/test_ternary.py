@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import engine, quant, ternary
 from jaxinfer.gguf_io import load_matrix, open_gguf
+from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import CorruptGGUF, Reader
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
@@ -87,8 +88,29 @@ def test_unknown_type_ids_and_short_i2_s_tensors_are_refused(tmp_path):
     data[type_offset:type_offset + 4] = (37).to_bytes(4, "little")
     unknown = tmp_path / "unknown.gguf"
     unknown.write_bytes(data)
-    with pytest.raises(CorruptGGUF, match="unknown type id 37"):
+    with pytest.raises(CorruptGGUF, match=r"unknown type id 37$"):
         Reader(str(unknown))
+    data[type_offset:type_offset + 4] = (38).to_bytes(4, "little")  # bitnet.cpp's TL1: named
+    unknown.write_bytes(data)
+    with pytest.raises(CorruptGGUF, match=r"unknown type id 38 \(in bitnet.cpp's files: its TL1 lookup-table layout"):
+        Reader(str(unknown))
+
+
+def test_bitnet_forks_layouts_are_named_where_their_ids_are_refused(tmp_path):
+    """Type 39 is llama.cpp's MXFP4 and bitnet.cpp's TL2: a model with it is refused, naming both readings."""
+    path = write_model(str(tmp_path / "q8.gguf"), SyntheticSpec(architecture="bitnet", n_embd=128, n_ff=256,
+                                                                weight_type=Q.Q8_0))
+    data = bytearray(open(path, "rb").read())
+    info = next(t for t in Reader(path).tensors if t.name == "blk.0.attn_q.weight").field
+    type_offset = info.offset + sum(int(p.nbytes) for p in info.parts[:4])
+    data[type_offset:type_offset + 4] = (39).to_bytes(4, "little")  # 17 bytes a block of 32: within Q8_0's extent
+    patched = tmp_path / "tl2.gguf"
+    patched.write_bytes(data)
+    with pytest.raises(JaxinferError, match=r"blk.0.attn_q.weight has type MXFP4 \(in bitnet.cpp's files: its TL2 "
+                                            r"lookup-table layout, which jaxinfer does not read; convert the model to "
+                                            r"I2_S, TQ1_0 or TQ2_0\), which jaxinfer does not support"):
+        engine.load_model(str(patched))
+    assert ternary.unsupported_type_note(Q.Q8_0) == ""
 
 
 def test_absmax_int8_rounds_each_token_to_127_steps_of_its_largest_value():
