@@ -11,6 +11,12 @@ With --sparsity 0 it writes a plain llama file instead (SwiGLU, random weights, 
 training-free sparsity modes (calibrate, then --sparsity hidden:S), e.g. four 7B-shaped layers (436 MiB):
 
     python scripts/make_sparse_model.py --shape 7b --n_layer 4 --sparsity 0 -o llama7b-4l.gguf
+
+--architecture bitnet or bitnet-b1.58 writes a plain BitNet file (sub-norms; with a ternary --weight_type, TQ1_0,
+TQ2_0 or I2_S, each matrix a scale times values in {-1, 0, +1}), e.g. the 7B-shaped BitNet of the README's table:
+
+    python scripts/make_sparse_model.py --architecture bitnet --shape 7b --n_layer 4 --n_vocab 32000 --sparsity 0 \
+        --weight_type TQ2_0 -o bitnet-7b4l-TQ2_0.gguf
 """
 
 import dataclasses
@@ -23,12 +29,14 @@ from gguf import GGMLQuantizationType
 from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import SyntheticSpec, write_model
+from jaxinfer.ternary import BitNetType
 
 SHAPES = {  # (layers, d, ffn, heads, kv heads, vocab)
     "tiny": (4, 256, 1024, 4, 4, 0),
     "small": (12, 768, 3072, 12, 12, 32000),
     "7b": (32, 4096, 11008, 32, 32, 49152),  # llama-7B shapes, as in shared/reference's GPU benchmark
 }
+WEIGHT_TYPES = {t.name: t for t in (*GGMLQuantizationType, *BitNetType)}
 flags.DEFINE_string("output", None, "output path", short_name="o")
 flags.DEFINE_enum("shape", "tiny", list(SHAPES), "preset shape (overridden by the explicit flags below)")
 flags.DEFINE_integer("n_layer", None, "layers")
@@ -37,8 +45,12 @@ flags.DEFINE_integer("n_ff", None, "FFN neurons per layer")
 flags.DEFINE_float("sparsity", 0.9, "mean share of inactive FFN neurons per token; 0: a plain llama file "
                    "(SwiGLU, no predictors)")
 flags.DEFINE_float("power_law", 1.0, "firing frequency of the k-th hottest neuron ~ k^-power_law")
-flags.DEFINE_string("weight_type", "Q4_0", "GGML type of the large matrices (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, ...)")
+flags.DEFINE_string("weight_type", "Q4_0", "GGML type of the large matrices (F32, F16, Q8_0, Q4_0, Q4_1, Q5_0, ...; "
+                    "ternary: TQ1_0, TQ2_0, I2_S)")
 flags.DEFINE_integer("seed", 0, "random seed")
+flags.DEFINE_enum("architecture", "llama", ["llama", "bitnet", "bitnet-b1.58"], "the block: llama's, or BitNet's "
+                  "(plain files only: --sparsity 0)")
+flags.DEFINE_integer("n_vocab", None, "vocabulary size (default: the shape's; the tiny one's is byte-level, 263)")
 FLAGS = flags.FLAGS
 
 
@@ -50,17 +62,19 @@ def main(argv):
         raise JaxinferError("-o/--output is required")
     if not 0 <= FLAGS.sparsity < 1:
         raise JaxinferError(f"--sparsity must be in [0, 1), got {FLAGS.sparsity}")
-    try:
-        weight_type = GGMLQuantizationType[FLAGS.weight_type.upper()]
-    except KeyError:
-        raise JaxinferError(f"unknown --weight_type {FLAGS.weight_type!r}") from None
+    if FLAGS.architecture != "llama" and FLAGS.sparsity:
+        raise JaxinferError(f"a {FLAGS.architecture} model is written plain: give --sparsity 0")
+    weight_type = WEIGHT_TYPES.get(FLAGS.weight_type.upper())
+    if weight_type is None:
+        raise JaxinferError(f"unknown --weight_type {FLAGS.weight_type!r}")
     n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab = SHAPES[FLAGS.shape]
     spec = SyntheticSpec(
         n_layer=FLAGS.n_layer or n_layer, n_embd=FLAGS.n_embd or n_embd, n_ff=FLAGS.n_ff or n_ff, n_head=n_head,
-        n_head_kv=n_head_kv, n_vocab=n_vocab, n_ctx=4096, weight_type=weight_type,
+        n_head_kv=n_head_kv, n_vocab=n_vocab if FLAGS.n_vocab is None else FLAGS.n_vocab, n_ctx=4096,
+        weight_type=weight_type,
         embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
-        sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed)
-    kind = "sparse model" if spec.sparsity else "plain llama model"
+        architecture=FLAGS.architecture, sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed)
+    kind = "sparse model" if spec.sparsity else f"plain {FLAGS.architecture} model"
     print(f"writing a SYNTHETIC (random-weight) {kind}: {dataclasses.asdict(spec)}", file=sys.stderr)
     write_model(FLAGS.output, spec, progress=True)
     print(f"wrote {FLAGS.output} ({os.path.getsize(FLAGS.output) / 2**20:.1f} MiB)")

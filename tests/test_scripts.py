@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxinfer import engine, sparsity
+from jaxinfer import engine, quant, sparsity, ternary
+from jaxinfer.gguf_io import load_matrix, open_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -146,6 +147,26 @@ def test_bench_repacked_kernels_runs_and_rejects_types_without_repacked_kernels(
 def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
     result = run("scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"), "--sparsity", "1.5")
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_make_sparse_model_writes_a_ternary_bitnet_model(tmp_path):
+    """--architecture bitnet-b1.58 with an I2_S weight type: a BitNet file with sub-norms and I2_S matrices of
+    ternary values, the vocabulary asked for; a sparse BitNet and an unknown type are refused."""
+    path = str(tmp_path / "b158.gguf")
+    made = run("scripts/make_sparse_model.py", "-o", path, "--architecture", "bitnet-b1.58", "--sparsity", "0",
+               "--n_layer", "1", "--n_embd", "128", "--n_ff", "256", "--n_vocab", "300", "--weight_type", "i2_s")
+    assert made.returncode == 0, made.stderr
+    g = open_gguf(path)
+    assert g.metadata["general.architecture"] == "bitnet-b1.58" and "blk.0.ffn_sub_norm.weight" in g.tensors
+    assert g.tensors["blk.0.ffn_up.weight"].tensor_type == ternary.I2_S
+    assert g.tensors["token_embd.weight"].shape[-1] == 300
+    up = np.asarray(quant.dequantize(load_matrix(g, "blk.0.ffn_up.weight")))
+    assert set(np.unique(np.round(up / np.abs(up).max(), 6))) <= {-1.0, 0.0, 1.0}
+    for args, fragment in ((("--architecture", "bitnet"), "give --sparsity 0"),
+                           (("--sparsity", "0", "--weight_type", "TL1"), "unknown --weight_type")):
+        bad = run("scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"), *args)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: ") and \
+            fragment in bad.stderr, bad.stderr
 
 
 def test_bench_startup_times_a_cold_and_a_warm_run(make_model):
