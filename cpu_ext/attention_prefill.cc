@@ -96,12 +96,18 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
         std::fill(row, row + kKeys, 0.0f);
         continue;
       }
-      float block_max = -INFINITY;
-      for (int64_t j = 0; j < seen; ++j) block_max = std::max(block_max, row[j]);
+      F32x16 scores[kKeyVectors], max_lanes = splat(-INFINITY);
+      for (int c = 0; c < kKeyVectors; ++c) {
+        const F32x16 x = load(row + c * kLanes);
+        scores[c] = lane + c * kLanes < static_cast<int32_t>(seen) ? x : splat(-INFINITY);
+        max_lanes = scores[c] > max_lanes ? scores[c] : max_lanes;
+      }
+      float block_max = max_lanes[0];
+      for (int i = 1; i < kLanes; ++i) block_max = std::max(block_max, max_lanes[i]);
       const float new_max = std::max(t.m[r], block_max);
       F32x16 total{};
       for (int c = 0; c < kKeyVectors; ++c) {
-        const F32x16 e = exp_nonpositive(load(row + c * kLanes) - new_max);
+        const F32x16 e = exp_nonpositive(scores[c] - new_max);
         const F32x16 p = lane + c * kLanes < static_cast<int32_t>(seen) ? e : splat(0.0f);
         store(row + c * kLanes, p);
         total += p;
@@ -110,7 +116,12 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
       t.l[r] = t.l[r] * correction + sum_lanes(total);
       t.m[r] = new_max;
       if (correction != 1.0f) {
-        for (int d = 0; d < head_dim; ++d) o[r * head_dim + d] *= correction;
+        float* out = o + r * head_dim;
+        if constexpr (HeadDim > 0 && HeadDim % kLanes == 0) {
+          for (int d = 0; d < HeadDim; d += kLanes) store(out + d, load(out + d) * correction);
+        } else {
+          for (int d = 0; d < head_dim; ++d) out[d] *= correction;
+        }
       }
     }
     // O += P V, kRowTile rows x 64 dimensions at a time where the head size is a multiple of 64 known at compile
