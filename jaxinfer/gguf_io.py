@@ -14,9 +14,9 @@ import os
 
 import jax
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from jaxinfer import distributed, quant, repack
+from jaxinfer import distributed, quant, repack, ternary
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
@@ -122,16 +122,21 @@ def place(view: np.ndarray) -> jax.Array:
 
 
 def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False,
-                packs=lambda w: False) -> QuantArray:
+                packs=lambda w: False, widens=lambda w: False) -> QuantArray:
     """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
-    view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs). A `NAME.scale` tensor beside
-    `NAME.weight` (llama.cpp's bitnet: one f32 multiplying the projection's result) becomes part of its scale."""
+    view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs), TQ1_0 held as TQ2_0 where `widens(w)`
+    says (repack.widens_tq1_0). A `NAME.scale` tensor beside `NAME.weight` (llama.cpp's bitnet: one f32 multiplying
+    the projection's result) becomes part of its scale."""
     t = gguf.tensors[name]
     view = np.asarray(t.data)
     w = from_gguf_data(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 2))
     scale_name = name.removesuffix(".weight") + ".scale"
     scale = w.scale * float(gguf.tensors[scale_name].data[0]) if scale_name in gguf.tensors else w.scale
     w = dataclasses.replace(w, exact=exact, scale=scale)
+    if widens(w):
+        tq2_0 = jax.block_until_ready(ternary.tq1_0_as_tq2_0(view))
+        distributed.release_pages(view)
+        return dataclasses.replace(w, data=np.asarray(tq2_0) if on_host else tq2_0, qtype=GGMLQuantizationType.TQ2_0)
     if on_host:
         return w
     if not packs(w):
@@ -142,12 +147,12 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
     return packed
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, sub_norms: bool) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, sub_norms: bool) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
     def matrix(tensor, field=None):
-        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w))
+        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w), widens)
 
     def optional(tensor):
         return matrix(tensor) if name(tensor) in gguf.tensors else None
@@ -172,11 +177,15 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     def packs(field, w):
         return repack.packs(field, w, cfg.plan, repack_ffn)
 
+    def widens(w):
+        return repack.widens_tq1_0(w, cfg.plan)
+
     tied = "output.weight" not in gguf.tensors
-    token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w))
-    layers = [_load_layer(gguf, i, exact, on_host, packs, cfg.sub_norms) for i in range(cfg.n_layer)]
+    token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w),
+                             widens)
+    layers = [_load_layer(gguf, i, exact, on_host, packs, widens, cfg.sub_norms) for i in range(cfg.n_layer)]
     output = token_embd if tied else load_matrix(gguf, "output.weight", exact, on_host,
-                                                 lambda w: packs(repack.OUTPUT, w))
+                                                 lambda w: packs(repack.OUTPUT, w), widens)
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
 
 

@@ -10,11 +10,14 @@ Q4_0/Q4_1/Q8_0/IQ4_NL weight that only dense products read.
                 where a model loaded dense is made sparse after)
 
 A repacked weight is read from the file into its new layout and the file's pages let go: the model holds it once.
+Ternary TQ1_0 weights are held as TQ2_0 (`widens_tq1_0`), 22% more bytes for a kernel that unpacks them 1.6x faster.
 Under tensor parallelism a weight cut by rows is repacked only if each device's rows are whole groups (rows a
 multiple of 8 tp); a cut by columns cuts every group on whole blocks, as it cuts rows.
 """
 
 import dataclasses
+
+from gguf import GGMLQuantizationType
 
 from jaxinfer import quant, sharding
 from jaxinfer.plan import Plan
@@ -33,6 +36,13 @@ def packs(name: str, w: QuantArray, plan: Plan, ffn: bool = True) -> bool:
     if name not in ATTENTION + (OUTPUT,) and not (ffn and name in FFN):
         return False
     return plan.tp == 1 or name not in ROW_CUT or w.shape[0] % (quant.INTERLEAVE * plan.tp) == 0
+
+
+def widens_tq1_0(w: QuantArray, plan: Plan) -> bool:
+    """Whether a weight read from the file as TQ1_0 is held as TQ2_0 (ternary.tq1_0_as_tq2_0: the same values, 66
+    bytes a block of 256 instead of 54) where the plan repacks: every TQ1_0 weight not marked exact, whichever product
+    or lookup reads it. Its decode runs at TQ2_0's speed (7B-shaped bitnet, tg64: 84 against 54 tokens/s)."""
+    return plan.repack and w.qtype == GGMLQuantizationType.TQ1_0 and not w.exact
 
 
 def ffn_rows(layer):

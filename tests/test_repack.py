@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType as Q
 import cpu_ext
 from jaxinfer import engine, model, quant, repack, sparsity
 from jaxinfer.quant import ROW_BLOCKS, ROWS_X8
+from jaxinfer.synthetic import SyntheticSpec, write_model
 
 # Rows of 256 (attention, down), 96 (gate/up: 12 groups, an odd one out of the two-group tiles) and an untied output
 # head of 263 (a padded last group).
@@ -79,6 +80,23 @@ def test_a_tied_output_head_is_repacked_with_the_embedding(make_model):
     assert on.weights.output is on.weights.token_embd and on.weights.output.layout == ROWS_X8
     assert off.weights.output.layout == ROW_BLOCKS
     tokens = np.random.default_rng(2).integers(0, on.config.n_vocab, size=(2, 20)).astype(np.int32)
+    try:
+        cpu_ext.select_isa("scalar")
+        np.testing.assert_array_equal(forward_logits(on, tokens), forward_logits(off, tokens))
+    finally:
+        cpu_ext.select_isa("best")
+
+
+def test_tq1_0_weights_are_held_as_tq2_0_and_give_the_same_bits(tmp_path):
+    """A BitNet TQ1_0 model loads its matrices as TQ2_0 (the same values: the same dots, bit for bit, with the
+    portable kernels); with the repack off, or marked exact, they stay TQ1_0."""
+    path = write_model(str(tmp_path / "tq1.gguf"), SyntheticSpec(architecture="bitnet", n_embd=256, n_ff=512,
+                                                                 weight_type=Q.TQ1_0, embedding_type=Q.TQ1_0))
+    on, off = engine.load_model(path), engine.load_model(path, repack=False)
+    assert {on.weights.layers[0].ffn_up.qtype, on.weights.token_embd.qtype} == {Q.TQ2_0}
+    assert off.weights.layers[0].ffn_up.qtype == Q.TQ1_0
+    assert engine.load_model(path, exact=True).weights.layers[0].ffn_up.qtype == Q.TQ1_0
+    tokens = np.random.default_rng(3).integers(0, on.config.n_vocab, size=(2, 12)).astype(np.int32)
     try:
         cpu_ext.select_isa("scalar")
         np.testing.assert_array_equal(forward_logits(on, tokens), forward_logits(off, tokens))

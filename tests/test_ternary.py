@@ -45,6 +45,19 @@ def i2_s_decoded(data: bytes, n_values: int) -> np.ndarray:
     return out
 
 
+def test_tq1_0_as_tq2_0_keeps_every_value():
+    """Random bytes (every trit pattern, d kept) and quantized ternary rows: TQ2_0's values are TQ1_0's, by gguf-py."""
+    rng = np.random.default_rng(4)
+    blocks = rng.integers(0, 256, size=(3, 7 * 54), dtype=np.uint8)
+    blocks.reshape(3, 7, 54)[..., 52:54] = rng.integers(0, 0x3c, size=(3, 7, 2))  # finite f16 scales
+    quantized = gguf.quants.quantize(ternary_values(rng, 5, 512), Q.TQ1_0)
+    for data in (blocks, quantized):
+        widened = np.asarray(ternary.tq1_0_as_tq2_0(data))
+        assert widened.shape == (data.shape[0], data.shape[1] // 54 * 66)
+        np.testing.assert_array_equal(gguf.quants.dequantize(widened, Q.TQ2_0),
+                                      gguf.quants.dequantize(data, Q.TQ1_0))
+
+
 def test_i2_s_encodes_and_decodes_microsofts_layout():
     rng = np.random.default_rng(1)
     codes = rng.integers(0, 3, 4 * 128).astype(np.uint8)
