@@ -4,7 +4,6 @@ need; quant.matmul routes ternary weights to them; the exact I2_S transpose of a
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -38,6 +38,17 @@ def forward_logits(m, tokens):
     return np.asarray(model.logits(hidden, m.weights, m.config))
 
 
+def assert_same_portable_bits(on, off, length):
+    """Two loads of one model give the same logits for two random rows of `length` tokens, with the portable
+    kernels."""
+    tokens = np.random.default_rng(length).integers(0, on.config.n_vocab, size=(2, length)).astype(np.int32)
+    try:
+        cpu_ext.select_isa("scalar")
+        np.testing.assert_array_equal(forward_logits(on, tokens), forward_logits(off, tokens))
+    finally:
+        cpu_ext.select_isa("best")
+
+
 def layouts(m):
     layer = m.weights.layers[0]
     return {name: getattr(layer, name).layout for name in repack.ATTENTION + repack.FFN} | {
@@ -79,12 +90,7 @@ def test_a_tied_output_head_is_repacked_with_the_embedding(make_model):
     on, off = engine.load_model(path), engine.load_model(path, repack=False)
     assert on.weights.output is on.weights.token_embd and on.weights.output.layout == ROWS_X8
     assert off.weights.output.layout == ROW_BLOCKS
-    tokens = np.random.default_rng(2).integers(0, on.config.n_vocab, size=(2, 20)).astype(np.int32)
-    try:
-        cpu_ext.select_isa("scalar")
-        np.testing.assert_array_equal(forward_logits(on, tokens), forward_logits(off, tokens))
-    finally:
-        cpu_ext.select_isa("best")
+    assert_same_portable_bits(on, off, length=20)
 
 
 def test_tq1_0_weights_are_held_as_tq2_0_and_give_the_same_bits(tmp_path):
@@ -96,12 +102,7 @@ def test_tq1_0_weights_are_held_as_tq2_0_and_give_the_same_bits(tmp_path):
     assert {on.weights.layers[0].ffn_up.qtype, on.weights.token_embd.qtype} == {Q.TQ2_0}
     assert off.weights.layers[0].ffn_up.qtype == Q.TQ1_0
     assert engine.load_model(path, exact=True).weights.layers[0].ffn_up.qtype == Q.TQ1_0
-    tokens = np.random.default_rng(3).integers(0, on.config.n_vocab, size=(2, 12)).astype(np.int32)
-    try:
-        cpu_ext.select_isa("scalar")
-        np.testing.assert_array_equal(forward_logits(on, tokens), forward_logits(off, tokens))
-    finally:
-        cpu_ext.select_isa("best")
+    assert_same_portable_bits(on, off, length=12)
 
 
 def test_what_is_not_repacked(make_model):
