@@ -15,12 +15,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
-from jaxinfer import model, sharding
+from jaxinfer import model, quant, sharding
 from jaxinfer.cli import MIN_WINDOW  # the least -c a logits file can have been written with
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 
 LOGITS_MAGIC = b"_logits_"
+VOCABULARY_PIECE = 8192  # words of the output head a piece, in hidden_nll
 KL_LOG_PROB_FLOOR = -16.0  # llama.cpp ignores base probabilities below e^-16 in the KL sum
 
 
@@ -97,8 +98,44 @@ def _logits_and_nll(hidden, windows, weights, cfg: Config):
 
 
 def hidden_nll(hidden, windows, weights, cfg: Config):
-    """Negative log-likelihood of each scored token: [B, count] f32."""
-    return _logits_and_nll(hidden, windows, weights, cfg)[1]
+    """Negative log-likelihood of each scored token: [B, count] f32, as _logits_and_nll's but with the output head
+    taken in a loop over pieces of VOCABULARY_PIECE words (the last starting early enough to be whole, its words
+    already seen masked out): log-sum-exp is merged over the pieces, the target's logit taken from the piece that
+    holds it. XLA gives each call its temporaries afresh and the kernels touch each of their pages first: the whole
+    logits of a batch and their exponentials (400 MB for four windows of 512 and 49152 words) cost ~0.2 s of page
+    faults a call; a piece's, reused by the loop, 1/6 of that. Whole with a head cut over devices, or smaller than a
+    piece."""
+    head = weights.output
+    n_vocab = head.shape[0]
+    if cfg.plan.tp > 1 or n_vocab <= VOCABULARY_PIECE or head.layout not in (quant.ROW_BLOCKS, quant.ROWS_X8):
+        return _logits_and_nll(hidden, windows, weights, cfg)[1]
+    first, count = scored_positions(windows.shape[1])
+    scored, targets = hidden[:, first:first + count], windows[:, first + 1:]
+    held_rows = head.data.shape[0] * (quant.INTERLEAVE if head.layout == quant.ROWS_X8 else 1)  # padded groups too
+    last_start = held_rows - VOCABULARY_PIECE  # a multiple of 8 for a repacked head: both terms are
+
+    def piece(i, carry):
+        high, total, low, target_logit = carry
+        start = jnp.minimum(i * VOCABULARY_PIECE, last_start)
+        rows = quant.dynamic_row_range(head, start, VOCABULARY_PIECE)
+        logits = model.logits(scored, dataclasses.replace(weights, output=rows), cfg)
+        word = start + jnp.arange(VOCABULARY_PIECE)
+        new = (word >= i * VOCABULARY_PIECE) & (word < n_vocab)  # not in an earlier piece, nor padding
+        piece_high = jnp.max(jnp.where(new, logits, -jnp.inf), axis=-1)
+        merged = jnp.maximum(high, piece_high)
+        total = (total * jnp.exp(high - merged)
+                 + jnp.sum(jnp.where(new, jnp.exp(logits - merged[..., None]), 0.0), axis=-1))
+        low = jnp.minimum(low, jnp.min(jnp.where(new, logits, jnp.inf), axis=-1))
+        at = jnp.clip(targets - start, 0, VOCABULARY_PIECE - 1)
+        held = (targets >= i * VOCABULARY_PIECE) & (targets - start < VOCABULARY_PIECE)
+        picked = jnp.take_along_axis(logits, at[..., None], axis=-1)[..., 0]
+        return merged, total, low, target_logit + jnp.where(held, picked, 0.0)
+
+    zeros = jnp.zeros(targets.shape, jnp.float32)
+    start = (zeros - jnp.inf, zeros, zeros + jnp.inf, zeros)
+    high, total, low, target_logit = jax.lax.fori_loop(0, -(-n_vocab // VOCABULARY_PIECE), piece, start)
+    log_sum_exp = high + jnp.log(total)
+    return jnp.where(jnp.isfinite(log_sum_exp) & jnp.isfinite(low), log_sum_exp - target_logit, jnp.nan)
 
 
 def hidden_logits(hidden, windows, weights, cfg: Config):

@@ -470,6 +470,19 @@ def unpack_rows_x8(w: QuantArray) -> QuantArray:
     return QuantArray(blocks[:rows], w.qtype, w.shape, w.exact, scale=w.scale)
 
 
+def dynamic_row_range(w: QuantArray, start, count: int) -> QuantArray:
+    """Rows start .. start + count - 1 (start traced; count static) of a weight in GGUF's rows or repacked (then
+    start and count multiples of INTERLEAVE, and the rows may run into the last group's padding): a piece of an
+    output head."""
+    if w.layout == ROWS_X8:
+        data = jax.lax.dynamic_slice_in_dim(w.data, start // INTERLEAVE, count // INTERLEAVE)
+    elif w.layout == ROW_BLOCKS:
+        data = jax.lax.dynamic_slice_in_dim(w.data, start, count)
+    else:
+        raise ValueError(f"no row range of a {w.layout} weight")
+    return dataclasses.replace(w, data=data, shape=(count, w.shape[1]))
+
+
 def take_rows(w: QuantArray, rows: jax.Array) -> jax.Array:
     """Dequantized rows `w[rows]` -> f32 [*rows.shape, cols], reading only those rows' blocks (embeddings; of a
     repacked weight, the groups of eight holding them, unpacked)."""

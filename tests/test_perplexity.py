@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, evaluation, model
+from jaxinfer import engine, evaluation, model, quant
 from jaxinfer.errors import JaxinferError
 
 # The first 49.5 kB of WikiText-2's wiki.test.raw (CC BY-SA 3.0, tests/data/README.md): 11,833 tokens, the same first
@@ -221,6 +222,37 @@ def test_micro_batches_give_the_same_scores(tiny):
         chunked = evaluation.evaluate_windows(tiny.weights, tiny.config, windows, n_seq=2, ubatch=ubatch,
                                               progress=False)
         np.testing.assert_allclose(chunked.nll, whole.nll, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("weight_type", [Q.Q8_0, Q.F32], ids=["repacked", "rows"])
+def test_the_head_in_pieces_of_the_vocabulary_gives_the_whole_heads_nll(make_model, monkeypatch, weight_type):
+    """Pieces of 64 words over 263 (the last piece starts early, and a repacked head's last group is padding): the
+    merged log-sum-exp and the target's logit give the whole head's nll and the float64 reference's; an infinity
+    anywhere still makes the row's nll NaN."""
+    m = engine.load_model(make_model(n_ctx=64, tied_output=False, weight_type=weight_type,
+                                     embedding_type=weight_type))
+    assert m.weights.output.shape[0] == 263
+    monkeypatch.setattr(evaluation, "VOCABULARY_PIECE", 64)
+    windows = jnp.asarray(evaluation.make_windows(np.random.default_rng(5).integers(0, 263, size=3 * 32), 32, -1,
+                                                  bos_id=None))
+    hidden = jax.jit(model.forward, static_argnums=2)(windows, m.weights, m.config)[0]
+    pieces = jax.jit(evaluation.hidden_nll, static_argnums=3)(hidden, windows, m.weights, m.config)
+    whole = evaluation.hidden_logits(hidden, windows, m.weights, m.config)[1]
+    np.testing.assert_allclose(np.asarray(pieces), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(pieces).reshape(-1), direct_nll(m, np.asarray(windows)), rtol=1e-4,
+                               atol=1e-4)
+    out = m.weights.output
+    rows = np.asarray((quant.unpack_rows_x8(out) if out.layout == quant.ROWS_X8 else out).data)
+    for row in (3, 200, 262):  # in the first, a middle and the last piece
+        data = rows.copy()
+        if weight_type == Q.Q8_0:
+            data[row, 0:2] = [0x00, 0x7C]  # the first block's scale: f16 +inf
+        else:
+            data[row, 0] = np.inf
+        head = dataclasses.replace(out, data=data, layout=quant.ROW_BLOCKS)
+        head = quant.pack_rows_x8(head) if out.layout == quant.ROWS_X8 else head
+        nll = evaluation.hidden_nll(hidden, windows, dataclasses.replace(m.weights, output=head), m.config)
+        assert np.isnan(np.asarray(nll)).all(), row
 
 
 def test_nonfinite_logits_stop_with_an_error(make_model):
