@@ -101,7 +101,8 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
   const X8Kernels kernels = x8_kernels(k, qtype);
   int64_t total = 0;  // groups
   for (size_t i = 0; i < n_products; ++i) total += (products[i].rows + kInterleave - 1) / kInterleave;
-  const int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
+  int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
+  band += kernels.two_groups != nullptr && band % 2;  // an even band: no group left to the one-group kernel
   const int64_t chunk = std::max<int64_t>(4, kTokenChunkBytes / (blocks * int64_t{sizeof(BlockQ8)}) / 4 * 4);
   const int n = static_cast<int>(cols);
   Product own[kMaxGroup];
