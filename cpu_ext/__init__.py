@@ -47,7 +47,8 @@ SUPPORTED_TYPES = frozenset(
 ) | {I2_S}
 # The types the repacked kernels read (quantized_matmul's interleave 8; jaxinfer.quant.pack_rows_x8 lays them out,
 # qmatmul.h draws the layout).
-REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name]
+                           for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"))
 # The types neuron_major_axpy reads, packed as jaxinfer.quant.pack_neuron_major lays them out (qmatmul.h,
 # NeuronLayout).
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))

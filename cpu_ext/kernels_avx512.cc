@@ -72,6 +72,7 @@ inline void add_to(float* y, F32x16 a, F32x16 b, __m128 offset) {
 
 #include "kernels_x86.inc"
 #include "repacked_x86.inc"
+#include "repacked_k_x86.inc"
 
 // Two repacked groups (sixteen rows) against four tokens, on 512-bit vectors: lanes 0..7 the first group's rows,
 // 8..15 the second's, each group's 32-byte chunk loaded into one half. Each activation broadcast (one load, folded
@@ -182,6 +183,14 @@ const Kernels& avx512_kernels() {
                             avx512::x8_q4_0_x4,
                             avx512::x8_q4_1_x4,
                             avx512::x8_iq4_nl_x4,
+                            avx512::x8_q4_k,
+                            avx512::x8_q5_k,
+                            avx512::x8_q6_k,
+                            avx512::x8_iq4_xs,
+                            avx512::x8_q4_k_x4,
+                            avx512::x8_q5_k_x4,
+                            avx512::x8_q6_k_x4,
+                            avx512::x8_iq4_xs_x4,
                             avx512::dot_q8_0_x4,
                             avx512::dot_q4_0_x4,
                             avx512::dot_q4_1_x4,
