@@ -94,10 +94,10 @@ X8Kernels<BlockQ8> x8_kernels(const Kernels& k, int64_t qtype) {
 
 X8Kernels<BlockQ8K> x8k_kernels(const Kernels& k, int64_t qtype) {
   switch (qtype) {
-    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4};
-    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4};
-    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4};
-    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4};
+    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4, k.x16_q4_k_x4};
+    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4, k.x16_q5_k_x4};
+    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4, k.x16_q6_k_x4};
+    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4, k.x16_iq4_xs_x4};
     default: return {};
   }
 }
