@@ -138,7 +138,11 @@ void x16_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, in
   for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + 2 * kInterleave * i, acc[i]);
 }
 
-// The same for the K-quant and IQ4_XS groups (x8k_dots in repacked_k_x86.inc, per lane the same steps).
+inline __m512i left_512(__m512i v, int n) { return _mm512_slli_epi16(v, static_cast<unsigned>(n)); }
+inline __m512i right_512(__m512i v, int n) { return _mm512_srli_epi16(v, static_cast<unsigned>(n)); }
+
+// The same for the K-quant and IQ4_XS groups (x8k_dots in repacked_k_x86.inc, per lane the same steps), for four
+// tokens and for one: a decode step's one-group kernel issues twice the instructions for the same bytes.
 template <X8KFormat F>
 inline void x16k_weights(const uint8_t* first, const uint8_t* second, int j, __m512i w[8]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -159,14 +163,11 @@ inline void x16k_weights(const uint8_t* first, const uint8_t* second, int j, __m
     for (int k = 0; k < 8; ++k) {
       const int ql = half + 256 * (s % 2) + 32 * k, qh = half + 512 + 32 * k;
       const __m512i low = _mm512_and_si512(_mm512_srli_epi16(halves(first + ql, second + ql), 4 * (s / 2)), nibble);
-      const __m512i top = _mm512_and_si512(_mm512_srli_epi16(halves(first + qh, second + qh), 2 * s),
-                                           _mm512_set1_epi8(3));
-      w[k] = _mm512_or_si512(low, _mm512_slli_epi16(top, 4));
+      const __m512i top = q6_k_top_bits<__m512i, left_512, right_512>(halves(first + qh, second + qh), s);
+      w[k] = _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x30), 0xF8);  // low | (top & 0x30)
     }
   } else {
-    alignas(64) uint8_t biased[64];
-    for (int i = 0; i < 64; ++i) biased[i] = static_cast<uint8_t>(kIq4Values[i % 16] + 128);
-    const __m512i table = _mm512_load_si512(biased);
+    const __m512i table = _mm512_load_si512(kBiasedIq4.bytes);
     const int sub = 80 + 128 * j;
     for (int c = 0; c < 4; ++c) {
       const __m512i bytes = halves(first + sub + 32 * c, second + sub + 32 * c);
@@ -184,15 +185,20 @@ inline __m512i widen16(const uint8_t* first, const uint8_t* second) {
   return kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
 }
 
-template <X8KFormat F>
-void x16k_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
+template <X8KFormat F, int N>
+void x16k_dots(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
   using T = X8KTraits<F>;
-  constexpr int N = 4;
   __m512 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int b = 0; b < n / kQK_K; ++b) {
     const uint8_t* first = group + b * T::kBlockBytes;
     const uint8_t* second = first + group_bytes;
+    if constexpr (N == 1) {  // decode: both groups' bytes come from memory
+      for (int at = 0; at < T::kBlockBytes; at += 64) {
+        __builtin_prefetch(first + kPrefetchKBytes + at);
+        __builtin_prefetch(second + kPrefetchKBytes + at);
+      }
+    }
     __m512i total[N], offset[N];
     for (int i = 0; i < N; ++i) total[i] = offset[i] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -322,10 +328,14 @@ const Kernels& avx512_kernels() {
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_0>,
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_1>,
                             avx512::x16_dots_x4<avx512::X8Format::kIQ4_NL>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ4_K>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ5_K>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ6_K>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kIQ4_XS>};
+                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 1>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 1>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 1>,
+                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 1>};
   return k;
 }
 

@@ -25,7 +25,8 @@ int x8k_q(const uint8_t* blk, int r, int j, int e) {
     const int h = j / 4, s = j % 4;
     const uint8_t* half = blk + 144 + 768 * h;
     const int low = (chunk_byte(half + 256 * (s % 2), e / 4, r, e % 4) >> (4 * (s / 2))) & 0x0F;
-    return low | ((chunk_byte(half + 512, e / 4, r, e % 4) >> (2 * s)) & 3) << 4;
+    constexpr int kTopAt[4] = {4, 0, 6, 2};  // a repacked qh byte holds sub-blocks 1, 3, 0, 2 from its low bits up
+    return low | ((chunk_byte(half + 512, e / 4, r, e % 4) >> kTopAt[s]) & 3) << 4;
   } else {
     const int c = e % 16 / 4;
     const uint8_t byte = chunk_byte(blk + 80 + 128 * j, c, r, e % 4);

@@ -251,8 +251,10 @@ using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_
 //             sub-block 2p, high nibbles: of sub-block 2p + 1); Q5_K qh chunk c: row r's qh bytes 4c .. +3 (bit j:
 //             the fifth bit of those elements of sub-block j); sc, mn: 6-bit scale and min of sub-block j, row r
 //   Q6_K half h = | ql chunks 0..7 (t = 0) | ql chunks 0..7 (t = 1) | qh chunks 0..7 |: row r's ql bytes
-//             64h + 32t + 4c .. +3 (low nibbles: sub-block 4h + t, high: 4h + t + 2) and qh bytes 32h + 4c .. +3
-//             (bits 2s, 2s+1: top bits of sub-block 4h + s); sc[j][r] = row r's scales 2j, 2j + 1 (16 values each)
+//             64h + 32t + 4c .. +3 (low nibbles: sub-block 4h + t, high: 4h + t + 2) and qh bytes 32h + 4c .. +3,
+//             their bit pairs reordered so that sub-block 0's sit at bits 4..5 (one mask, no shift, merges them):
+//               GGUF qh byte  | s3 | s2 | s1 | s0 |   ->   repacked  | s2 | s0 | s3 | s1 |   (bits 7..0, 2 each)
+//             sc[j][r] = row r's scales 2j, 2j + 1 (16 values each)
 //   IQ4_XS sub-block j = chunks 0..3, chunk c: row r's qs bytes 16j + 4c .. +3 (low nibbles: elements 4c .. 4c+3,
 //             high: 16 + 4c ..); sc = the 6-bit scale - 32
 //
@@ -262,13 +264,13 @@ using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_
 // one integer T; the offsets (Q4_K/Q5_K mins, Q6_K's -32, IQ4_XS's table + 128) are one integer O per row from the
 // activation sums: M = sum_j mn_j S_j (Q4_K/Q5_K), O = sum_g sc_g S_g (Q6_K, groups of 16; IQ4_XS, sub-blocks).
 // Per row and super-block, in this order and without FMA (the bits of every ISA):
-//   Q4_K/Q5_K  y += (x.d d) T - (x.d dmin) M        Q6_K  y += (d x.d) (T - 32 O)        IQ4_XS  y += (d x.d) (T - 128 O)
+//   Q4_K/Q5_K  y += (x.d d) T - (x.d dmin) M      Q6_K  y += (d x.d) (T - 32 O)      IQ4_XS  y += (d x.d) (T - 128 O)
 // Integer sums as the row kernels', floats not: the row kernels keep eight lanes per row (KLanes), which here would
 // take eight scale multiplies per sub-block instead of one.
 constexpr int kQ4KGroupBytes = 1184, kQ5KGroupBytes = 1440, kQ6KGroupBytes = 1680, kIQ4XSGroupBytes = 1104;
 using RepackedDotsK = void (*)(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 using RepackedDotsK2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t x_stride,
-                                int n, float* out);  // two groups, four tokens: out[16 i + r]
+                                int n, float* out);  // two groups, N tokens: out[16 i + r]
 // The portable ones (kernels_repacked_k.cc), N = 1 and 4 tokens.
 void x8_q4_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 void x8_q5_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
@@ -304,6 +306,7 @@ struct Kernels {
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
   RepackedDots2 x16_q8_0_x4, x16_q4_0_x4, x16_q4_1_x4, x16_iq4_nl_x4;  // null: two calls of the one-group kernel
   RepackedDotsK2 x16_q4_k_x4, x16_q5_k_x4, x16_q6_k_x4, x16_iq4_xs_x4;
+  RepackedDotsK2 x16_q4_k, x16_q5_k, x16_q6_k, x16_iq4_xs;  // one token: out[r], r < 16
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;

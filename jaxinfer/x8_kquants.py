@@ -4,7 +4,8 @@ arithmetic). Per group of eight rows and super-block b, `GROUP_BYTES[qtype]` byt
 
     Q4_K   | d: f16[8] | dmin: f16[8] | sc: u8[8 j][8 r] | mn: u8[8 j][8 r] | pair 0 | ... | pair 3 |
     Q5_K   Q4_K's, then | qh: chunk 0 | ... | chunk 7 |
-    Q6_K   | d: f16[8] | sc: i8[8 j][8 r][2] | half 0 | half 1 |,  half = | ql chunks (t = 0) | ql chunks (t = 1) | qh chunks |
+    Q6_K   | d: f16[8] | sc: i8[8 j][8 r][2] | half 0 | half 1 |
+           half = | ql chunks (t = 0) | ql chunks (t = 1) | qh chunks |, qh's bit pairs as sub-blocks 1, 3, 0, 2
     IQ4_XS | d: f16[8] | sc - 32: i8[8 j][8 r] | sub-block 0: chunk 0..3 | ... | sub-block 7 |
 
     chunk c = | row 0: 4 bytes | ... | row 7: 4 bytes |   row r's bytes 4c .. 4c+3 of: qs[32p ...] (pair p), qh,
@@ -38,7 +39,7 @@ def _side_by_side(v):
     return v.swapaxes(1, 2).swapaxes(2, 3)
 
 
-def _q4_k_unpack_scales(s):
+def q4_k_unpack_scales(s):
     """12 packed bytes [..., 12] -> 6-bit scales, mins [..., 8] (qmatmul.h, q4_k_scale_min)."""
     low, mid, high = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate([low & 0x3F, (high & 0x0F) | ((low >> 6) << 4)], axis=-1)
@@ -46,10 +47,20 @@ def _q4_k_unpack_scales(s):
     return sc, mn
 
 
-def _q4_k_pack_scales(xp, sc, mn):
-    """_q4_k_unpack_scales' inverse."""
+def q4_k_pack_scales(xp, sc, mn):
+    """q4_k_unpack_scales' inverse."""
     return xp.concatenate([sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6), mn[..., 0:4] | ((mn[..., 4:8] >> 4) << 6),
                            (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)], axis=-1)
+
+
+def _q6_k_top_order(qh):
+    """GGUF's Q6_K qh byte, sub-blocks 0..3 from the low bit pair up -> the repacked one, sub-blocks 1, 3, 0, 2."""
+    return ((qh >> 2) & 3) | (((qh >> 6) & 3) << 2) | ((qh & 3) << 4) | (((qh >> 4) & 3) << 6)
+
+
+def _q6_k_gguf_order(qh):
+    """_q6_k_top_order's inverse."""
+    return ((qh >> 4) & 3) | ((qh & 3) << 2) | (((qh >> 6) & 3) << 4) | (((qh >> 2) & 3) << 6)
 
 
 def _flat(g, nb, *parts):
@@ -60,7 +71,7 @@ def to_groups(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """GGUF super-blocks of eight rows, uint8 [g, 8 r, nb, type_size] -> the groups, uint8 [g, nb, GROUP_BYTES]."""
     g, _, nb, _ = rows.shape
     if qtype in (Q4_K, Q5_K):
-        sc, mn = _q4_k_unpack_scales(rows[..., 4:16])
+        sc, mn = q4_k_unpack_scales(rows[..., 4:16])
         qs = rows[..., 16:144] if qtype == Q4_K else rows[..., 48:176]
         parts = [_side_by_side(rows[..., None, 0:2]), _side_by_side(rows[..., None, 2:4]), _side_by_side(sc[..., None]),
                  _side_by_side(mn[..., None]), _chunks(qs, 32)]
@@ -69,7 +80,7 @@ def to_groups(rows: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     elif qtype == Q6_K:
         scales = rows[..., 192:208].reshape(g, ROWS, nb, 8, 2)
         halves = [_chunks(rows[..., 64 * h : 64 * h + 64], 16) for h in range(2)]
-        top = [_chunks(rows[..., 128 + 32 * h : 160 + 32 * h], 8) for h in range(2)]
+        top = [_chunks(_q6_k_top_order(rows[..., 128 + 32 * h : 160 + 32 * h]), 8) for h in range(2)]
         parts = [_side_by_side(rows[..., None, 208:210]), _side_by_side(scales), halves[0], top[0], halves[1], top[1]]
     elif qtype == IQ4_XS:
         scales_h = rows[..., 2].astype(np.uint16) | rows[..., 3].astype(np.uint16) << 8
@@ -95,14 +106,14 @@ def from_groups(xp, data, qtype: GGMLQuantizationType):
     if qtype in (Q4_K, Q5_K):
         d, dmin, sc, mn = side(0, 1, 2), side(16, 1, 2), side(32, 8, 1), side(96, 8, 1)
         qs = _rows(data[..., 160:1184], 32)
-        parts = [d, dmin, _q4_k_pack_scales(xp, sc, mn)]
+        parts = [d, dmin, q4_k_pack_scales(xp, sc, mn)]
         if qtype == Q5_K:
             parts.append(_rows(data[..., 1184:1440], 8))
         parts.append(qs)
     elif qtype == Q6_K:
         half = [data[..., 144 + 768 * h : 144 + 768 * (h + 1)] for h in range(2)]
         ql = [_rows(h[..., :512], 16) for h in half]
-        qh = [_rows(h[..., 512:], 8) for h in half]
+        qh = [_q6_k_gguf_order(_rows(h[..., 512:], 8)) for h in half]
         parts = [ql[0], ql[1], qh[0], qh[1], side(16, 8, 2), side(0, 1, 2)]
     elif qtype == IQ4_XS:
         ls = side(16, 8, 1) + xp.uint8(32)

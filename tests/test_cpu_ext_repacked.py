@@ -3,16 +3,16 @@ quant.pack_rows_x8): the portable row kernels' bits on every instruction set thi
 tiles, two-group tiles and tails (K-quants and IQ4_XS: the portable repacked kernels' bits, and the row kernels' where
 floats are exact); the jnp reference within 8-bit activations' error; jit, vmap, groups; bad input."""
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
-import gguf
 import pytest
 from gguf import GGMLQuantizationType as Q
+from test_cpu_ext import REL_ERROR, available_isas, check, random_weight
 
 import cpu_ext
 from jaxinfer import quant, x8_kquants
-from test_cpu_ext import REL_ERROR, available_isas, check, random_weight
 
 K_TYPES = sorted(x8_kquants.GROUP_BYTES, key=int)  # 256-value super-blocks
 TYPES = sorted(cpu_ext.REPACKED_TYPES - set(K_TYPES), key=int)  # 32-value blocks
@@ -86,10 +86,13 @@ def exact_k_weight(qtype, rows, cols, rng):
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
     halves = rng.choice(np.array([0.5, 1.0], np.float16), size=blocks.shape[:2] + (2,)).view(np.uint8)
-    small = lambda high: rng.integers(0, high, size=blocks.shape[:2] + (8,), dtype=np.uint8)  # noqa: E731
+
+    def small(high):  # eight integers in [0, high) per block
+        return rng.integers(0, high, size=blocks.shape[:2] + (8,), dtype=np.uint8)
+
     if qtype in (Q.Q4_K, Q.Q5_K):
         blocks[..., 0:4] = halves.reshape(*blocks.shape[:2], 4)
-        blocks[..., 4:16] = x8_kquants._q4_k_pack_scales(np, small(4), small(4))
+        blocks[..., 4:16] = x8_kquants.q4_k_pack_scales(np, small(4), small(4))
     elif qtype == Q.Q6_K:
         blocks[..., 208:210] = halves[..., :2]
         blocks[..., 192:208] = rng.integers(-3, 4, size=blocks.shape[:2] + (16,)).astype(np.int8).view(np.uint8)

@@ -4,7 +4,8 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import quant, x8_kquants
 from jaxinfer.synthetic import encode_tensor
