@@ -78,10 +78,8 @@ template <typename XBlock>
 struct X8Kernels {
   void (*one)(const uint8_t* group, const XBlock* x, int64_t x_stride, int n, float* out) = nullptr;
   void (*four)(const uint8_t* group, const XBlock* x, int64_t x_stride, int n, float* out) = nullptr;
-  using TwoGroups = void (*)(const uint8_t* group, int64_t group_bytes, const XBlock* x, int64_t x_stride, int n,
-                             float* out);
-  TwoGroups two_groups = nullptr;      // four tokens; null where the set has none
-  TwoGroups two_groups_one = nullptr;  // one token; null: two calls of `one`
+  void (*two_groups)(const uint8_t* group, int64_t group_bytes, const XBlock* x, int64_t x_stride, int n,
+                     float* out) = nullptr;  // null where the set has none
 };
 
 X8Kernels<BlockQ8> x8_kernels(const Kernels& k, int64_t qtype) {
@@ -96,10 +94,10 @@ X8Kernels<BlockQ8> x8_kernels(const Kernels& k, int64_t qtype) {
 
 X8Kernels<BlockQ8K> x8k_kernels(const Kernels& k, int64_t qtype) {
   switch (qtype) {
-    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4, k.x16_q4_k_x4, k.x16_q4_k};
-    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4, k.x16_q5_k_x4, k.x16_q5_k};
-    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4, k.x16_q6_k_x4, k.x16_q6_k};
-    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4, k.x16_iq4_xs_x4, k.x16_iq4_xs};
+    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4, k.x16_q4_k_x4};
+    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4, k.x16_q5_k_x4};
+    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4, k.x16_q6_k_x4};
+    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4, k.x16_iq4_xs_x4};
     default: return {};
   }
 }
@@ -148,9 +146,8 @@ void multiply_x8(ffi::ThreadPool& pool, const X8Kernels<XBlock>& kernels, const 
         for (int64_t g = g0; g < g1;) {
           const uint8_t* group = p.w + g * group_bytes;
           const int64_t r0 = g * kInterleave;
-          // Two groups at a time where the kernel set has the kernels, for four tokens at a time (or for one).
-          const bool pair = t1 - t0 >= 4 ? kernels.two_groups != nullptr : kernels.two_groups_one != nullptr;
-          const int64_t n_groups = pair && g + 2 <= g1 ? 2 : 1;
+          // Two groups at a time where the kernel set has the kernel, for four tokens at a time.
+          const int64_t n_groups = kernels.two_groups != nullptr && g + 2 <= g1 && t1 - t0 >= 4 ? 2 : 1;
           const int64_t width = n_groups * kInterleave, valid = std::min(width, p.rows - r0);
           float out[4 * 2 * kInterleave];
           int64_t t = t0;
@@ -165,12 +162,8 @@ void multiply_x8(ffi::ThreadPool& pool, const X8Kernels<XBlock>& kernels, const 
             }
           }
           for (; t < t1; ++t) {
-            if (n_groups == 2 && kernels.two_groups_one != nullptr) {
-              kernels.two_groups_one(group, group_bytes, xq + t * blocks, blocks, n, out);
-            } else {
-              for (int64_t h = 0; h < n_groups; ++h) {
-                kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n, out + h * kInterleave);
-              }
+            for (int64_t h = 0; h < n_groups; ++h) {
+              kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n, out + h * kInterleave);
             }
             std::copy(out, out + valid, p.y + t * p.rows + r0);
           }

@@ -141,8 +141,9 @@ void x16_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, in
 inline __m512i left_512(__m512i v, int n) { return _mm512_slli_epi16(v, static_cast<unsigned>(n)); }
 inline __m512i right_512(__m512i v, int n) { return _mm512_srli_epi16(v, static_cast<unsigned>(n)); }
 
-// The same for the K-quant and IQ4_XS groups (x8k_dots in repacked_k_x86.inc, per lane the same steps), for four
-// tokens and for one: a decode step's one-group kernel issues twice the instructions for the same bytes.
+// The same for the K-quant and IQ4_XS groups (x8k_dots in repacked_k_x86.inc, per lane the same steps). Not for one
+// token: a decode step reads the weights from memory, and two groups' bytes read interleaved came slower than one
+// group's in order (4096 x 11008 Q6_K: 1.62 against 1.13-1.16 ms, alternating builds; the row kernel 1.16).
 template <X8KFormat F>
 inline void x16k_weights(const uint8_t* first, const uint8_t* second, int j, __m512i w[8]) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -185,20 +186,15 @@ inline __m512i widen16(const uint8_t* first, const uint8_t* second) {
   return kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
 }
 
-template <X8KFormat F, int N>
-void x16k_dots(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
+template <X8KFormat F>
+void x16k_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
   using T = X8KTraits<F>;
+  constexpr int N = 4;
   __m512 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int b = 0; b < n / kQK_K; ++b) {
     const uint8_t* first = group + b * T::kBlockBytes;
     const uint8_t* second = first + group_bytes;
-    if constexpr (N == 1) {  // decode: both groups' bytes come from memory
-      for (int at = 0; at < T::kBlockBytes; at += 64) {
-        __builtin_prefetch(first + kPrefetchKBytes + at);
-        __builtin_prefetch(second + kPrefetchKBytes + at);
-      }
-    }
     __m512i total[N], offset[N];
     for (int i = 0; i < N; ++i) total[i] = offset[i] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
@@ -328,14 +324,10 @@ const Kernels& avx512_kernels() {
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_0>,
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_1>,
                             avx512::x16_dots_x4<avx512::X8Format::kIQ4_NL>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 1>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 1>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 1>,
-                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 1>};
+                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ4_K>,
+                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ5_K>,
+                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ6_K>,
+                            avx512::x16k_dots_x4<avx512::X8KFormat::kIQ4_XS>};
   return k;
 }
 

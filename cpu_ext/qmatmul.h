@@ -270,7 +270,7 @@ using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_
 constexpr int kQ4KGroupBytes = 1184, kQ5KGroupBytes = 1440, kQ6KGroupBytes = 1680, kIQ4XSGroupBytes = 1104;
 using RepackedDotsK = void (*)(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 using RepackedDotsK2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t x_stride,
-                                int n, float* out);  // two groups, N tokens: out[16 i + r]
+                                int n, float* out);  // two groups, four tokens: out[16 i + r]
 // The portable ones (kernels_repacked_k.cc), N = 1 and 4 tokens.
 void x8_q4_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 void x8_q5_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
@@ -306,7 +306,6 @@ struct Kernels {
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
   RepackedDots2 x16_q8_0_x4, x16_q4_0_x4, x16_q4_1_x4, x16_iq4_nl_x4;  // null: two calls of the one-group kernel
   RepackedDotsK2 x16_q4_k_x4, x16_q5_k_x4, x16_q6_k_x4, x16_iq4_xs_x4;
-  RepackedDotsK2 x16_q4_k, x16_q5_k, x16_q6_k, x16_iq4_xs;  // one token: out[r], r < 16
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;
