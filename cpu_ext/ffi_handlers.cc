@@ -78,8 +78,10 @@ template <typename XBlock>
 struct X8Kernels {
   void (*one)(const uint8_t* group, const XBlock* x, int64_t x_stride, int n, float* out) = nullptr;
   void (*four)(const uint8_t* group, const XBlock* x, int64_t x_stride, int n, float* out) = nullptr;
-  void (*two_groups)(const uint8_t* group, int64_t group_bytes, const XBlock* x, int64_t x_stride, int n,
-                     float* out) = nullptr;  // null where the set has none
+  using TwoGroups = void (*)(const uint8_t* group, int64_t group_bytes, const XBlock* x, int64_t x_stride, int n,
+                             float* out);
+  TwoGroups two_groups = nullptr;        // four tokens; null where the set has none
+  TwoGroups two_groups_eight = nullptr;  // eight tokens; null where the set has none
 };
 
 X8Kernels<BlockQ8> x8_kernels(const Kernels& k, int64_t qtype) {
@@ -94,10 +96,10 @@ X8Kernels<BlockQ8> x8_kernels(const Kernels& k, int64_t qtype) {
 
 X8Kernels<BlockQ8K> x8k_kernels(const Kernels& k, int64_t qtype) {
   switch (qtype) {
-    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4, k.x16_q4_k_x4};
-    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4, k.x16_q5_k_x4};
-    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4, k.x16_q6_k_x4};
-    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4, k.x16_iq4_xs_x4};
+    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4, k.x16_q4_k_x4, k.x16_q4_k_x8};
+    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4, k.x16_q5_k_x4, k.x16_q5_k_x8};
+    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4, k.x16_q6_k_x4, k.x16_q6_k_x8};
+    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4, k.x16_iq4_xs_x4, k.x16_iq4_xs_x8};
     default: return {};
   }
 }
@@ -130,7 +132,7 @@ void multiply_x8(ffi::ThreadPool& pool, const X8Kernels<XBlock>& kernels, const 
   int64_t total = 0;  // groups
   for (size_t i = 0; i < n_products; ++i) total += (products[i].rows + kInterleave - 1) / kInterleave;
   const int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
-  const int64_t chunk = std::max<int64_t>(4, kTokenChunkBytes / (blocks * int64_t{sizeof(XBlock)}) / 4 * 4);
+  const int64_t chunk = std::max<int64_t>(8, kTokenChunkBytes / (blocks * int64_t{sizeof(XBlock)}) / 8 * 8);
   const int n = static_cast<int>(cols);
   Product own[kMaxGroup];
   std::copy(products, products + n_products, own);
@@ -149,8 +151,16 @@ void multiply_x8(ffi::ThreadPool& pool, const X8Kernels<XBlock>& kernels, const 
           // Two groups at a time where the kernel set has the kernel, for four tokens at a time.
           const int64_t n_groups = kernels.two_groups != nullptr && g + 2 <= g1 && t1 - t0 >= 4 ? 2 : 1;
           const int64_t width = n_groups * kInterleave, valid = std::min(width, p.rows - r0);
-          float out[4 * 2 * kInterleave];
+          float out[8 * 2 * kInterleave];
           int64_t t = t0;
+          if (n_groups == 2 && kernels.two_groups_eight != nullptr) {
+            for (; t + 8 <= t1; t += 8) {
+              kernels.two_groups_eight(group, group_bytes, xq + t * blocks, blocks, n, out);
+              for (int j = 0; j < 8; ++j) {
+                std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
+              }
+            }
+          }
           for (; t + 4 <= t1; t += 4) {
             if (n_groups == 2) {
               kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);

@@ -186,49 +186,71 @@ inline __m512i widen16(const uint8_t* first, const uint8_t* second) {
   return kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
 }
 
+// A sub-block's integer scales of the sixteen rows (x8k_scales' lanes, two groups).
+struct X16KScales {
+  __m512i first, second, pair;
+};
+
 template <X8KFormat F>
-void x16k_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
+inline X16KScales x16k_scales(const uint8_t* first, const uint8_t* second, int j) {
+  X16KScales s;
+  if constexpr (F == X8KFormat::kQ6_K) {
+    s.pair = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first + 16 + 16 * j))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + 16 + 16 * j)), 1));
+    s.first = _mm512_srai_epi32(_mm512_slli_epi32(s.pair, 16), 16);
+    s.second = _mm512_srai_epi32(s.pair, 16);
+  } else {
+    constexpr bool kSigned = F == X8KFormat::kIQ4_XS;
+    const int at = (kSigned ? 16 : 32) + 8 * j;
+    s.first = s.second = widen16<kSigned>(first + at, second + at);
+    const __m512i c = kSigned ? s.first : widen16<false>(first + 96 + 8 * j, second + 96 + 8 * j);
+    s.pair = _mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(c, 16));
+  }
+  return s;
+}
+
+template <X8KFormat F, int N>
+void x16k_dots(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
   using T = X8KTraits<F>;
-  constexpr int N = 4;
   __m512 acc[N];
   for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int b = 0; b < n / kQK_K; ++b) {
     const uint8_t* first = group + b * T::kBlockBytes;
     const uint8_t* second = first + group_bytes;
-    __m512i total[N], offset[N];
-    for (int i = 0; i < N; ++i) total[i] = offset[i] = _mm512_setzero_si512();
+    __m512i total[N];
+    for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_si512();
     for (int j = 0; j < 8; ++j) {
       __m512i w[8];
       x16k_weights<F>(first, second, j, w);
-      __m512i scale_first, scale_second, pair;
-      if constexpr (F == X8KFormat::kQ6_K) {
-        pair = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
-            _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first + 16 + 16 * j))),
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + 16 + 16 * j)), 1));
-        scale_first = _mm512_srai_epi32(_mm512_slli_epi32(pair, 16), 16);
-        scale_second = _mm512_srai_epi32(pair, 16);
-      } else {
-        constexpr bool kSigned = F == X8KFormat::kIQ4_XS;
-        const int at = (kSigned ? 16 : 32) + 8 * j;
-        scale_first = scale_second = widen16<kSigned>(first + at, second + at);
-        const __m512i c = kSigned ? scale_first : widen16<false>(first + 96 + 8 * j, second + 96 + 8 * j);
-        pair = _mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(c, 16));
-      }
+      const X16KScales sc = x16k_scales<F>(first, second, j);
       for (int i = 0; i < N; ++i) {
-        const BlockQ8K& xb = x[i * stride + b];
-        const int8_t* xq = xb.qs + kQK * j;
-        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
-        for (int k = 0; k < 4; ++k) {
-          lo = _mm512_dpbusd_epi32(lo, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * k)));
-          hi = _mm512_dpbusd_epi32(hi, w[k + 4], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 16 + 4 * k)));
+        const int8_t* xq = x[i * stride + b].qs + kQK * j;
+        if constexpr (F == X8KFormat::kQ6_K) {  // a scale per 16 values: two chains
+          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+          for (int k = 0; k < 4; ++k) {
+            lo = _mm512_dpbusd_epi32(lo, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * k)));
+            hi = _mm512_dpbusd_epi32(hi, w[k + 4], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 16 + 4 * k)));
+          }
+          total[i] = _mm512_add_epi32(total[i], _mm512_add_epi32(_mm512_mullo_epi32(lo, sc.first),
+                                                                 _mm512_mullo_epi32(hi, sc.second)));
+        } else {  // one chain: the tokens' chains overlap
+          __m512i dot = _mm512_setzero_si512();
+          for (int k = 0; k < 8; ++k) {
+            dot = _mm512_dpbusd_epi32(dot, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * (k % 4) + 16 * (k / 4))));
+          }
+          total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(dot, sc.first));
         }
-        if constexpr (F == X8KFormat::kQ6_K) {
-          total[i] = _mm512_add_epi32(total[i], _mm512_add_epi32(_mm512_mullo_epi32(lo, scale_first),
-                                                                 _mm512_mullo_epi32(hi, scale_second)));
-        } else {
-          total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(_mm512_add_epi32(lo, hi), scale_first));
-        }
-        offset[i] = _mm512_dpwssd_epi32(offset[i], pair, _mm512_broadcastd_epi32(_mm_loadu_si32(xb.bsums + 2 * j)));
+      }
+    }
+    // The offsets after the dots, so that their accumulators do not hold registers through the dot loop.
+    __m512i offset[N];
+    for (int i = 0; i < N; ++i) offset[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i pair = x16k_scales<F>(first, second, j).pair;
+      for (int i = 0; i < N; ++i) {
+        const __m512i sums = _mm512_broadcastd_epi32(_mm_loadu_si32(x[i * stride + b].bsums + 2 * j));
+        offset[i] = _mm512_dpwssd_epi32(offset[i], pair, sums);
       }
     }
     const __m512 d = scales16(first, second);
@@ -324,10 +346,14 @@ const Kernels& avx512_kernels() {
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_0>,
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_1>,
                             avx512::x16_dots_x4<avx512::X8Format::kIQ4_NL>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ4_K>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ5_K>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kQ6_K>,
-                            avx512::x16k_dots_x4<avx512::X8KFormat::kIQ4_XS>};
+                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 8>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 8>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 8>,
+                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 8>};
   return k;
 }
 
