@@ -154,9 +154,8 @@ inline void x16k_weights(const uint8_t* first, const uint8_t* second, int j, __m
                               nibble);
       if constexpr (F == X8KFormat::kQ5_K) {
         const int qh = kQ4KGroupBytes + 32 * k;
-        const __m512i fifth = _mm512_and_si512(_mm512_srli_epi16(halves(first + qh, second + qh), j),
-                                               _mm512_set1_epi8(1));
-        w[k] = _mm512_or_si512(w[k], _mm512_slli_epi16(fifth, 4));
+        const __m512i fifth = q5_k_fifth_bits<__m512i, left_512, right_512>(halves(first + qh, second + qh), j);
+        w[k] = _mm512_ternarylogic_epi32(w[k], fifth, _mm512_set1_epi8(0x10), 0xF8);  // w | (fifth & 0x10)
       }
     }
   } else if constexpr (F == X8KFormat::kQ6_K) {
@@ -236,8 +235,8 @@ void x16k_dots(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int
                                                                  _mm512_mullo_epi32(hi, sc.second)));
         } else {  // one chain: the tokens' chains overlap
           __m512i dot = _mm512_setzero_si512();
-          for (int k = 0; k < 8; ++k) {
-            dot = _mm512_dpbusd_epi32(dot, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * (k % 4) + 16 * (k / 4))));
+          for (int k = 0; k < 8; ++k) {  // w[k]: elements 4k .. 4k+3
+            dot = _mm512_dpbusd_epi32(dot, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * k)));
           }
           total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(dot, sc.first));
         }
