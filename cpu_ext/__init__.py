@@ -6,9 +6,11 @@ TQ2_0 use 256-value activation blocks (llama.cpp's Q8_K), I2_S BitNet's per-toke
 cpu_ext/ternary.h). F16/F32 weights are dotted in f32 without quantizing the activations. That 8-bit rounding makes
 results differ from `quantized_matmul_reference` by about 1e-2 relative on random data.
 
-Weights repacked eight rows to a group (`jaxinfer.quant.pack_rows_x8`, Q4_0/Q4_1/Q8_0/IQ4_NL: REPACKED_TYPES) take
-`quantized_matmul(..., interleave=8)`: kernels tiled over rows x tokens (one vpdpbusd adds eight or sixteen rows'
-partial dots), for prompts of any length and decode, with the portable row kernels' bits.
+Weights repacked eight rows to a group (`jaxinfer.quant.pack_rows_x8`, Q4_0/Q4_1/Q8_0/IQ4_NL and, per 256-value
+super-block with their scales unpacked, Q4_K/Q5_K/Q6_K/IQ4_XS: REPACKED_TYPES) take `quantized_matmul(...,
+interleave=8)`: kernels tiled over rows x tokens (one vpdpbusd adds eight or sixteen rows' partial dots), for prompts
+of any length and decode, with the portable row kernels' bits (K-quants and IQ4_XS: the row kernels' integer sums,
+floats applied once per row and super-block, so within f32 rounding of the row kernels).
 
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
@@ -47,7 +49,8 @@ SUPPORTED_TYPES = frozenset(
 ) | {I2_S}
 # The types the repacked kernels read (quantized_matmul's interleave 8; jaxinfer.quant.pack_rows_x8 lays them out,
 # qmatmul.h draws the layout).
-REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name]
+                           for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"))
 # The types neuron_major_axpy reads, packed as jaxinfer.quant.pack_neuron_major lays them out (qmatmul.h,
 # NeuronLayout).
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
@@ -191,10 +194,10 @@ def _index(op: str, index) -> jax.Array:
 def quantized_matmul(x: jax.Array, data: jax.Array, *, qtype: GGMLQuantizationType, rows: int, cols: int,
                      interleave: int = 1) -> jax.Array:
     """x [..., cols] · Wᵀ -> f32 [..., rows], W given as `QuantArray.data`: uint8 blocks [rows, cols / block_size *
-    type_size], or f16/f32 [rows, cols]; with `interleave` 8, a Q4_0/Q4_1/Q8_0/IQ4_NL W repacked eight rows to a group
-    (`jaxinfer.quant.pack_rows_x8`, REPACKED_TYPES): uint8 [ceil(rows / 8), 8 * cols / 32 * type_size], dotted by the
-    repacked kernels, which give the portable row kernels' bits for any number of tokens. Raises on shapes, byte
-    counts or types the kernels do not take."""
+    type_size], or f16/f32 [rows, cols]; with `interleave` 8, a W of REPACKED_TYPES repacked eight rows to a group
+    (`jaxinfer.quant.pack_rows_x8`): uint8 [ceil(rows / 8), 8 * cols / 32 * type_size] (Q4_K/Q5_K/Q6_K/IQ4_XS:
+    cols / 256 * 1184/1440/1680/1104), dotted by the repacked kernels for any number of tokens. Raises on shapes,
+    byte counts or types the kernels do not take."""
     qtype = _check_type("quantized_matmul", qtype)
     call = _batched_call("quantized_matmul", qtype, int(rows), int(cols), interleave=int(interleave))
     return call(jnp.asarray(x, jnp.float32), data)

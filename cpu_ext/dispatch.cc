@@ -44,6 +44,10 @@ Kernels complete(Kernels k) {
                      &Kernels::x8_q8_0_x4, &Kernels::x8_q4_0_x4, &Kernels::x8_q4_1_x4, &Kernels::x8_iq4_nl_x4}) {
     if (k.*field == nullptr) k.*field = s.*field;
   }
+  for (auto field : {&Kernels::x8_q4_k, &Kernels::x8_q5_k, &Kernels::x8_q6_k, &Kernels::x8_iq4_xs,
+                     &Kernels::x8_q4_k_x4, &Kernels::x8_q5_k_x4, &Kernels::x8_q6_k_x4, &Kernels::x8_iq4_xs_x4}) {
+    if (k.*field == nullptr) k.*field = s.*field;
+  }
   return k;
 }
 

@@ -72,20 +72,49 @@ void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products,
   });
 }
 
-// The repacked kernels of a 32-value block type (qmatmul.h) in this kernel set; `found` false where it has none.
+// The repacked kernels of a type (qmatmul.h) in this kernel set, over activation blocks XBlock: BlockQ8 for the
+// 32-value block types, BlockQ8K for the K-quants and IQ4_XS. `one` null where the type has none.
+template <typename XBlock>
 struct X8Kernels {
-  bool found = true;
-  RepackedDots one = nullptr, four = nullptr;
-  RepackedDots2 two_groups = nullptr;  // null where the set has none
+  void (*one)(const uint8_t* group, const XBlock* x, int64_t x_stride, int n, float* out) = nullptr;
+  void (*four)(const uint8_t* group, const XBlock* x, int64_t x_stride, int n, float* out) = nullptr;
+  using TwoGroups = void (*)(const uint8_t* group, int64_t group_bytes, const XBlock* x, int64_t x_stride, int n,
+                             float* out);
+  TwoGroups two_groups = nullptr;        // four tokens; null where the set has none
+  TwoGroups two_groups_eight = nullptr;  // eight tokens; null where the set has none
 };
 
-X8Kernels x8_kernels(const Kernels& k, int64_t qtype) {
+X8Kernels<BlockQ8> x8_kernels(const Kernels& k, int64_t qtype) {
   switch (qtype) {
-    case kQ4_0: return {true, k.x8_q4_0, k.x8_q4_0_x4, k.x16_q4_0_x4};
-    case kQ4_1: return {true, k.x8_q4_1, k.x8_q4_1_x4, k.x16_q4_1_x4};
-    case kQ8_0: return {true, k.x8_q8_0, k.x8_q8_0_x4, k.x16_q8_0_x4};
-    case kIQ4_NL: return {true, k.x8_iq4_nl, k.x8_iq4_nl_x4, k.x16_iq4_nl_x4};
-    default: return {false};
+    case kQ4_0: return {k.x8_q4_0, k.x8_q4_0_x4, k.x16_q4_0_x4};
+    case kQ4_1: return {k.x8_q4_1, k.x8_q4_1_x4, k.x16_q4_1_x4};
+    case kQ8_0: return {k.x8_q8_0, k.x8_q8_0_x4, k.x16_q8_0_x4};
+    case kIQ4_NL: return {k.x8_iq4_nl, k.x8_iq4_nl_x4, k.x16_iq4_nl_x4};
+    default: return {};
+  }
+}
+
+X8Kernels<BlockQ8K> x8k_kernels(const Kernels& k, int64_t qtype) {
+  switch (qtype) {
+    case kQ4_K: return {k.x8_q4_k, k.x8_q4_k_x4, k.x16_q4_k_x4, k.x16_q4_k_x8};
+    case kQ5_K: return {k.x8_q5_k, k.x8_q5_k_x4, k.x16_q5_k_x4, k.x16_q5_k_x8};
+    case kQ6_K: return {k.x8_q6_k, k.x8_q6_k_x4, k.x16_q6_k_x4, k.x16_q6_k_x8};
+    case kIQ4_XS: return {k.x8_iq4_xs, k.x8_iq4_xs_x4, k.x16_iq4_xs_x4, k.x16_iq4_xs_x8};
+    default: return {};
+  }
+}
+
+// Bytes of a repacked group per block of the type's size (32 or 256 values), 0 for a type that is not repacked.
+int64_t x8_block_bytes(int64_t qtype) {
+  switch (qtype) {
+    case kQ4_0: case kIQ4_NL: return 144;
+    case kQ4_1: return 160;
+    case kQ8_0: return 272;
+    case kQ4_K: return kQ4KGroupBytes;
+    case kQ5_K: return kQ5KGroupBytes;
+    case kQ6_K: return kQ6KGroupBytes;
+    case kIQ4_XS: return kIQ4XSGroupBytes;
+    default: return 0;
   }
 }
 
@@ -95,15 +124,16 @@ X8Kernels x8_kernels(const Kernels& k, int64_t qtype) {
 constexpr int64_t kTokenChunkBytes = 384 * 1024;
 
 // ys = x · Wᵀ for repacked weights: each task is a band of groups (eight rows each), counted across the products in
-// order, for all m tokens, kTokenChunkBytes of activations at a time, four tokens per kernel call (then one).
-void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const BlockQ8* xq, int64_t blocks,
-                 int64_t cols, const Product* products, size_t n_products, int64_t m) {
-  const X8Kernels kernels = x8_kernels(k, qtype);
+// order, for all m tokens, kTokenChunkBytes of activations at a time, four tokens per kernel call (then one). xq:
+// the m tokens' `blocks` activation blocks each; a group is `group_bytes`.
+template <typename XBlock>
+void multiply_x8(ffi::ThreadPool& pool, const X8Kernels<XBlock>& kernels, const XBlock* xq, int64_t blocks,
+                 int64_t cols, int64_t group_bytes, const Product* products, size_t n_products, int64_t m) {
   int64_t total = 0;  // groups
   for (size_t i = 0; i < n_products; ++i) total += (products[i].rows + kInterleave - 1) / kInterleave;
   int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
   band += kernels.two_groups != nullptr && band % 2;  // an even band: no group left to the one-group kernel
-  const int64_t chunk = std::max<int64_t>(4, kTokenChunkBytes / (blocks * int64_t{sizeof(BlockQ8)}) / 4 * 4);
+  const int64_t chunk = std::max<int64_t>(8, kTokenChunkBytes / (blocks * int64_t{sizeof(XBlock)}) / 8 * 8);
   const int n = static_cast<int>(cols);
   Product own[kMaxGroup];
   std::copy(products, products + n_products, own);
@@ -114,7 +144,6 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
       const int64_t groups = (p.rows + kInterleave - 1) / kInterleave;
       const int64_t g0 = std::max(task * band - start, int64_t{0}), g1 = std::min((task + 1) * band - start, groups);
       start += groups;
-      const int64_t group_bytes = kInterleave * p.row_bytes;
       for (int64_t t0 = 0; t0 < m; t0 += chunk) {
         const int64_t t1 = std::min(m, t0 + chunk);
         for (int64_t g = g0; g < g1;) {
@@ -123,8 +152,16 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
           // Two groups at a time where the kernel set has the kernel, for four tokens at a time.
           const int64_t n_groups = kernels.two_groups != nullptr && g + 2 <= g1 && t1 - t0 >= 4 ? 2 : 1;
           const int64_t width = n_groups * kInterleave, valid = std::min(width, p.rows - r0);
-          float out[4 * 2 * kInterleave];
+          float out[8 * 2 * kInterleave];
           int64_t t = t0;
+          if (n_groups == 2 && kernels.two_groups_eight != nullptr) {
+            for (; t + 8 <= t1; t += 8) {
+              kernels.two_groups_eight(group, group_bytes, xq + t * blocks, blocks, n, out);
+              for (int j = 0; j < 8; ++j) {
+                std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
+              }
+            }
+          }
           for (; t + 4 <= t1; t += 4) {
             if (n_groups == 2) {
               kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);
@@ -153,23 +190,25 @@ void multiply_x8(ffi::ThreadPool& pool, const Kernels& k, int64_t qtype, const B
 ffi::Error check_any_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,
                             int64_t cols, int64_t interleave, TypeInfo* info, int64_t* row_bytes) {
   if (interleave == 1) return check_weight(op, w, qtype, rows, cols, info, row_bytes);
-  if (interleave != kInterleave || !x8_kernels(best_kernels(), qtype).found) {
-    return ffi::Error::InvalidArgument(op + ": interleave must be 1, or 8 for Q4_0/Q4_1/Q8_0/IQ4_NL; got " +
-                                       std::to_string(interleave) + " for GGML type " + std::to_string(qtype));
+  if (interleave != kInterleave || x8_block_bytes(qtype) == 0) {
+    return ffi::Error::InvalidArgument(op + ": interleave must be 1, or 8 for Q4_0/Q4_1/Q8_0/IQ4_NL/Q4_K/Q5_K/Q6_K/"
+                                       "IQ4_XS; got " + std::to_string(interleave) + " for GGML type " +
+                                       std::to_string(qtype));
   }
   type_info(qtype, info);
-  if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % kQK != 0 || cols > (int64_t{1} << 30)) {
+  if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % info->block_size != 0 ||
+      cols > (int64_t{1} << 30)) {
     return ffi::Error::InvalidArgument(op + ": rows=" + std::to_string(rows) + " must be positive and cols=" +
-                                       std::to_string(cols) + " a positive multiple of 32");
+                                       std::to_string(cols) + " a positive multiple of " +
+                                       std::to_string(info->block_size));
   }
-  *row_bytes = cols / kQK * info->type_size;
-  const int64_t groups = (rows + kInterleave - 1) / kInterleave;
+  *row_bytes = cols / info->block_size * info->type_size;
+  const int64_t groups = (rows + kInterleave - 1) / kInterleave, group_bytes = cols / info->block_size *
+                                                                               x8_block_bytes(qtype);
   const auto dims = w.dimensions();
-  if (w.element_type() != ffi::DataType::U8 || dims.size() != 2 || dims[0] != groups ||
-      dims[1] != kInterleave * *row_bytes) {
+  if (w.element_type() != ffi::DataType::U8 || dims.size() != 2 || dims[0] != groups || dims[1] != group_bytes) {
     return ffi::Error::InvalidArgument(op + ": a weight repacked in groups of eight rows must be u8 [" +
-                                       std::to_string(groups) + ", " + std::to_string(kInterleave * *row_bytes) +
-                                       "]");
+                                       std::to_string(groups) + ", " + std::to_string(group_bytes) + "]");
   }
   return ffi::Error::Success();
 }
@@ -195,9 +234,13 @@ void run_products(ffi::ThreadPool& pool, const TypeInfo& info, int64_t qtype, in
   const Kernels& k = best_kernels();
   Scratch& scratch = thread_scratch();
   if (interleave == kInterleave) {
-    const int64_t blocks = cols / kQK;
+    const int64_t blocks = cols / info.block_size, group_bytes = blocks * x8_block_bytes(qtype);
+    if (info.block_size == kQK_K) {
+      const BlockQ8K* xq = quantize_rows(pool, k.quantize_row_k, x, m, cols, blocks, scratch.xk);
+      return multiply_x8(pool, x8k_kernels(k, qtype), xq, blocks, cols, group_bytes, products, n, m);
+    }
     const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, scratch.xq);
-    return multiply_x8(pool, k, qtype, xq, blocks, cols, products, n, m);
+    return multiply_x8(pool, x8_kernels(k, qtype), xq, blocks, cols, group_bytes, products, n, m);
   }
   const RowDot dot(pool, k, info, x, m, cols, scratch);
   multiply(pool, dot, products, n, m);

@@ -91,6 +91,7 @@ inline void add_to(float* y, F32x16 a, F32x16 b, __m128 offset) {
 
 #include "kernels_x86.inc"
 #include "repacked_x86.inc"
+#include "repacked_k_x86.inc"
 
 // The neuron-major down projection (NeuronBlockAxpy in qmatmul.h) without VBMI's byte permutes. A tile of 64 outputs
 // is two halves of 32 (Q4: low and high nibbles of a neuron's 32 bytes; Q8_0: its two 32-byte halves); per half, the
@@ -251,6 +252,14 @@ const Kernels& avx2_kernels() {
                             avx2::x8_q4_0_x4,
                             avx2::x8_q4_1_x4,
                             avx2::x8_iq4_nl_x4,
+                            avx2::x8_q4_k,
+                            avx2::x8_q5_k,
+                            avx2::x8_q6_k,
+                            avx2::x8_iq4_xs,
+                            avx2::x8_q4_k_x4,
+                            avx2::x8_q5_k_x4,
+                            avx2::x8_q6_k_x4,
+                            avx2::x8_iq4_xs_x4,
                             avx2::dot_q8_0_x4,
                             avx2::dot_q4_0_x4,
                             avx2::dot_q4_1_x4,

@@ -72,6 +72,7 @@ inline void add_to(float* y, F32x16 a, F32x16 b, __m128 offset) {
 
 #include "kernels_x86.inc"
 #include "repacked_x86.inc"
+#include "repacked_k_x86.inc"
 
 // Two repacked groups (sixteen rows) against four tokens, on 512-bit vectors: lanes 0..7 the first group's rows,
 // 8..15 the second's, each group's 32-byte chunk loaded into one half. Each activation broadcast (one load, folded
@@ -137,6 +138,138 @@ void x16_dots_x4(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, in
   for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + 2 * kInterleave * i, acc[i]);
 }
 
+inline __m512i left_512(__m512i v, int n) { return _mm512_slli_epi16(v, static_cast<unsigned>(n)); }
+inline __m512i right_512(__m512i v, int n) { return _mm512_srli_epi16(v, static_cast<unsigned>(n)); }
+
+// The same for the K-quant and IQ4_XS groups (x8k_dots in repacked_k_x86.inc, per lane the same steps). Not for one
+// token: a decode step reads the weights from memory, and two groups' bytes read interleaved came slower than one
+// group's in order (4096 x 11008 Q6_K: 1.62 against 1.13-1.16 ms, alternating builds; the row kernel 1.16).
+template <X8KFormat F>
+inline void x16k_weights(const uint8_t* first, const uint8_t* second, int j, __m512i w[8]) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  if constexpr (F == X8KFormat::kQ4_K || F == X8KFormat::kQ5_K) {
+    const int pair = 160 + 256 * (j / 2);
+    for (int k = 0; k < 8; ++k) {
+      w[k] = _mm512_and_si512(_mm512_srli_epi16(halves(first + pair + 32 * k, second + pair + 32 * k), 4 * (j % 2)),
+                              nibble);
+      if constexpr (F == X8KFormat::kQ5_K) {
+        const int qh = kQ4KGroupBytes + 32 * k;
+        const __m512i fifth = q5_k_fifth_bits<__m512i, left_512, right_512>(halves(first + qh, second + qh), j);
+        w[k] = _mm512_ternarylogic_epi32(w[k], fifth, _mm512_set1_epi8(0x10), 0xF8);  // w | (fifth & 0x10)
+      }
+    }
+  } else if constexpr (F == X8KFormat::kQ6_K) {
+    const int s = j % 4, half = 144 + 768 * (j / 4);
+    for (int k = 0; k < 8; ++k) {
+      const int ql = half + 256 * (s % 2) + 32 * k, qh = half + 512 + 32 * k;
+      const __m512i low = _mm512_and_si512(_mm512_srli_epi16(halves(first + ql, second + ql), 4 * (s / 2)), nibble);
+      const __m512i top = q6_k_top_bits<__m512i, left_512, right_512>(halves(first + qh, second + qh), s);
+      w[k] = _mm512_ternarylogic_epi32(low, top, _mm512_set1_epi8(0x30), 0xF8);  // low | (top & 0x30)
+    }
+  } else {
+    const __m512i table = _mm512_load_si512(kBiasedIq4.bytes);
+    const int sub = 80 + 128 * j;
+    for (int c = 0; c < 4; ++c) {
+      const __m512i bytes = halves(first + sub + 32 * c, second + sub + 32 * c);
+      w[c] = _mm512_shuffle_epi8(table, _mm512_and_si512(bytes, nibble));
+      w[c + 4] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble));
+    }
+  }
+}
+
+// 8 bytes of each group side by side, widened to 16 int32 lanes (signed for IQ4_XS's scales).
+template <bool kSigned>
+inline __m512i widen16(const uint8_t* first, const uint8_t* second) {
+  const __m128i bytes = _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(first)),
+                                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(second)));
+  return kSigned ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+}
+
+// A sub-block's integer scales of the sixteen rows (x8k_scales' lanes, two groups).
+struct X16KScales {
+  __m512i first, second, pair;
+};
+
+template <X8KFormat F>
+inline X16KScales x16k_scales(const uint8_t* first, const uint8_t* second, int j) {
+  X16KScales s;
+  if constexpr (F == X8KFormat::kQ6_K) {
+    s.pair = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(first + 16 + 16 * j))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(second + 16 + 16 * j)), 1));
+    s.first = _mm512_srai_epi32(_mm512_slli_epi32(s.pair, 16), 16);
+    s.second = _mm512_srai_epi32(s.pair, 16);
+  } else {
+    constexpr bool kSigned = F == X8KFormat::kIQ4_XS;
+    const int at = (kSigned ? 16 : 32) + 8 * j;
+    s.first = s.second = widen16<kSigned>(first + at, second + at);
+    const __m512i c = kSigned ? s.first : widen16<false>(first + 96 + 8 * j, second + 96 + 8 * j);
+    s.pair = _mm512_or_si512(_mm512_and_si512(c, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(c, 16));
+  }
+  return s;
+}
+
+template <X8KFormat F, int N>
+void x16k_dots(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t stride, int n, float* out) {
+  using T = X8KTraits<F>;
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  for (int b = 0; b < n / kQK_K; ++b) {
+    const uint8_t* first = group + b * T::kBlockBytes;
+    const uint8_t* second = first + group_bytes;
+    __m512i total[N];
+    for (int i = 0; i < N; ++i) total[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      __m512i w[8];
+      x16k_weights<F>(first, second, j, w);
+      const X16KScales sc = x16k_scales<F>(first, second, j);
+      for (int i = 0; i < N; ++i) {
+        const int8_t* xq = x[i * stride + b].qs + kQK * j;
+        if constexpr (F == X8KFormat::kQ6_K) {  // a scale per 16 values: two chains
+          __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512();
+          for (int k = 0; k < 4; ++k) {
+            lo = _mm512_dpbusd_epi32(lo, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * k)));
+            hi = _mm512_dpbusd_epi32(hi, w[k + 4], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 16 + 4 * k)));
+          }
+          total[i] = _mm512_add_epi32(total[i], _mm512_add_epi32(_mm512_mullo_epi32(lo, sc.first),
+                                                                 _mm512_mullo_epi32(hi, sc.second)));
+        } else {  // one chain: the tokens' chains overlap
+          __m512i dot = _mm512_setzero_si512();
+          for (int k = 0; k < 8; ++k) {  // w[k]: elements 4k .. 4k+3
+            dot = _mm512_dpbusd_epi32(dot, w[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xq + 4 * k)));
+          }
+          total[i] = _mm512_add_epi32(total[i], _mm512_mullo_epi32(dot, sc.first));
+        }
+      }
+    }
+    // The offsets after the dots, so that their accumulators do not hold registers through the dot loop.
+    __m512i offset[N];
+    for (int i = 0; i < N; ++i) offset[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 8; ++j) {
+      const __m512i pair = x16k_scales<F>(first, second, j).pair;
+      for (int i = 0; i < N; ++i) {
+        const __m512i sums = _mm512_broadcastd_epi32(_mm_loadu_si32(x[i * stride + b].bsums + 2 * j));
+        offset[i] = _mm512_dpwssd_epi32(offset[i], pair, sums);
+      }
+    }
+    const __m512 d = scales16(first, second);
+    for (int i = 0; i < N; ++i) {
+      const __m512 xd = _mm512_set1_ps(x[i * stride + b].d);
+      __m512 add;
+      if constexpr (T::kHasMin) {  // (x.d d) T - (x.d dmin) M
+        add = _mm512_sub_ps(_mm512_mul_ps(_mm512_mul_ps(xd, d), _mm512_cvtepi32_ps(total[i])),
+                            _mm512_mul_ps(_mm512_mul_ps(xd, scales16(first + 16, second + 16)),
+                                          _mm512_cvtepi32_ps(offset[i])));
+      } else {  // (d x.d) (T - kOffset O)
+        const __m512i lanes = _mm512_sub_epi32(total[i], _mm512_slli_epi32(offset[i], T::kOffsetShift));
+        add = _mm512_mul_ps(_mm512_mul_ps(d, xd), _mm512_cvtepi32_ps(lanes));
+      }
+      acc[i] = _mm512_add_ps(acc[i], add);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(out + 2 * kInterleave * i, acc[i]);
+}
+
 }  // namespace avx512
 
 const Kernels& avx512_kernels() {
@@ -182,6 +315,14 @@ const Kernels& avx512_kernels() {
                             avx512::x8_q4_0_x4,
                             avx512::x8_q4_1_x4,
                             avx512::x8_iq4_nl_x4,
+                            avx512::x8_q4_k,
+                            avx512::x8_q5_k,
+                            avx512::x8_q6_k,
+                            avx512::x8_iq4_xs,
+                            avx512::x8_q4_k_x4,
+                            avx512::x8_q5_k_x4,
+                            avx512::x8_q6_k_x4,
+                            avx512::x8_iq4_xs_x4,
                             avx512::dot_q8_0_x4,
                             avx512::dot_q4_0_x4,
                             avx512::dot_q4_1_x4,
@@ -203,7 +344,15 @@ const Kernels& avx512_kernels() {
                             avx512::x16_dots_x4<avx512::X8Format::kQ8_0>,
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_0>,
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_1>,
-                            avx512::x16_dots_x4<avx512::X8Format::kIQ4_NL>};
+                            avx512::x16_dots_x4<avx512::X8Format::kIQ4_NL>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 4>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 8>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 8>,
+                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 8>,
+                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 8>};
   return k;
 }
 

@@ -230,13 +230,56 @@ inline int nonzero_neurons(const BlockQ8& x, const uint8_t* block, const NeuronL
 // the IQ4 table is read + 128), S the block's activation sum, so the integer dot is the row kernels' exactly; Q4_1
 // adds m S. The float steps are those of the portable row kernels, per row and block in order, with no fused
 // multiply-add: every ISA's repacked kernels, for one token or four, give the portable row kernels' bits.
-// Every 32-value block type of the Kernels table can take this layout; K-quants would take groups of eight
-// super-blocks the same way, with their sub-block scales grouped as these scales are.
+// Every 32-value block type of the Kernels table can take this layout; K-quants take the one below.
 constexpr int kInterleave = 8;
 
 // Eight rows of a group (`group` points at its block 0) against N tokens x, x + x_stride, ... (N = 1 or 4):
 // out[8 i + r] = row r · token i, n values a row.
 using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_stride, int n, float* out);
+
+// K-quants and IQ4_XS repacked the same way, per 256-value super-block: a group is its super-blocks in order, each
+// the eight rows' super-blocks side by side, sub-block scales unpacked to one byte each and grouped so that one
+// load (and a widening) gives the eight rows' scales of one sub-block:
+//
+//   Q4_K   1184 bytes | d: f16[8] | dmin: f16[8] | sc: u8[8 j][8 r] | mn: u8[8 j][8 r] | pair 0 | ... | pair 3 |
+//   Q5_K   1440 bytes   Q4_K's, then | qh: chunk 0 | ... | chunk 7 |
+//   Q6_K   1680 bytes | d: f16[8] | sc: i8[8 j][8 r][2] | half 0 | half 1 |
+//   IQ4_XS 1104 bytes | d: f16[8] | sc: i8[8 j][8 r] | sub-block 0 | ... | sub-block 7 |
+//
+//   chunk   = | row 0: 4 bytes | row 1: 4 bytes | ... | row 7: 4 bytes |     (32 bytes, one vector, lane r = row r)
+//   Q4_K/Q5_K pair p = chunks 0..7, chunk c: row r's qs bytes 32p + 4c .. +3 (low nibbles: elements 4c .. 4c+3 of
+//             sub-block 2p, high nibbles: of sub-block 2p + 1); Q5_K qh chunk c: row r's qh bytes 4c .. +3 (bit j:
+//             the fifth bit of those elements of sub-block j); sc, mn: 6-bit scale and min of sub-block j, row r
+//   Q6_K half h = | ql chunks 0..7 (t = 0) | ql chunks 0..7 (t = 1) | qh chunks 0..7 |: row r's ql bytes
+//             64h + 32t + 4c .. +3 (low nibbles: sub-block 4h + t, high: 4h + t + 2) and qh bytes 32h + 4c .. +3,
+//             their bit pairs reordered so that sub-block 0's sit at bits 4..5 (one mask, no shift, merges them):
+//               GGUF qh byte  | s3 | s2 | s1 | s0 |   ->   repacked  | s2 | s0 | s3 | s1 |   (bits 7..0, 2 each)
+//             sc[j][r] = row r's scales 2j, 2j + 1 (16 values each)
+//   IQ4_XS sub-block j = chunks 0..3, chunk c: row r's qs bytes 16j + 4c .. +3 (low nibbles: elements 4c .. 4c+3,
+//             high: 16 + 4c ..); sc = the 6-bit scale - 32
+//
+// The same information as the rows (a Q4_K's 12 scale bytes are its 16 6-bit values; IQ4_XS's 6 likewise), 1-3%
+// more bytes. One vpdpbusd adds four products of eight rows; each sub-block's (Q6_K: each 16 values') eight
+// products per row are summed in integers, then times the row's integer scale (vpmulld), so a row's super-block is
+// one integer T; the offsets (Q4_K/Q5_K mins, Q6_K's -32, IQ4_XS's table + 128) are one integer O per row from the
+// activation sums: M = sum_j mn_j S_j (Q4_K/Q5_K), O = sum_g sc_g S_g (Q6_K, groups of 16; IQ4_XS, sub-blocks).
+// Per row and super-block, in this order and without FMA (the bits of every ISA):
+//   Q4_K/Q5_K  y += (x.d d) T - (x.d dmin) M      Q6_K  y += (d x.d) (T - 32 O)      IQ4_XS  y += (d x.d) (T - 128 O)
+// Integer sums as the row kernels', floats not: the row kernels keep eight lanes per row (KLanes), which here would
+// take eight scale multiplies per sub-block instead of one.
+constexpr int kQ4KGroupBytes = 1184, kQ5KGroupBytes = 1440, kQ6KGroupBytes = 1680, kIQ4XSGroupBytes = 1104;
+using RepackedDotsK = void (*)(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+using RepackedDotsK2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t x_stride,
+                                int n, float* out);  // two groups, four tokens: out[16 i + r]
+// The portable ones (kernels_repacked_k.cc), N = 1 and 4 tokens.
+void x8_q4_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_q5_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_q6_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_iq4_xs_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_q4_k_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_q5_k_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_q6_k_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+void x8_iq4_xs_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 // Two consecutive groups (group, group + group_bytes: sixteen rows) against four tokens: out[16 i + r].
 using RepackedDots2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, int64_t x_stride, int n,
                                float* out);
@@ -255,11 +298,15 @@ struct Kernels {
   NeuronBlockAxpy neuron_block_q4_0, neuron_block_q4_1, neuron_block_q8_0;
   RepackedDots x8_q8_0, x8_q4_0, x8_q4_1, x8_iq4_nl;              // one token
   RepackedDots x8_q8_0_x4, x8_q4_0_x4, x8_q4_1_x4, x8_iq4_nl_x4;  // four tokens
+  RepackedDotsK x8_q4_k, x8_q5_k, x8_q6_k, x8_iq4_xs;              // K-quants and IQ4_XS, one token
+  RepackedDotsK x8_q4_k_x4, x8_q5_k_x4, x8_q6_k_x4, x8_iq4_xs_x4;  // four tokens
   // SIMD only, last so that the portable table can leave them out; null: single dots.
   QuantDot4 q8_0_x4, q4_0_x4, q4_1_x4, q5_0_x4, q5_1_x4, iq4_nl_x4;
   QuantDotK4 q2_k_x4, q3_k_x4, q4_k_x4, q5_k_x4, q6_k_x4, iq4_xs_x4;
   QuantDot2x4 q8_0_2x4, q4_0_2x4, q4_1_2x4, q5_0_2x4, q5_1_2x4, iq4_nl_2x4;
   RepackedDots2 x16_q8_0_x4, x16_q4_0_x4, x16_q4_1_x4, x16_iq4_nl_x4;  // null: two calls of the one-group kernel
+  RepackedDotsK2 x16_q4_k_x4, x16_q5_k_x4, x16_q6_k_x4, x16_iq4_xs_x4;
+  RepackedDotsK2 x16_q4_k_x8, x16_q5_k_x8, x16_q6_k_x8, x16_iq4_xs_x8;  // eight tokens
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;

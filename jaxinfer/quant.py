@@ -19,7 +19,7 @@ from absl import logging
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from jaxinfer import ternary
+from jaxinfer import ternary, x8_kquants
 from jaxinfer.jax_compat import where_zero
 from jaxinfer.ternary import I2_S, QUANT_SIZES
 
@@ -399,7 +399,9 @@ def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array
 # The same bytes as the rows (plus the padding), rearranged without rounding: unpack_rows_x8 gives the rows back.
 # A group's blocks are one run, so a tensor-parallel cut of rows is whole groups (rows a multiple of 8 tp) and a cut
 # of columns whole blocks of all eight rows, as for GGUF's rows.
-REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+# Q4_K, Q5_K, Q6_K and IQ4_XS take the same groups per 256-value super-block, with their scales unpacked (x8_kquants).
+REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL")) | \
+    frozenset(x8_kquants.GROUP_BYTES)
 INTERLEAVE = 8
 
 
@@ -433,24 +435,44 @@ def _fill_groups(out: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationTyp
         np.bitwise_xor(q, np.uint8(0x80), out=q)
 
 
+def _group_block_bytes(qtype: GGMLQuantizationType) -> int:
+    """Bytes of a group per block of the type (32 or 256 values)."""
+    return x8_kquants.GROUP_BYTES.get(qtype) or INTERLEAVE * QUANT_SIZES[qtype][1]
+
+
+_PACK_GROUPS = 256  # groups packed at a time: the temporaries of the rearranging stay small (a tied Q8_0 head of
+# 49152 x 576 packed whole took 28 MiB more than its own bytes)
+
+
 def pack_rows_x8(w: QuantArray) -> QuantArray:
-    """A Q4_0/Q4_1/Q8_0/IQ4_NL weight in GGUF's rows (numpy, a view of the file, or a jax array) -> the same weight of
-    layout ROWS_X8 (see above). Made once at load straight from the file (gguf_io): the result is written in place
-    into one new buffer that XLA takes without a copy, so the weight is held once."""
+    """A weight of REPACKED_TYPES in GGUF's rows (numpy, a view of the file, or a jax array) -> the same weight of
+    layout ROWS_X8 (see above, and x8_kquants). Made once at load straight from the file (gguf_io): the result is
+    written in place into one new buffer that XLA takes without a copy, so the weight is held once."""
     if not can_pack_rows_x8(w):
         raise ValueError(f"cannot repack a {w.qtype.name} {w.layout} weight (exact={w.exact}) in groups of eight "
                          f"rows: {sorted(t.name for t in REPACKED_TYPES)} in GGUF's rows, not exact")
     rows, cols = w.shape
-    n_blocks, type_size, groups = cols // 32, QUANT_SIZES[w.qtype][1], -(-rows // INTERLEAVE)
+    block_size, type_size = QUANT_SIZES[w.qtype]
+    n_blocks, groups = cols // block_size, -(-rows // INTERLEAVE)
     blocks = np.asarray(w.data).reshape(rows, n_blocks, type_size)
-    out = _aligned_empty(groups * INTERLEAVE * n_blocks * type_size).reshape(groups, n_blocks, -1)
+    out = _aligned_empty(groups * n_blocks * _group_block_bytes(w.qtype)).reshape(groups, n_blocks, -1)
+
+    def fill(at: int, group_blocks: np.ndarray) -> None:  # groups from `at` on, from their rows' blocks
+        for start in range(0, len(group_blocks) // INTERLEAVE, _PACK_GROUPS):
+            part = group_blocks[INTERLEAVE * start : INTERLEAVE * (start + _PACK_GROUPS)]
+            into = out[at + start : at + start + len(part) // INTERLEAVE]
+            if w.qtype in x8_kquants.GROUP_BYTES:
+                into[...] = x8_kquants.to_groups(part.reshape(-1, INTERLEAVE, n_blocks, type_size), w.qtype)
+            else:
+                _fill_groups(into, part, w.qtype)
+
     whole = rows // INTERLEAVE
     if whole:
-        _fill_groups(out[:whole], blocks[: whole * INTERLEAVE], w.qtype)
+        fill(0, blocks[: whole * INTERLEAVE])
     if whole < groups:  # the last group's rows past `rows` are zero blocks
         padded = np.zeros((INTERLEAVE, n_blocks, type_size), np.uint8)
         padded[: rows - whole * INTERLEAVE] = blocks[whole * INTERLEAVE :]
-        _fill_groups(out[whole:], padded, w.qtype)
+        fill(whole, padded)
     return QuantArray(jax.device_put(out.reshape(groups, -1)), w.qtype, w.shape, layout=ROWS_X8, scale=w.scale)
 
 
@@ -458,8 +480,13 @@ def unpack_rows_x8(w: QuantArray) -> QuantArray:
     """pack_rows_x8's inverse, in jnp: the weight in GGUF's rows (where a consumer reads rows: XLA's products, rows
     looked up)."""
     rows, cols = w.shape
+    groups = w.data.shape[0]
+    if w.qtype in x8_kquants.GROUP_BYTES:
+        data = w.data.reshape(groups, cols // QK_K, -1)
+        blocks = x8_kquants.from_groups(jnp, data, w.qtype).reshape(groups * INTERLEAVE, -1)
+        return QuantArray(blocks[:rows], w.qtype, w.shape, w.exact, scale=w.scale)
     scale_bytes, chunks = _x8_parts(w.qtype)
-    n_blocks, groups = cols // 32, w.data.shape[0]
+    n_blocks = cols // 32
     data = w.data.reshape(groups, n_blocks, -1)
     scales = [data[..., 8 * i : 8 * i + 16].reshape(groups, n_blocks, INTERLEAVE, 2) for i in range(0, scale_bytes, 2)]
     qs = data[..., 8 * scale_bytes :].reshape(groups, n_blocks, chunks, INTERLEAVE, 4).transpose(0, 1, 3, 2, 4)

@@ -1,6 +1,7 @@
 """Which weights are repacked eight rows to a group for cpu_ext's repacked kernels (quant.pack_rows_x8): decided
 here, made once at load, straight from the file (gguf_io.load_weights), where the plan says so (Plan.repack): every
-Q4_0/Q4_1/Q8_0/IQ4_NL weight that only dense products read.
+weight of quant.REPACKED_TYPES (Q4_0/Q4_1/Q8_0/IQ4_NL, and Q4_K/Q5_K/Q6_K/IQ4_XS per 256-value super-block) that only
+dense products read.
 
     repacked    attention q/k/v/output; the FFN's gate/up/down when it runs dense and is not split between devices
                 (`ffn`); the output head, and the embedding when it is the output head too (tied): the head is the

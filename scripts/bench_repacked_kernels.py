@@ -53,10 +53,11 @@ def main(argv):
         raise JaxinferError(f"--types: the repacked types are {', '.join(repacked)}, got {','.join(FLAGS.types)}")
     for name in FLAGS.types:
         qtype = GGMLQuantizationType[name]
+        block = quant.QUANT_SIZES[qtype][0]
         for shape in FLAGS.shapes:
             rows, cols = map(int, shape.split("x"))
-            if cols % 32:
-                raise JaxinferError(f"--shapes: cols must be a multiple of 32, got {shape}")
+            if cols % block:
+                raise JaxinferError(f"--shapes: a {name} row is whole blocks of {block} values, got {shape}")
             w = quant.QuantArray(jnp.asarray(encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), qtype,
                                                            rng)), qtype, (rows, cols))
             packed = quant.pack_rows_x8(w)

@@ -1,22 +1,27 @@
 """cpu_ext's repacked kernels (quantized_matmul with interleave 8: weights repacked eight rows to a group by
 quant.pack_rows_x8): the portable row kernels' bits on every instruction set this CPU runs, for one token, four-token
-tiles, two-group tiles and tails; the jnp reference within 8-bit activations' error; jit, vmap, groups; bad input."""
+tiles, two-group tiles and tails (K-quants and IQ4_XS: the portable repacked kernels' bits, and the row kernels' where
+floats are exact); the jnp reference within 8-bit activations' error; jit, vmap, groups; bad input."""
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-
-import cpu_ext
-from jaxinfer import quant
 from test_cpu_ext import REL_ERROR, available_isas, check, random_weight
 
-TYPES = sorted(cpu_ext.REPACKED_TYPES, key=int)
+import cpu_ext
+from jaxinfer import quant, x8_kquants
+
+K_TYPES = sorted(x8_kquants.GROUP_BYTES, key=int)  # 256-value super-blocks
+TYPES = sorted(cpu_ext.REPACKED_TYPES - set(K_TYPES), key=int)  # 32-value blocks
 # (rows, cols): rows below, at and past one group, an odd count past several (a padded last group, an odd group out
-# of the two-group tiles); cols of one block and SmolLM2's 576.
+# of the two-group tiles); cols of one block and SmolLM2's 576 (K-quants: one and six super-blocks).
 SHAPES = [(1, 32), (8, 576), (13, 256), (67, 576)]
+K_SHAPES = [(1, 256), (8, 512), (13, 256), (67, 1536)]
 TOKENS = [1, 4, 7, 130]  # one, a four-token tile, tiles and a tail, past the row kernels' 128
+K_TOKENS = [1, 4, 5, 130]
 
 
 @pytest.fixture(params=available_isas())
@@ -52,6 +57,73 @@ def test_repacked_kernels_give_the_portable_row_kernels_bits(qtype, isa):
             check(x, data, qtype, rows, cols, y)
 
 
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_k_quant_repacked_kernels_give_the_portable_repacked_bits(qtype, isa):
+    """K-quants and IQ4_XS: every ISA gives the portable repacked kernels' bits for any number of tokens; those are
+    the row kernels' integer sums with their own float steps (one per row and super-block, not the rows' eight
+    lanes), so within float rounding of the row kernels; and the reference product within the 8-bit activations'
+    error."""
+    rng = np.random.default_rng(int(qtype))
+    for rows, cols in K_SHAPES:
+        data = random_weight(qtype, rows, cols, rng)
+        packed = repacked(data, qtype, rows, cols)
+        for tokens in K_TOKENS:
+            x = rng.normal(size=(tokens, cols)).astype(np.float32)
+            cpu_ext.select_isa("scalar")
+            portable = np.asarray(x8_matmul(x, packed, qtype, rows, cols))
+            rows_y = np.asarray(cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=rows, cols=cols))
+            cpu_ext.select_isa(isa)
+            y = x8_matmul(x, packed, qtype, rows, cols)
+            np.testing.assert_array_equal(np.asarray(y), portable, err_msg=f"{rows}x{cols}, {tokens} tokens")
+            np.testing.assert_allclose(portable, rows_y, rtol=0, atol=1e-5 * np.abs(rows_y).max())
+            check(x, data, qtype, rows, cols, y)
+
+
+def exact_k_weight(qtype, rows, cols, rng):
+    """Random blocks whose products with integer activations are exact in f32 all the way (d, dmin in {0.5, 1},
+    small integer scales: every partial sum below 2^24 halves), so kernels that compute the same integers must give
+    the same bits whatever their float steps."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    halves = rng.choice(np.array([0.5, 1.0], np.float16), size=blocks.shape[:2] + (2,)).view(np.uint8)
+
+    def small(high):  # eight integers in [0, high) per block
+        return rng.integers(0, high, size=blocks.shape[:2] + (8,), dtype=np.uint8)
+
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        blocks[..., 0:4] = halves.reshape(*blocks.shape[:2], 4)
+        blocks[..., 4:16] = x8_kquants.q4_k_pack_scales(np, small(4), small(4))
+    elif qtype == Q.Q6_K:
+        blocks[..., 208:210] = halves[..., :2]
+        blocks[..., 192:208] = rng.integers(-3, 4, size=blocks.shape[:2] + (16,)).astype(np.int8).view(np.uint8)
+    else:  # IQ4_XS: scales 31..33 stored, -1..1
+        ls = small(3) + np.uint8(31)
+        blocks[..., 0:2] = halves[..., :2]
+        blocks[..., 4:8] = (ls[..., 0::2] & 0x0F) | ((ls[..., 1::2] & 0x0F) << 4)
+        scales_h = (((ls >> 4) & 3).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(-1, dtype=np.uint16)
+        blocks[..., 2:4] = scales_h[..., None].view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_k_quant_repacked_kernels_give_the_row_kernels_bits_where_floats_are_exact(qtype, isa):
+    """With integer activations (max |x| = 127 in every super-block: scale 1, q = x) and the weights above, every
+    float step is exact, so the repacked kernels and the row kernels agree to the bit exactly when their integer
+    sums do: this checks the repacked integer arithmetic (unpacking, scales, offsets) against the row kernels'."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    rows, cols = 13, 512
+    data = exact_k_weight(qtype, rows, cols, rng)
+    packed = repacked(data, qtype, rows, cols)
+    for tokens in (1, 5):
+        x = rng.integers(-127, 128, size=(tokens, cols)).astype(np.float32)
+        x[:, ::256] = 127.0
+        y = np.asarray(x8_matmul(x, packed, qtype, rows, cols))
+        np.testing.assert_array_equal(y, np.asarray(cpu_ext.quantized_matmul(x, data, qtype=qtype, rows=rows,
+                                                                             cols=cols)))
+        np.testing.assert_array_equal(y, np.asarray(cpu_ext.quantized_matmul_reference(
+            x, quant.dequantize(quant.QuantArray(jnp.asarray(data), qtype, (rows, cols))))))
+
+
 def test_q8_0_extremes_and_zero_activations(isa):
     """Q8_0's q of -128 and 127 (stored + 128: 0 and 255, the sign trick's widest case without VNNI), and blocks
     of activations that are all zero, give the row kernels' bits."""
@@ -70,30 +142,31 @@ def test_q8_0_extremes_and_zero_activations(isa):
     np.testing.assert_array_equal(np.asarray(y), row_bits)
 
 
-def test_jit_vmap_and_leading_dims():
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+def test_jit_vmap_and_leading_dims(qtype):
     rng = np.random.default_rng(4)
     rows, cols = 21, 256
-    datas = [random_weight(Q.Q4_0, rows, cols, rng) for _ in range(3)]
-    packed = np.stack([repacked(d, Q.Q4_0, rows, cols) for d in datas])
+    datas = [random_weight(qtype, rows, cols, rng) for _ in range(3)]
+    packed = np.stack([repacked(d, qtype, rows, cols) for d in datas])
     x = rng.normal(size=(3, 5, cols)).astype(np.float32)
 
     def f(x, packed):
-        return x8_matmul(x, packed, Q.Q4_0, rows, cols)
+        return x8_matmul(x, packed, qtype, rows, cols)
 
     for in_axes in [(0, None), (None, 0), (0, 0)]:
         y = jax.jit(jax.vmap(f, in_axes=in_axes))(x if in_axes[0] == 0 else x[0],
                                                   packed if in_axes[1] == 0 else packed[0])
         assert y.shape == (3, 5, rows)
         for i in range(3):
-            check(x[i if in_axes[0] == 0 else 0], datas[i if in_axes[1] == 0 else 0], Q.Q4_0, rows, cols, y[i])
+            check(x[i if in_axes[0] == 0 else 0], datas[i if in_axes[1] == 0 else 0], qtype, rows, cols, y[i])
     leading = jax.jit(f)(x, packed[0])
     np.testing.assert_array_equal(np.asarray(leading), np.asarray(jax.vmap(f, in_axes=(0, None))(x, packed[0])))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.IQ4_NL], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.IQ4_NL, Q.Q6_K], ids=lambda q: q.name)
 def test_group_gives_the_bits_of_separate_calls(qtype):
     rng = np.random.default_rng(5)
-    rows, cols = [67, 16, 3], 576
+    rows, cols = [67, 16, 3], 512 if qtype in K_TYPES else 576
     datas = [repacked(random_weight(qtype, r, cols, rng), qtype, r, cols) for r in rows]
     for tokens in (1, 9):
         x = rng.normal(size=(tokens, cols)).astype(np.float32)
@@ -118,8 +191,11 @@ def test_bad_input_raises():
         jax.block_until_ready(x8_matmul(x, q5, Q.Q5_0, 8, cols))
     with pytest.raises(Exception, match="interleave must be 1, or 8"):
         jax.block_until_ready(cpu_ext.quantized_matmul(x, packed, qtype=Q.Q4_0, rows=rows, cols=cols, interleave=4))
+    # A Q4_K group's rows are 1152 bytes per super-block, its repacked group 1184 (the scales unpacked).
+    with pytest.raises(Exception, match=r"repacked in groups of eight rows must be u8 \[2, 1184\]"):
+        jax.block_until_ready(x8_matmul(np.tile(x, 4), np.zeros((2, 1152), np.uint8), Q.Q4_K, rows, 256))
 
 
 def test_repacked_types_are_what_quant_packs():
-    assert quant.REPACKED_TYPES == cpu_ext.REPACKED_TYPES
+    assert quant.REPACKED_TYPES == cpu_ext.REPACKED_TYPES == set(TYPES) | set(K_TYPES)
     assert set(REL_ERROR) >= cpu_ext.REPACKED_TYPES

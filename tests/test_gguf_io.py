@@ -102,10 +102,12 @@ def load_peak(path: str | None) -> tuple[int, int]:
 
 
 def test_loading_the_default_model_peaks_near_its_file_size(default_model):
-    """1.30x measured: its weights repacked (anonymous memory, once) and its 49k-token vocabulary and merges read into
-    the tokenizer, whose transient buffers are a fifth of the peak (weights alone: 0.77x)."""
+    """1.61x measured (151 MiB for a 94 MiB file): every weight repacked into anonymous memory, once (the file's pages
+    let go), the tied embedding and output head too (28.7 MiB that were served from the mapping before, 1.30x), plus
+    jaxinfer's imports (12 MiB) and its 49k-token vocabulary and merges read into the tokenizer (~20 MiB of transient
+    buffers); loaded with repack=False, 0.58x."""
     peak, size = load_peak(None)
-    assert peak < 1.4 * size
+    assert peak < 1.7 * size
 
 
 def test_weights_copied_out_of_the_file_are_in_memory_once(make_model):

@@ -4,9 +4,10 @@ import gguf
 import jax
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import quant
+from jaxinfer import quant, x8_kquants
 from jaxinfer.synthetic import encode_tensor
 
 # Scale fields of each block type, as (byte offset, number of fp16 values): random bytes there could be inf/NaN.
@@ -81,16 +82,22 @@ def test_neuron_major_packing_keeps_every_value(qtype, rows, cols, span):
 
 
 @pytest.mark.parametrize("qtype", sorted(quant.REPACKED_TYPES, key=int), ids=lambda q: q.name)
-@pytest.mark.parametrize("rows,cols", [(1, 32), (8, 64), (13, 96)])
-def test_rows_x8_packing_keeps_every_byte(qtype, rows, cols):
-    """pack_rows_x8 rearranges the rows' bytes (the last group padded with zero blocks) into one 64-byte-aligned
-    buffer; unpacked, they are the rows again; dequantized and looked up (through their groups), gguf-py's values."""
+@pytest.mark.parametrize("rows,blocks", [(1, 1), (8, 2), (13, 3), (2049, 1)])
+def test_rows_x8_packing_keeps_every_byte(qtype, rows, blocks):
+    """pack_rows_x8 rearranges the rows' bytes (the last group padded with zero blocks; K-quants' and IQ4_XS's
+    packed scales unpacked to a byte each, 1-3% more) into one 64-byte-aligned buffer; unpacked, they are the rows
+    again; dequantized and looked up (through their groups), gguf-py's values. 2049 rows: groups are packed in
+    several batches."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    cols = blocks * block_size
     data = random_blocks(qtype, rows, cols, np.random.default_rng(int(qtype)))
     w = quant.QuantArray(data, qtype, (rows, cols))
     packed = quant.pack_rows_x8(w)
     groups = -(-rows // 8)
+    group_block = x8_kquants.GROUP_BYTES.get(qtype, 8 * type_size)
+    assert group_block <= 1.03 * 8 * type_size
     assert packed.layout == quant.ROWS_X8 and packed.shape == (rows, cols)
-    assert packed.data.shape == (groups, 8 * data.shape[1]) and packed.data.unsafe_buffer_pointer() % 64 == 0
+    assert packed.data.shape == (groups, blocks * group_block) and packed.data.unsafe_buffer_pointer() % 64 == 0
     np.testing.assert_array_equal(np.asarray(quant.unpack_rows_x8(packed).data), data)
     expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), expected)

@@ -139,9 +139,11 @@ def test_bench_repacked_kernels_runs_and_rejects_types_without_repacked_kernels(
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith(("| Q4_0", "| IQ4_NL"))]
     assert [(row[0].strip(), row[2].strip()) for row in rows] == [("Q4_0", "1"), ("Q4_0", "5"), ("IQ4_NL", "1"),
                                                                   ("IQ4_NL", "5")]
-    bad = run("scripts/bench_repacked_kernels.py", "--types", "Q4_K")
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
-    assert bad.stderr.strip().splitlines()[-1].startswith("error: --types: the repacked types are"), bad.stderr
+    for args, message in ((("--types", "Q5_0"), "error: --types: the repacked types are"),
+                          (("--types", "Q4_K", "--shapes", "1536x576"), "error: --shapes: a Q4_K row is whole blocks")):
+        bad = run("scripts/bench_repacked_kernels.py", *args)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr
 
 
 def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
