@@ -86,8 +86,9 @@ def _trits(b, power):
 @jax.jit
 def tq1_0_as_tq2_0(data):
     """TQ1_0 rows [..., k * 54] (k blocks) -> the TQ2_0 rows [..., k * 66] of the same values: each trit becomes its
-    2-bit code, d is kept. TQ1_0's trits cost multiplies and compares per byte to unpack, TQ2_0's codes a shift and a mask; its decode
-    kernel is ~1.6x faster from 22% more bytes (repack.py reads TQ1_0 weights so). A 11008 x 4096 matrix in 0.03 s.
+    2-bit code, d is kept. TQ1_0's trits cost multiplies and compares per byte to unpack, TQ2_0's codes a shift and a
+    mask; its decode kernel is ~1.6x faster from 22% more bytes (repack.py reads TQ1_0 weights so). A 11008 x 4096
+    matrix in 0.03 s.
 
     TQ2_0's byte qs[32c + l] holds elements 128c + 32s + l (s < 4) in bits 2s. For c = 0 they are trits 0-3 of TQ1_0's
     qs[l]; for c = 1: trit 4 of qs[l], trits l/16 and 2 + l/16 of qs[32 + l % 16], and element 224 + l, which is

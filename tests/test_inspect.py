@@ -306,5 +306,5 @@ def test_a_bitnet_file_with_i2_s_weights_is_named_and_routed(make_model):
     tq1_path = make_model(name="tq1.gguf", architecture="bitnet", n_embd=256, n_ff=512,
                           weight_type=GGMLQuantizationType.TQ1_0)
     tq1 = inspection.inspect_model(tq1_path)
-    held = engine.load_model(tq1_path).weights.layers[0].attn_q.qtype == GGMLQuantizationType.TQ2_0  # repack.widens_tq1_0
+    held = engine.load_model(tq1_path).weights.layers[0].attn_q.qtype == GGMLQuantizationType.TQ2_0  # widens_tq1_0
     assert by_type(tq1)["TQ1_0"]["kernel"].startswith("held as TQ2_0 (repack.py): ") == held

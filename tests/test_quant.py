@@ -101,7 +101,7 @@ def test_rows_x8_packing_keeps_every_byte(qtype, rows, blocks):
     np.testing.assert_array_equal(np.asarray(quant.unpack_rows_x8(packed).data), data)
     expected = gguf.quants.dequantize(data, qtype).reshape(rows, cols)
     np.testing.assert_array_equal(np.asarray(quant.dequantize(packed)), expected)
-    ids = np.array([[rows - 1, 0, rows // 2], [1 % rows, rows - 1, 8 % rows]])  # any shape, any lane of a group, repeats
+    ids = np.array([[rows - 1, 0, rows // 2], [1 % rows, rows - 1, 8 % rows]])  # any shape and lane, repeats
     np.testing.assert_array_equal(np.asarray(quant.take_rows(packed, jax.numpy.array(ids))), expected[ids])
 
 
