@@ -11,6 +11,32 @@ from jaxinfer.synthetic import SyntheticSpec, write_model  # noqa: E402
 runtime.enable_compilation_cache()
 
 
+def pytest_generate_tests(metafunc):
+    """A test taking `isa` runs once with each cpu_ext kernel set this CPU runs (tests of the kernels)."""
+    if "isa" in metafunc.fixturenames:
+        import cpu_ext  # here: only the kernels' tests need the library
+
+        isas = []
+        for isa in ("scalar", "avx2", "avx512"):
+            try:
+                cpu_ext.select_isa(isa)
+                isas.append(isa)
+            except ValueError:
+                pass
+        cpu_ext.select_isa("best")
+        metafunc.parametrize("isa", isas, indirect=True)
+
+
+@pytest.fixture
+def isa(request):
+    """The kernel set the test runs with (pytest_generate_tests), selected for it; the best one again after."""
+    import cpu_ext
+
+    cpu_ext.select_isa(request.param)
+    yield request.param
+    cpu_ext.select_isa("best")
+
+
 @pytest.fixture
 def make_model(tmp_path):
     """make_model(**spec_fields) -> path of a freshly written synthetic GGUF model."""

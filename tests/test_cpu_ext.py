@@ -25,25 +25,6 @@ SHAPES = {32: [(1, 256), (5, 576), (67, 1536)], 256: [(1, 256), (5, 512), (67, 1
 BATCHES = [1, 2, 7, 64]
 
 
-def available_isas():
-    isas = []
-    for isa in ("scalar", "avx2", "avx512"):
-        try:
-            cpu_ext.select_isa(isa)
-            isas.append(isa)
-        except ValueError:
-            pass
-    cpu_ext.select_isa("best")
-    return isas
-
-
-@pytest.fixture(params=available_isas())
-def isa(request):
-    cpu_ext.select_isa(request.param)
-    yield request.param
-    cpu_ext.select_isa("best")
-
-
 def random_weight(qtype, rows, cols, rng):
     return encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), qtype, rng)
 

@@ -12,7 +12,7 @@ import cpu_ext
 from jaxinfer import quant
 from jaxinfer.synthetic import encode_tensor
 
-from test_cpu_ext import REL_ERROR, isa, rel_error  # noqa: F401 (isa is a fixture)
+from test_cpu_ext import REL_ERROR, rel_error
 
 # (d outputs, n_ff neurons): one tile and one block, several of each, SmolLM2's FFN.
 SHAPES = [(64, 32), (192, 96), (576, 1536)]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from test_cpu_ext import REL_ERROR, available_isas, check, random_weight
+from test_cpu_ext import REL_ERROR, check, random_weight
 
 import cpu_ext
 from jaxinfer import quant, x8_kquants
@@ -22,13 +22,6 @@ SHAPES = [(1, 32), (8, 576), (13, 256), (67, 576)]
 K_SHAPES = [(1, 256), (8, 512), (13, 256), (67, 1536)]
 TOKENS = [1, 4, 7, 130]  # one, a four-token tile, tiles and a tail, past the row kernels' 128
 K_TOKENS = [1, 4, 5, 130]
-
-
-@pytest.fixture(params=available_isas())
-def isa(request):
-    cpu_ext.select_isa(request.param)
-    yield request.param
-    cpu_ext.select_isa("best")
 
 
 def repacked(data, qtype, rows, cols):

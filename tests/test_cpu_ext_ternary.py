@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 import cpu_ext
 from jaxinfer import quant, ternary
 from jaxinfer.synthetic import encode_tensor
-from test_cpu_ext import available_isas, poisoned
+from test_cpu_ext import poisoned
 
 TYPES = [Q.TQ1_0, Q.TQ2_0, ternary.I2_S]
 # Relative error against x · Wᵀ with the reference's activations (f32 for TQ1_0/TQ2_0, absmax_int8's for I2_S),
@@ -24,13 +24,6 @@ REL_ERROR = {Q.TQ1_0: 4e-2, Q.TQ2_0: 4e-2, ternary.I2_S: 2e-6}
 AXPY_REL_ERROR = {Q.TQ1_0: 1e-5, Q.TQ2_0: 1e-5, ternary.I2_S: 1e-2}
 SHAPES = [(1, 256), (5, 512), (67, 1536)]  # one row, odd row counts, more 16-row bands than threads
 BATCHES = [1, 3, 9]  # single dots, the four-token kernels and the rest
-
-
-@pytest.fixture(params=available_isas())
-def isa(request):
-    cpu_ext.select_isa(request.param)
-    yield request.param
-    cpu_ext.select_isa("best")
 
 
 def ternary_weight(qtype, rows, cols, rng, random_bytes=False) -> quant.QuantArray:
