@@ -91,10 +91,14 @@ def _logits_and_nll(hidden, windows, weights, cfg: Config):
     logits = model.logits(hidden[:, first:first + count], weights, cfg)
     high, low = jnp.max(logits, axis=-1), jnp.min(logits, axis=-1)
     log_sum_exp = jnp.log(jnp.sum(jnp.exp(logits - high[..., None]), axis=-1)) + high
-    nll = log_sum_exp - jnp.take_along_axis(logits, windows[:, first + 1:, None], axis=-1)[..., 0]
-    # A NaN or infinite logit anywhere in a row (corrupt weights) makes its nll NaN, which evaluate_windows stops on:
-    # no logits copied to the host. NaN propagates through the max; an infinity shows in the max or the min.
-    return logits, jnp.where(jnp.isfinite(log_sum_exp) & jnp.isfinite(low), nll, jnp.nan)
+    return logits, _nll(log_sum_exp, low, jnp.take_along_axis(logits, windows[:, first + 1:, None], axis=-1)[..., 0])
+
+
+def _nll(log_sum_exp, low, target_logit):
+    """log_sum_exp - target_logit, NaN where a row's logits were not all finite (corrupt weights), which
+    evaluate_windows stops on: no logits copied to the host. NaN propagates through the max into log_sum_exp; an
+    infinity shows in it or in the row's least logit, `low`."""
+    return jnp.where(jnp.isfinite(log_sum_exp) & jnp.isfinite(low), log_sum_exp - target_logit, jnp.nan)
 
 
 def hidden_nll(hidden, windows, weights, cfg: Config):
@@ -132,10 +136,9 @@ def hidden_nll(hidden, windows, weights, cfg: Config):
         return merged, total, low, target_logit + jnp.where(held, picked, 0.0)
 
     zeros = jnp.zeros(targets.shape, jnp.float32)
-    start = (zeros - jnp.inf, zeros, zeros + jnp.inf, zeros)
-    high, total, low, target_logit = jax.lax.fori_loop(0, -(-n_vocab // VOCABULARY_PIECE), piece, start)
-    log_sum_exp = high + jnp.log(total)
-    return jnp.where(jnp.isfinite(log_sum_exp) & jnp.isfinite(low), log_sum_exp - target_logit, jnp.nan)
+    initial = (zeros - jnp.inf, zeros, zeros + jnp.inf, zeros)  # max, sum of exponentials, min, target's logit
+    high, total, low, target_logit = jax.lax.fori_loop(0, -(-n_vocab // VOCABULARY_PIECE), piece, initial)
+    return _nll(high + jnp.log(total), low, target_logit)
 
 
 def hidden_logits(hidden, windows, weights, cfg: Config):
