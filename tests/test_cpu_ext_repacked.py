@@ -21,7 +21,7 @@ TYPES = sorted(cpu_ext.REPACKED_TYPES - set(K_TYPES), key=int)  # 32-value block
 SHAPES = [(1, 32), (8, 576), (13, 256), (67, 576)]
 K_SHAPES = [(1, 256), (8, 512), (13, 256), (67, 1536)]
 TOKENS = [1, 4, 7, 130]  # one, a four-token tile, tiles and a tail, past the row kernels' 128
-K_TOKENS = [1, 4, 5, 130]
+K_TOKENS = [1, 4, 5, 13, 130]  # 13: an eight-token tile, a four-token one and a tail
 
 
 def repacked(data, qtype, rows, cols):
