@@ -1,7 +1,7 @@
 """Ternary weight formats (values in {-1, 0, +1} times a scale): llama.cpp's TQ1_0 and TQ2_0, and Microsoft BitNet's
 I2_S, which gguf-py does not know.
 
-The dequantizers follow quant.py's convention (uint8 blocks [..., type_size] -> f32 [..., block_size]); TQ1_0's and
+The dequantizers follow ggml_blocks' convention (uint8 blocks [..., type_size] -> f32 [..., block_size]); TQ1_0's and
 TQ2_0's are jnp ports of gguf-py's `dequantize_blocks`, its test oracle. I2_S has no per-block scale: its "blocks"
 are 128-value groups of 32 bytes, and one f32 scale for the whole tensor follows the data (quant.QuantArray.scale).
 """

@@ -25,18 +25,6 @@ def random_blocks(qtype, rows, cols, rng):
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", sorted(set(quant.BLOCK_DEQUANTIZERS) - quant.TERNARY_TYPES, key=int),
-                         ids=lambda q: q.name)  # the ternary types: test_ternary.py
-@pytest.mark.parametrize("rows,n_blocks", [(1, 1), (5, 3)])
-def test_block_dequantize_is_bit_exact_with_gguf(qtype, rows, n_blocks):
-    rng = np.random.default_rng(int(qtype))
-    cols = GGML_QUANT_SIZES[qtype][0] * n_blocks
-    blocks = random_blocks(qtype, rows, cols, rng)
-    expected = gguf.quants.dequantize(blocks, qtype)
-    got = jax.jit(quant.dequantize)(quant.from_gguf_data(blocks, qtype, (rows, cols)))
-    np.testing.assert_array_equal(np.asarray(got), expected)
-
-
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16], ids=lambda q: q.name)
 def test_float_types_match_gguf(qtype):
     rng = np.random.default_rng(0)
