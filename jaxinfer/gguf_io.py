@@ -178,7 +178,7 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
         return repack.packs(field, w, cfg.plan, repack_ffn)
 
     def widens(w):
-        return repack.widens_tq1_0(w, cfg.plan)
+        return repack.widens_tq1_0(w.qtype, cfg.plan, w.exact)
 
     tied = "output.weight" not in gguf.tensors
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w),

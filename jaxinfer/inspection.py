@@ -18,8 +18,8 @@ import struct
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import (activation_profile, config, hybrid, metadata, placement, quant, sidecar, sparsity, ternary,
-                      validate)
+from jaxinfer import (activation_profile, config, hybrid, metadata, placement, quant, repack, sidecar, sparsity,
+                      ternary, validate)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, open_gguf
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
@@ -83,7 +83,7 @@ def kernel_route(type_id: int, plan: Plan, isa: str | None) -> str:
     if type_id not in _types_by_id(quant.SUPPORTED_TYPES):
         why = "jaxinfer has no decoder for it" if type_id in known_types() else "unknown type id"
         return f"unsupported ({why}){ternary.unsupported_type_note(type_id)}"
-    if plan.repack and type_id == GGMLQuantizationType.TQ1_0:  # repack.widens_tq1_0
+    if repack.widens_tq1_0(type_id, plan):
         return "held as TQ2_0 (repack.py): " + kernel_route(GGMLQuantizationType.TQ2_0, plan, isa)
     if plan.products == "cpu_ext" and type_id in _types_by_id(quant.CPU_KERNEL_TYPES):
         dots = "f32 dots" if type_id in _types_by_id(quant.FLOAT_TYPES) else "8-bit activations"

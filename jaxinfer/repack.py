@@ -39,11 +39,11 @@ def packs(name: str, w: QuantArray, plan: Plan, ffn: bool = True) -> bool:
     return plan.tp == 1 or name not in ROW_CUT or w.shape[0] % (quant.INTERLEAVE * plan.tp) == 0
 
 
-def widens_tq1_0(w: QuantArray, plan: Plan) -> bool:
-    """Whether a weight read from the file as TQ1_0 is held as TQ2_0 (ternary.tq1_0_as_tq2_0: the same values, 66
+def widens_tq1_0(qtype, plan: Plan, exact: bool = False) -> bool:
+    """Whether a weight read from the file as `qtype` is held as TQ2_0 (ternary.tq1_0_as_tq2_0: TQ1_0's values, 66
     bytes a block of 256 instead of 54) where the plan repacks: every TQ1_0 weight not marked exact, whichever product
     or lookup reads it. Its decode runs at TQ2_0's speed (7B-shaped bitnet, tg64: 84 against 54 tokens/s)."""
-    return plan.repack and w.qtype == GGMLQuantizationType.TQ1_0 and not w.exact
+    return plan.repack and qtype == GGMLQuantizationType.TQ1_0 and not exact
 
 
 def ffn_rows(layer):
