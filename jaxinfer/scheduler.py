@@ -201,8 +201,8 @@ class Scheduler:
         self.params = dataclasses.replace(ROW_PARAMS, **{name: np.full(n, getattr(ROW_PARAMS, name))
                                                          for name in SAMPLING_VALUES})
         self.state = self._global(engine.DecodeState(
-            jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32), jax.random.split(jax.random.key(0), n),
-            jnp.zeros(n, jnp.int32), jnp.ones(n, bool), jnp.zeros(n, bool)))
+            jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32),
+            jax.random.split(jax.random.key(0), n), jnp.zeros(n, jnp.int32), jnp.ones(n, bool), jnp.zeros(n, bool)))
 
     def _global(self, values):
         """`values` (this process's own arrays) as the programs take them: over several processes, arrays on the

@@ -124,8 +124,8 @@ def save_thresholds(model_path: str, method: str, thresholds: dict[float, np.nda
 def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None = None):
     """A copy of the loaded model (`engine.LoadedModel`) that runs its FFNs with `spec`. Unless dense, its down
     projections are stored one row per neuron, quantized to `down_t_type` (default: each one's own type; see
-    quant.transpose); dense, so are the ternary ones of models with natural zeros (NATURAL_ZEROS). gate:S / hidden:S read their thresholds from `thresholds_file` (calibrate -o), by default
-    from the model's sidecar."""
+    quant.transpose); dense, so are the ternary ones of models with natural zeros (NATURAL_ZEROS). gate:S / hidden:S
+    read their thresholds from `thresholds_file` (calibrate -o), by default from the model's sidecar."""
     if thresholds_file is not None and spec.mode not in THRESHOLD_METHODS:
         raise JaxinferError(f"--thresholds is for --sparsity gate:S or hidden:S, not {spec}")
     cfg = m.config.replan(ffn_sparsity=spec.mode)

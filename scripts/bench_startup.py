@@ -6,7 +6,8 @@ cold (empty caches) and warm (the same command again), each run in its own proce
 The runs share a fresh cache folder (JAXINFER_CACHE_DIR, removed afterwards) unless --cache_dir names one, so the
 first run is cold: XLA's compilation cache and the stored step programs are empty. The time to the first token is
 taken here, when the first text after the prompt's echo reaches the pipe, and is set beside generate's own figure
-("first token ... after start", counted from when its module started, after Python's own start-up). Flags after `--` go to generate (e.g. `-- --vram-budget 0.05`).
+("first token ... after start", counted from when its module started, after Python's own start-up). Flags after
+`--` go to generate (e.g. `-- --vram-budget 0.05`).
 With --json the last line is one JSON object.
 """
 
