@@ -345,14 +345,14 @@ const Kernels& avx512_kernels() {
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_0>,
                             avx512::x16_dots_x4<avx512::X8Format::kQ4_1>,
                             avx512::x16_dots_x4<avx512::X8Format::kIQ4_NL>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 4>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ4_K, 8>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ5_K, 8>,
-                            avx512::x16k_dots<avx512::X8KFormat::kQ6_K, 8>,
-                            avx512::x16k_dots<avx512::X8KFormat::kIQ4_XS, 8>};
+                            avx512::x16k_dots<X8KFormat::kQ4_K, 4>,
+                            avx512::x16k_dots<X8KFormat::kQ5_K, 4>,
+                            avx512::x16k_dots<X8KFormat::kQ6_K, 4>,
+                            avx512::x16k_dots<X8KFormat::kIQ4_XS, 4>,
+                            avx512::x16k_dots<X8KFormat::kQ4_K, 8>,
+                            avx512::x16k_dots<X8KFormat::kQ5_K, 8>,
+                            avx512::x16k_dots<X8KFormat::kQ6_K, 8>,
+                            avx512::x16k_dots<X8KFormat::kIQ4_XS, 8>};
   return k;
 }
 

@@ -8,8 +8,6 @@
 namespace jaxinfer_cpu {
 namespace {
 
-enum class X8KFormat { kQ4_K, kQ5_K, kQ6_K, kIQ4_XS };
-
 // The byte of row r in chunk c of a run of chunks.
 inline uint8_t chunk_byte(const uint8_t* chunks, int c, int r, int i) { return chunks[32 * c + 4 * r + i]; }
 
@@ -34,19 +32,15 @@ int x8k_q(const uint8_t* blk, int r, int j, int e) {
   }
 }
 
-template <X8KFormat F>
-constexpr int group_block_bytes() {
-  return F == X8KFormat::kQ4_K ? kQ4KGroupBytes : F == X8KFormat::kQ5_K ? kQ5KGroupBytes
-                                                : F == X8KFormat::kQ6_K ? kQ6KGroupBytes : kIQ4XSGroupBytes;
-}
+}  // namespace
 
 template <X8KFormat F, int N>
-void x8k_dots(const uint8_t* group, const BlockQ8K* x, int64_t stride, int n, float* out) {
+void x8k_dots_portable(const uint8_t* group, const BlockQ8K* x, int64_t stride, int n, float* out) {
   for (int i = 0; i < N; ++i) {
     for (int r = 0; r < kInterleave; ++r) {
       float total = 0.0f;
       for (int b = 0; b < n / kQK_K; ++b) {
-        const uint8_t* blk = group + b * group_block_bytes<F>();
+        const uint8_t* blk = group + b * x8k_group_block_bytes(F);
         const BlockQ8K& xb = x[i * stride + b];
         int32_t t = 0, o = 0;
         for (int j = 0; j < 8; ++j) {
@@ -82,31 +76,14 @@ void x8k_dots(const uint8_t* group, const BlockQ8K* x, int64_t stride, int n, fl
   }
 }
 
-}  // namespace
-
-void x8_q4_k_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kQ4_K, 1>(g, x, s, n, out);
-}
-void x8_q5_k_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kQ5_K, 1>(g, x, s, n, out);
-}
-void x8_q6_k_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kQ6_K, 1>(g, x, s, n, out);
-}
-void x8_iq4_xs_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kIQ4_XS, 1>(g, x, s, n, out);
-}
-void x8_q4_k_x4_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kQ4_K, 4>(g, x, s, n, out);
-}
-void x8_q5_k_x4_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kQ5_K, 4>(g, x, s, n, out);
-}
-void x8_q6_k_x4_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kQ6_K, 4>(g, x, s, n, out);
-}
-void x8_iq4_xs_x4_portable(const uint8_t* g, const BlockQ8K* x, int64_t s, int n, float* out) {
-  x8k_dots<X8KFormat::kIQ4_XS, 4>(g, x, s, n, out);
-}
+// The instances the portable kernel set (kernels_scalar.cc) names.
+template void x8k_dots_portable<X8KFormat::kQ4_K, 1>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kQ5_K, 1>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kQ6_K, 1>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kIQ4_XS, 1>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kQ4_K, 4>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kQ5_K, 4>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kQ6_K, 4>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
+template void x8k_dots_portable<X8KFormat::kIQ4_XS, 4>(const uint8_t*, const BlockQ8K*, int64_t, int, float*);
 
 }  // namespace jaxinfer_cpu

@@ -497,14 +497,14 @@ const Kernels& scalar_kernels() {
                             x8_dots<X8Format::kQ4_0, 4>,
                             x8_dots<X8Format::kQ4_1, 4>,
                             x8_dots<X8Format::kIQ4_NL, 4>,
-                            x8_q4_k_portable,
-                            x8_q5_k_portable,
-                            x8_q6_k_portable,
-                            x8_iq4_xs_portable,
-                            x8_q4_k_x4_portable,
-                            x8_q5_k_x4_portable,
-                            x8_q6_k_x4_portable,
-                            x8_iq4_xs_x4_portable};
+                            x8k_dots_portable<X8KFormat::kQ4_K, 1>,
+                            x8k_dots_portable<X8KFormat::kQ5_K, 1>,
+                            x8k_dots_portable<X8KFormat::kQ6_K, 1>,
+                            x8k_dots_portable<X8KFormat::kIQ4_XS, 1>,
+                            x8k_dots_portable<X8KFormat::kQ4_K, 4>,
+                            x8k_dots_portable<X8KFormat::kQ5_K, 4>,
+                            x8k_dots_portable<X8KFormat::kQ6_K, 4>,
+                            x8k_dots_portable<X8KFormat::kIQ4_XS, 4>};
   return k;
 }
 

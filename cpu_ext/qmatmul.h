@@ -268,18 +268,17 @@ using RepackedDots = void (*)(const uint8_t* group, const BlockQ8* x, int64_t x_
 // Integer sums as the row kernels', floats not: the row kernels keep eight lanes per row (KLanes), which here would
 // take eight scale multiplies per sub-block instead of one.
 constexpr int kQ4KGroupBytes = 1184, kQ5KGroupBytes = 1440, kQ6KGroupBytes = 1680, kIQ4XSGroupBytes = 1104;
+enum class X8KFormat { kQ4_K, kQ5_K, kQ6_K, kIQ4_XS };
+constexpr int x8k_group_block_bytes(X8KFormat f) {
+  return f == X8KFormat::kQ4_K ? kQ4KGroupBytes : f == X8KFormat::kQ5_K ? kQ5KGroupBytes
+                                                : f == X8KFormat::kQ6_K ? kQ6KGroupBytes : kIQ4XSGroupBytes;
+}
 using RepackedDotsK = void (*)(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 using RepackedDotsK2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8K* x, int64_t x_stride,
                                 int n, float* out);  // two groups, four tokens: out[16 i + r]
-// The portable ones (kernels_repacked_k.cc), N = 1 and 4 tokens.
-void x8_q4_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_q5_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_q6_k_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_iq4_xs_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_q4_k_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_q5_k_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_q6_k_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
-void x8_iq4_xs_x4_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
+// The portable ones (kernels_repacked_k.cc, instantiated there for N = 1 and 4 tokens).
+template <X8KFormat F, int N>
+void x8k_dots_portable(const uint8_t* group, const BlockQ8K* x, int64_t x_stride, int n, float* out);
 // Two consecutive groups (group, group + group_bytes: sixteen rows) against four tokens: out[16 i + r].
 using RepackedDots2 = void (*)(const uint8_t* group, int64_t group_bytes, const BlockQ8* x, int64_t x_stride, int n,
                                float* out);
