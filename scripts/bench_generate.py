@@ -5,14 +5,16 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--depth 0] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
         [--vram-budget GIB [--activation-dir DIR]]
-        [--llama_bench path/to/llama-bench [--threads 2]] [--norepack]
+        [--llama_bench path/to/llama-bench [--threads 2] [--rounds 1]] [--norepack]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
 repetition of the largest pp and of tg), and with --llama_bench llama.cpp's numbers and the ratios (llama_cpp_pp512,
 ratio_pp512, ...). --norepack keeps the weights in GGUF's rows (no repacked kernels), to compare. With --llama_bench
 (a llama.cpp build you have; nothing is downloaded or built here) llama-bench runs the same tests on the same model
 right after, and the ratios are printed: absolute numbers on shared machines are noisy, ratios measured in one run
-much less so. With --compare_dense, tg of the dense model and of the --sparsity one are timed alternately, and the
+much less so. Where the machine's memory bandwidth drifts by more than the difference to measure (decode on a VM
+whose memory is shared moved ±15% within minutes here, both engines alike), --rounds N alternates the two N times
+and reports each test's median speeds, the median of the rounds' ratios and their range. With --compare_dense, tg of the dense model and of the --sparsity one are timed alternately, and the
 speed-up is set against the share of weight bytes a decode step skips (counted from the neurons active on the
 generated tokens). With --depth D both pp and tg run after D tokens are already in the KV cache (llama-bench's -d,
 which --llama_bench passes on): the speed deep into a long context, where attention reads the cache. With
@@ -49,6 +51,8 @@ flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity, as generate's
 flags.DEFINE_string("down_t_type", "same", "as generate's --down_t_type")
 flags.DEFINE_string("llama_bench", None, "path to llama.cpp's llama-bench: run it on the same model and report ratios")
 flags.DEFINE_integer("threads", 2, "llama-bench threads (-t)")
+flags.DEFINE_integer("rounds", 1, "with --llama_bench: rounds of our tests then llama-bench's, alternating; each "
+                     "test's speeds and ratio are then the medians over the rounds")
 flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense and the sparse model alternately "
                   "(--repetitions each) and compare the speed-up with the share of weight bytes not read")
 flags.DEFINE_float("vram_budget", None, "also split the model under this device memory budget (GiB), as generate "
@@ -209,6 +213,37 @@ def run_llama_bench(path, pp, tg) -> dict[str, float]:
     return results
 
 
+def time_tests(m) -> dict[str, float]:
+    """Each --pp prefill and the tg decode, best of --repetitions, in tokens/s (printed as they come)."""
+    results = {}
+    for n in [int(p) for p in FLAGS.pp]:
+        results[f"pp{n}"] = time_prefill(m, n, FLAGS.repetitions)
+        print(f"pp{n}: {results[f'pp{n}']:.1f} tokens/s", flush=True)
+    results[f"tg{FLAGS.tg}"] = max(decode_rates(m, FLAGS.tg, FLAGS.repetitions)[0])
+    print(f"tg{FLAGS.tg}: {results[f'tg{FLAGS.tg}']:.2f} tokens/s", flush=True)
+    return results
+
+
+def compare_with_llama(ours_rounds: list[dict], llama_rounds: list[dict]) -> dict[str, float]:
+    """Per test in both: the median speeds over the rounds and the median of the rounds' ratios (with their range
+    when there are several rounds)."""
+    comparison = {}
+    for test in ours_rounds[0]:
+        if test not in llama_rounds[0]:
+            continue
+        ours = float(np.median([r[test] for r in ours_rounds]))
+        llama = float(np.median([r[test] for r in llama_rounds]))
+        ratios = [o[test] / l[test] for o, l in zip(ours_rounds, llama_rounds)]
+        ratio = float(np.median(ratios))
+        spread = (f" (median of {len(ratios)} alternating rounds, {min(ratios):.2f}-{max(ratios):.2f}x)"
+                  if len(ratios) > 1 else "")
+        print(f"{test}: jaxinfer {ours:.1f} / llama.cpp {llama:.1f} tokens/s = {ratio:.2f}x{spread}", flush=True)
+        comparison |= {f"llama_cpp_{test}": llama, f"ratio_{test}": ratio}
+        if len(ratios) > 1:
+            comparison |= {f"ratio_{test}_min": min(ratios), f"ratio_{test}_max": max(ratios)}
+    return comparison
+
+
 @exit_on_error
 def main(argv):
     del argv
@@ -221,27 +256,25 @@ def main(argv):
         raise JaxinferError("--compare_dense counts the neurons of the generated tokens: use it without --depth")
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
+    if FLAGS.rounds < 1 or (FLAGS.rounds > 1 and not FLAGS.llama_bench):
+        raise JaxinferError(f"--rounds must be >= 1, and more than 1 only with --llama_bench, got {FLAGS.rounds}")
     receipt.check_path(FLAGS.receipt)
     dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
-    results = {}
-    for n in [int(p) for p in FLAGS.pp]:
-        results[f"pp{n}"] = time_prefill(m, n, FLAGS.repetitions)
-        print(f"pp{n}: {results[f'pp{n}']:.1f} tokens/s", flush=True)
-    results[f"tg{FLAGS.tg}"] = max(decode_rates(m, FLAGS.tg, FLAGS.repetitions)[0])
-    print(f"tg{FLAGS.tg}: {results[f'tg{FLAGS.tg}']:.2f} tokens/s", flush=True)
+    ours_rounds, llama_rounds = [], []
+    for _ in range(FLAGS.rounds):
+        ours_rounds.append(time_tests(m))
+        if FLAGS.llama_bench:
+            llama_rounds.append(run_llama_bench(m.path, FLAGS.pp, FLAGS.tg))
+    results = {test: float(np.median([r[test] for r in ours_rounds])) for test in ours_rounds[0]}
     comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
     if FLAGS.vram_budget is not None:
         comparison |= compare_with_split(m)
-    llama = {}
-    if FLAGS.llama_bench:
-        llama = run_llama_bench(m.path, FLAGS.pp, FLAGS.tg)
-        for test, ours in results.items():
-            if test in llama:
-                print(f"{test}: jaxinfer {ours:.1f} / llama.cpp {llama[test]:.1f} tokens/s = {ours / llama[test]:.2f}x")
-                comparison |= {f"llama_cpp_{test}": llama[test], f"ratio_{test}": ours / llama[test]}
+    if llama_rounds:
+        comparison |= compare_with_llama(ours_rounds, llama_rounds)
     receipt.write(FLAGS.receipt, m, {"load_seconds": dense.load_seconds, "repetitions": FLAGS.repetitions,
+                                     "rounds": FLAGS.rounds,
                                      **{f"{test}_tokens_per_s": rate for test, rate in results.items()}, **comparison})
     if FLAGS.json:
         largest_pp = max(int(p) for p in FLAGS.pp)

@@ -76,23 +76,27 @@ def test_bench_generate_times_deep_in_the_context(tmp_path):
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["prompt_tokens_per_s"] > 0 and summary["generation_tokens_per_s"] > 0
     for args, fragment in [(("--depth", "-1"), "--depth"), (("--depth", "8", "--sparsity", "hidden:0.5",
-                                                              "--compare_dense"), "without --depth")]:
+                                                              "--compare_dense"), "without --depth"),
+                            (("--rounds", "0"), "--rounds"), (("--rounds", "2"), "only with --llama_bench")]:
         bad = run("scripts/bench_generate.py", "-m", model, *args)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
 
 
 FAKE_LLAMA_BENCH = """#!{python}
-import json, sys
+import json, pathlib, sys
 args = sys.argv[1:]
 if "-d" in args:
     sys.exit("error: invalid parameter for argument: -d")  # an older llama-bench
 if "{fail}":
     print("loading model\\nllama_model_load: error loading model: {fail}", file=sys.stderr)
     sys.exit(1)
+calls = pathlib.Path(sys.argv[0] + ".calls")  # each call of a run is faster, so that rounds differ
+n = int(calls.read_text()) + 1 if calls.exists() else 1
+calls.write_text(str(n))
 pp = args[args.index("-p") + 1].split(",")
-print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "samples_ts": [100.0, 120.0]}} for p in pp]
-                 + [{{"n_prompt": 0, "n_gen": int(args[args.index("-n") + 1]), "samples_ts": [50.0]}}]))
+print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "samples_ts": [100.0 * n, 120.0 * n]}} for p in pp]
+                 + [{{"n_prompt": 0, "n_gen": int(args[args.index("-n") + 1]), "samples_ts": [50.0 * n]}}]))
 """
 
 
@@ -111,10 +115,37 @@ def test_bench_generate_runs_llama_bench_without_depth_and_shows_why_it_failed(t
         if not fail:
             assert result.returncode == 0, result.stderr
             assert "llama.cpp pp8: 120.0 tokens/s" in result.stdout + result.stderr
+            summary = json.loads(result.stdout.strip().splitlines()[-1])
+            assert summary["ratio_pp8"] == pytest.approx(summary["pp8"] / 120.0, rel=1e-3)
         else:
             assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
             last = result.stderr.strip().splitlines()[-1]
             assert last.startswith("error: llama-bench exited with status 1") and fail in last, last
+
+
+def test_bench_generate_alternates_rounds_with_llama_bench_and_takes_medians(tmp_path):
+    """--rounds 3: ours then llama-bench three times; each test's ratio is the median of the rounds' ratios, with
+    their range, and the speeds are the medians."""
+    model = str(tmp_path / "plain.gguf")
+    assert run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "1", "--n_embd", "64",
+               "--n_ff", "128", "--weight_type", "Q8_0").returncode == 0
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, fail=""))
+    fake.chmod(0o755)
+    result = run("scripts/bench_generate.py", "-m", model, "--pp", "8", "--tg", "4", "-c", "32", "--repetitions", "1",
+                 "--llama_bench", str(fake), "--rounds", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    ours = [float(line.split()[1]) for line in lines if line.startswith("pp8: ") and "jaxinfer" not in line]
+    llama = [float(line.split()[2]) for line in lines if line.startswith("llama.cpp pp8: ")]
+    assert llama == [120.0, 240.0, 360.0] and len(ours) == 3
+    ratios = sorted(o / l for o, l in zip(ours, llama))
+    summary = json.loads(lines[-1])
+    assert summary["ratio_pp8"] == pytest.approx(ratios[1], rel=1e-3)
+    assert summary["ratio_pp8_min"] == pytest.approx(ratios[0], rel=1e-3)
+    assert summary["ratio_pp8_max"] == pytest.approx(ratios[2], rel=1e-3)
+    assert summary["llama_cpp_pp8"] == 240.0 and summary["pp8"] == pytest.approx(sorted(ours)[1], rel=1e-3)
+    assert "median of 3 alternating rounds" in result.stdout
 
 
 def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
