@@ -16,9 +16,9 @@ much less so. Where the machine's memory bandwidth drifts by more than the diffe
 whose memory is shared moved ±15% within minutes here, both engines alike), --rounds N alternates the two N times
 and reports each test's median speeds, the median of the rounds' ratios and their range. With --compare_dense, tg
 of the dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of
-weight bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp and tg run after D tokens are already in the KV cache (llama-bench's -d,
-which --llama_bench passes on): the speed deep into a long context, where attention reads the cache. With
---vram-budget the model is also split between device and host memory as generate splits it (its activation profile
+weight bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp
+and tg run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed
+deep into a long context, where attention reads the cache. With --vram-budget the model is also split between device and host memory as generate splits it (its activation profile
 is needed: python -m jaxinfer.profile), and tg of the unsplit and the split model are timed alternately and
 compared.
 """
