@@ -18,9 +18,9 @@ and reports each test's median speeds, the median of the rounds' ratios and thei
 of the dense model and of the --sparsity one are timed alternately, and the speed-up is set against the share of
 weight bytes a decode step skips (counted from the neurons active on the generated tokens). With --depth D both pp
 and tg run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed
-deep into a long context, where attention reads the cache. With --vram-budget the model is also split between device and host memory as generate splits it (its activation profile
-is needed: python -m jaxinfer.profile), and tg of the unsplit and the split model are timed alternately and
-compared.
+deep into a long context, where attention reads the cache. With --vram-budget the model is also split between
+device and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and
+tg of the unsplit and the split model are timed alternately and compared.
 """
 
 import json
