@@ -59,8 +59,8 @@ class Plan:
         bounded = self.attn_max_batch_mib is not None and self.attention == "xla"  # the kernels hold a block a task
         bound = f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)" if bounded else ""
         down = "neuron-major" if self.neuron_major else "transposed"
-        repacked = (", Q4_0/Q4_1/Q8_0/IQ4_NL weights repacked eight rows to a group, TQ1_0 held as TQ2_0"
-                    if self.repack else "")
+        repackable = "/".join(t.name for t in sorted(quant.REPACKED_TYPES))
+        repacked = f", {repackable} weights repacked eight rows to a group, TQ1_0 held as TQ2_0" if self.repack else ""
         devices = "" if self.tp == 1 else (f", tensor-parallel over {self.tp} devices (heads, neurons and vocabulary "
                                            f"cut {self.tp} ways, an all-reduce after attention and after the FFN)")
         if self.dp > 1:
