@@ -262,6 +262,7 @@ def build_model(tp: int):
                            loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
     if m.split is not None:
         print(m.split.summary, file=sys.stderr)
+    runtime.freeze_loaded_objects()
     return m
 
 

@@ -1,5 +1,6 @@
 """Process-wide JAX settings shared by every entry point."""
 
+import gc
 import os
 
 import jax
@@ -12,3 +13,12 @@ def enable_compilation_cache(directory: str = os.path.join(CACHE_DIR, "xla")):
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def freeze_loaded_objects():
+    """Collect, then move every object alive (a loaded model's wrappers, JAX's caches) to the garbage collector's
+    permanent generation: the full collections that a decode loop's allocations set off no longer walk them (7B-shaped
+    Q4_K_M decode: 2.2% -> 0.2% of the samples in gc_collect_main and its visitors). Collecting first leaves no
+    garbage cycle frozen for the life of the process; reference counting frees frozen objects as before."""
+    gc.collect()
+    gc.freeze()

@@ -262,6 +262,7 @@ def main(argv):
     dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
+    runtime.freeze_loaded_objects()  # as generate and the server do after loading
     ours_rounds, llama_rounds = [], []
     for _ in range(FLAGS.rounds):
         ours_rounds.append(time_tests(m))
