@@ -224,15 +224,20 @@ def time_tests(m) -> dict[str, float]:
     return results
 
 
+def median_rounds(rounds: list[dict]) -> dict[str, float]:
+    """Each test's median speed over the rounds."""
+    return {test: float(np.median([r[test] for r in rounds])) for test in rounds[0]}
+
+
 def compare_with_llama(ours_rounds: list[dict], llama_rounds: list[dict]) -> dict[str, float]:
     """Per test in both: the median speeds over the rounds and the median of the rounds' ratios (with their range
     when there are several rounds)."""
     comparison = {}
-    for test in ours_rounds[0]:
-        if test not in llama_rounds[0]:
+    ours_medians, llama_medians = median_rounds(ours_rounds), median_rounds(llama_rounds)
+    for test, ours in ours_medians.items():
+        if test not in llama_medians:
             continue
-        ours = float(np.median([r[test] for r in ours_rounds]))
-        llama = float(np.median([r[test] for r in llama_rounds]))
+        llama = llama_medians[test]
         ratios = [o[test] / l[test] for o, l in zip(ours_rounds, llama_rounds)]
         ratio = float(np.median(ratios))
         spread = (f" (median of {len(ratios)} alternating rounds, {min(ratios):.2f}-{max(ratios):.2f}x)"
@@ -268,7 +273,7 @@ def main(argv):
         ours_rounds.append(time_tests(m))
         if FLAGS.llama_bench:
             llama_rounds.append(run_llama_bench(m.path, FLAGS.pp, FLAGS.tg))
-    results = {test: float(np.median([r[test] for r in ours_rounds])) for test in ours_rounds[0]}
+    results = median_rounds(ours_rounds)
     comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
     if FLAGS.vram_budget is not None:
         comparison |= compare_with_split(m)
