@@ -333,17 +333,23 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     # Padding of the last piece is written past the prompt: the cache is rounded up so it always fits.
     cache_len = -(-max(ctx, len(pieces) * chunk) // chunk) * chunk
 
+    # No warm-up runs here: a run of the prefill program costs a whole chunk (1.7 s for 512 tokens of the 7B-shaped
+    # Q4_0 file) and the first real one was no slower than later ones (1.705 against 1.650-1.663 s; the default
+    # model's 5-token prompt 62-68 ms with or without one). What made first runs slow were operations compiled on
+    # first use in this loop (indexing the token array: 27 ms), now numpy's.
     start = time.perf_counter()
     prefill_fn, cache = prefill_function(m, np.zeros((1, chunk), np.int32), recent, subkey,
-                                         model.init_cache(m.config, 1, cache_len), params)
+                                         model.init_cache(m.config, 1, cache_len), params, warm_up=False)
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
     for piece in pieces:
         padded = np.zeros((1, chunk), np.int32)
         padded[0, : len(piece)] = piece
-        token, cache = prefill_fn(padded, jnp.int32(len(piece)), jnp.int32(0), recent, subkey, params, cache)
+        token, cache = prefill_fn(padded, np.int32(len(piece)), np.int32(0), recent, subkey, params, cache)
     # The first token comes from the prefill; each later one from a decode step, at most one per free position.
+    tokens = [int(np.asarray(token)[0])]
+    stats.prefill_seconds = time.perf_counter() - start
     steps_left = min(n_predict - 1, ctx - len(prompt_ids))
     state = start_state(token, recent, key, steps_left)
     in_flight = collections.deque()
@@ -357,8 +363,6 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
             in_flight.append((tokens, n))
             steps_left -= n
 
-    tokens = [int(token[0])]
-    stats.prefill_seconds = time.perf_counter() - start
     start = time.perf_counter()
     while True:
         for token in tokens:
@@ -377,7 +381,8 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
         if decode_fn is None and steps_left > 0:
             # Built once the first token (the prefill's) is out: it does not wait for a program it does not need.
             compile_start = time.perf_counter()
-            decode_fn, cache = decode_function(m, state, cache, params, np.array(sorted(stop_ids) or [-1], np.int32))
+            decode_fn, cache = decode_function(m, state, cache, params, np.array(sorted(stop_ids) or [-1], np.int32),
+                                               warm_up=False)
             stats.compile_seconds += time.perf_counter() - compile_start
             start = time.perf_counter()
             dispatch()
@@ -390,19 +395,18 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
 
 
 def _warmed_up(step, cache):
-    """`cache` after one run of `step(cache) -> (..., cache)`, with its length put back. A warm-up, as llama.cpp does:
-    the first run of each executable costs ~0.1 s more than later ones (measured 164 vs 56-74 ms for a 5-token
-    prompt), which would otherwise be reported as prompt and generation time. What the run wrote sits past the
-    length and is overwritten."""
+    """`cache` after one run of `step(cache) -> (..., cache)`, with its length put back: the server runs each of its
+    programs once at start, so that whatever a first run still costs is not a request's. What the run wrote sits
+    past the length and is overwritten."""
     length = np.asarray(cache.length)  # the cache is donated to the step
     return jax.block_until_ready(dataclasses.replace(step(cache)[-1], length=jnp.asarray(length)))
 
 
-def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams):
-    """(prefill(tokens, n_valid, row, recent, keys, params, cache) -> (tokens [B], cache), `cache` after a warm-up):
-    the prefill program (prefill_and_sample) for arguments shaped as these, compiled ahead of time (or loaded:
-    programs.py) and warmed up on row 0 without changing the cache's contents, for split and unsplit models alike.
-    Over several processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
+def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams, warm_up: bool = True):
+    """(prefill(tokens, n_valid, row, recent, keys, params, cache) -> (tokens [B], cache), `cache`): the prefill
+    program (prefill_and_sample) for arguments shaped as these, compiled ahead of time (or loaded: programs.py), for
+    split and unsplit models alike; with `warm_up` run once on row 0 without changing the cache's contents. Over
+    several processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
     plan = m.config.plan
     padded, recent, keys, params = sharding.on_mesh((padded, recent, keys, params), plan)
     compiled = programs.compile_step(prefill_and_sample, padded, *sharding.on_mesh((jnp.int32(1), jnp.int32(0)), plan),
@@ -413,16 +417,18 @@ def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: Sampli
             (tokens, n_valid, row, recent, keys, params, cache), plan)
         return compiled(tokens, n_valid, row, recent, keys, m.weights, cache, m.config, params)
 
+    if not warm_up:
+        return prefill, cache
     return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, params, cache),
                                cache)
 
 
 def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray,
-                    rows: int | None = None, n_steps: int = DECODE_CHUNK):
-    """(decode(state, params, cache) -> (tokens [n_steps, rows or B], state, cache), `cache` after a warm-up):
-    the decode program (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of
-    time (or loaded) and warmed up (one step of every row) without changing the cache's contents. Over several
-    processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
+                    rows: int | None = None, n_steps: int = DECODE_CHUNK, warm_up: bool = True):
+    """(decode(state, params, cache) -> (tokens [n_steps, rows or B], state, cache), `cache`): the decode program
+    (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of time (or loaded);
+    with `warm_up` run once (one step of every row) without changing the cache's contents. Over several processes the
+    arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
     plan = m.config.plan
     state, stop_ids, cache, params = sharding.on_mesh((state, stop_ids, cache, params), plan)
     compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
@@ -432,6 +438,8 @@ def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingP
         state, params, cache = sharding.on_mesh((state, params, cache), plan)
         return compiled(state, stop_ids, m.weights, cache, m.config, params)
 
+    if not warm_up:
+        return decode, cache
     one_step = dataclasses.replace(state, steps_left=jnp.ones_like(state.steps_left),
                                    stopped=jnp.zeros_like(state.stopped))
     return decode, _warmed_up(lambda cache: decode(one_step, params, cache), cache)
