@@ -346,12 +346,11 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     for piece in pieces:
         padded = np.zeros((1, chunk), np.int32)
         padded[0, : len(piece)] = piece
-        token, cache = prefill_fn(padded, np.int32(len(piece)), np.int32(0), recent, subkey, params, cache)
+        first, cache = prefill_fn(padded, np.int32(len(piece)), np.int32(0), recent, subkey, params, cache)
     # The first token comes from the prefill; each later one from a decode step, at most one per free position.
-    tokens = [int(np.asarray(token)[0])]
+    tokens = [int(np.asarray(first)[0])]
     stats.prefill_seconds = time.perf_counter() - start
     steps_left = min(n_predict - 1, ctx - len(prompt_ids))
-    state = start_state(token, recent, key, steps_left)
     in_flight = collections.deque()
     decode_fn = None
 
@@ -379,8 +378,10 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
                 stats.stop_reason = "n_predict"
                 return
         if decode_fn is None and steps_left > 0:
-            # Built once the first token (the prefill's) is out: it does not wait for a program it does not need.
+            # Built once the first token (the prefill's) is out: it does not wait for a program, or the decode state's
+            # first-use operations, that it does not need.
             compile_start = time.perf_counter()
+            state = start_state(first, recent, key, steps_left)
             decode_fn, cache = decode_function(m, state, cache, params, np.array(sorted(stop_ids) or [-1], np.int32),
                                                warm_up=False)
             stats.compile_seconds += time.perf_counter() - compile_start
