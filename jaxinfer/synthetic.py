@@ -21,6 +21,7 @@ frequencies follow a power law with a chosen mean, with exact predictors:
 """
 
 import dataclasses
+import types
 import zlib
 
 import gguf
@@ -28,8 +29,9 @@ import numpy as np
 import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from jaxinfer import ternary
-from jaxinfer.config import ARCHITECTURES, SPARSE_THRESHOLD_KEY
+from jaxinfer import ternary, validate
+from jaxinfer.config import ARCHITECTURES, SPARSE_THRESHOLD_KEY, Config
+from jaxinfer.errors import JaxinferError
 from jaxinfer.powerinfer import PendingTensor, write_gguf
 
 CHATML_TEMPLATE = (
@@ -167,7 +169,34 @@ def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
 
 
 def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool = False) -> str:
-    """Write a random llama-family GGUF (a PowerInfer file when `spec.sparsity` is set) and return the path."""
+    """Write a random llama-family GGUF (a PowerInfer file when `spec.sparsity` is set) and return the path. Nothing
+    is checked: tests write files that must fail to load (check_loadable says whether one would load)."""
+    fields, tensors = _contents(spec)
+    return write_gguf(path, spec.architecture, fields, tensors, powerinfer=spec.sparsity is not None,
+                      progress=progress)
+
+
+def check_loadable(spec: SyntheticSpec) -> None:
+    """Raise a JaxinferError naming what a run would refuse in the file write_model writes for `spec` (before any of
+    it is made): the checks the loader makes, on the metadata and the tensors' shapes and types alone: the config
+    the metadata gives (Config.from_metadata: heads that divide the width, an even head size, ...), every tensor's
+    rows whole blocks of its type (as the reader checks), the tensors against the config (validate.check_tensors)."""
+    fields, tensors = _contents(spec)
+    meta = {"general.architecture": spec.architecture, **{key: value for key, value, *_ in fields}}
+    n_vocab = next(t.shape[0] for t in tensors if t.name == "token_embd.weight")
+    cfg = Config.from_metadata(meta, n_vocab, powerinfer=spec.sparsity is not None)
+    for t in tensors:
+        block_size = ternary.QUANT_SIZES[t.qtype][0]
+        if t.shape[-1] % block_size:
+            raise JaxinferError(f"tensor {t.name}: rows of {t.shape[-1]} values are not whole {t.qtype.name} blocks "
+                                f"of {block_size}")
+    layout = types.SimpleNamespace(path="the model", metadata=meta, tensors={
+        t.name: types.SimpleNamespace(shape=list(reversed(t.shape)), tensor_type=t.qtype) for t in tensors})
+    validate.check_tensors(layout, cfg)
+
+
+def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
+    """The metadata fields (key, value, type, array element type) and the tensors, made when written, of `spec`."""
     sparse = spec.sparsity is not None
     head_dim = spec.n_embd // spec.n_head
     tokens, token_types, merges = vocabulary(spec.n_vocab)
@@ -279,4 +308,4 @@ def write_model(path: str, spec: SyntheticSpec = SyntheticSpec(), progress: bool
     tensors.append(norm("output_norm.weight"))
     if not spec.tied_output or sparse:  # a sparse model's embedding is unit-variance: too large to tie
         tensors.append(matrix("output.weight", n_vocab, d, spec.embedding_type))
-    return write_gguf(path, arch, fields, tensors, powerinfer=sparse, progress=progress)
+    return fields, tensors

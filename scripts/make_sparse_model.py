@@ -26,9 +26,9 @@ import sys
 from absl import app, flags
 from gguf import GGMLQuantizationType
 
-from jaxinfer.cli import parse_flags
+from jaxinfer.cli import check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
-from jaxinfer.synthetic import SyntheticSpec, write_model
+from jaxinfer.synthetic import SyntheticSpec, check_loadable, write_model
 from jaxinfer.ternary import BitNetType
 
 SHAPES = {  # (layers, d, ffn, heads, kv heads, vocab)
@@ -42,6 +42,9 @@ flags.DEFINE_enum("shape", "tiny", list(SHAPES), "preset shape (overridden by th
 flags.DEFINE_integer("n_layer", None, "layers")
 flags.DEFINE_integer("n_embd", None, "hidden size")
 flags.DEFINE_integer("n_ff", None, "FFN neurons per layer")
+flags.DEFINE_integer("n_head", None, "attention heads; they must divide --n_embd (default: the shape's)")
+flags.DEFINE_integer("n_head_kv", None, "KV heads, dividing --n_head (default: the shape's; with --n_head, as many as "
+                     "--n_head)")
 flags.DEFINE_float("sparsity", 0.9, "mean share of inactive FFN neurons per token; 0: a plain llama file "
                    "(SwiGLU, no predictors)")
 flags.DEFINE_float("power_law", 1.0, "firing frequency of the k-th hottest neuron ~ k^-power_law")
@@ -51,7 +54,10 @@ flags.DEFINE_integer("seed", 0, "random seed")
 flags.DEFINE_enum("architecture", "llama", ["llama", "bitnet", "bitnet-b1.58"], "the block: llama's, or BitNet's "
                   "(plain files only: --sparsity 0)")
 flags.DEFINE_integer("n_vocab", None, "vocabulary size (default: the shape's; the tiny one's is byte-level, 263)")
+check_range("n_head", 1)
+check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
+SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
 
 @exit_on_error
@@ -68,12 +74,19 @@ def main(argv):
     if weight_type is None:
         raise JaxinferError(f"unknown --weight_type {FLAGS.weight_type!r}")
     n_layer, n_embd, n_ff, n_head, n_head_kv, n_vocab = SHAPES[FLAGS.shape]
+    if FLAGS.n_head is not None:
+        n_head = n_head_kv = FLAGS.n_head
     spec = SyntheticSpec(
         n_layer=FLAGS.n_layer or n_layer, n_embd=FLAGS.n_embd or n_embd, n_ff=FLAGS.n_ff or n_ff, n_head=n_head,
-        n_head_kv=n_head_kv, n_vocab=n_vocab if FLAGS.n_vocab is None else FLAGS.n_vocab, n_ctx=4096,
-        weight_type=weight_type,
+        n_head_kv=n_head_kv if FLAGS.n_head_kv is None else FLAGS.n_head_kv,
+        n_vocab=n_vocab if FLAGS.n_vocab is None else FLAGS.n_vocab, n_ctx=4096, weight_type=weight_type,
         embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
         architecture=FLAGS.architecture, sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed)
+    try:
+        check_loadable(spec)  # a file that would not load is not written
+    except JaxinferError as e:
+        raise JaxinferError(f"a model of this shape would not load, so nothing was written: {e} ({SHAPE_FLAGS} set "
+                            f"the shape)") from None
     kind = "sparse model" if spec.sparsity else f"plain {FLAGS.architecture} model"
     print(f"writing a SYNTHETIC (random-weight) {kind}: {dataclasses.asdict(spec)}", file=sys.stderr)
     write_model(FLAGS.output, spec, progress=True)

@@ -9,8 +9,11 @@ import sys
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import QuantError
 
-from jaxinfer import engine, quant, sparsity, ternary
+from jaxinfer import engine, quant, sparsity, synthetic, ternary
+from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import load_matrix, open_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -213,3 +216,48 @@ def test_bench_startup_times_a_cold_and_a_warm_run(make_model):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("error: generate failed"), bad.stderr
     assert "model file not found" in bad.stderr
+
+
+def test_make_sparse_model_refuses_a_shape_that_would_not_load(tmp_path):
+    """12 heads do not divide 512: one error line naming it and the flags, nothing written; --n_head 8 writes a file
+    that loads with 8 heads (and as many KV heads)."""
+    path = tmp_path / "x.gguf"
+    shape = ["--architecture", "bitnet-b1.58", "--shape", "small", "--n_embd", "512", "--n_ff", "1536", "--sparsity",
+             "0", "--weight_type", "I2_S"]
+    bad = run("scripts/make_sparse_model.py", *shape, "-o", str(path))
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+    assert bad.stderr.strip().splitlines() == [
+        "error: a model of this shape would not load, so nothing was written: bitnet-b1.58.attention.head_count 12 "
+        "does not divide bitnet-b1.58.embedding_length 512 (--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, "
+        "--n_vocab, --weight_type set the shape)"]
+    assert not path.exists()
+    made = run("scripts/make_sparse_model.py", *shape, "--n_head", "8", "--n_layer", "1", "--n_vocab", "300", "-o",
+               str(path))
+    assert made.returncode == 0, made.stderr
+    config = engine.load_model(str(path)).config
+    assert (config.n_head, config.n_head_kv, config.head_dim) == (8, 8, 64)
+
+
+@pytest.mark.parametrize("fields", [
+    {"n_head": 4, "n_head_kv": 3},  # KV heads that do not divide the heads
+    {"n_embd": 96, "n_head": 32, "n_head_kv": 32},  # a head size of 3: RoPE needs an even one
+    {"n_embd": 200, "n_head": 4, "n_head_kv": 4, "weight_type": ternary.I2_S, "architecture": "bitnet"},  # 128-blocks
+    {"n_ff": 100, "weight_type": Q.Q8_0},  # ffn_down's rows are not whole blocks of 32
+    {"architecture": "gpt2"},
+    {"weight_type": Q.IQ2_XXS},  # a type jaxinfer does not compute with
+    {},
+    {"sparsity": 0.8, "n_ff": 256},
+])
+def test_a_synthetic_spec_that_passes_check_loadable_loads(tmp_path, fields):
+    """synthetic.check_loadable refuses exactly the specs whose file the loader refuses (or that cannot be written)."""
+    spec = synthetic.SyntheticSpec(**fields)
+    try:
+        synthetic.check_loadable(spec)
+        refused = None
+    except JaxinferError as e:
+        refused = str(e)
+    if refused is None:
+        engine.load_model(synthetic.write_model(str(tmp_path / "m.gguf"), spec))
+    else:  # some cannot even be written (I2_S rows of 200 values, IQ2_XXS blocks, which gguf-py cannot make)
+        with pytest.raises((JaxinferError, ValueError, QuantError)):
+            engine.load_model(synthetic.write_model(str(tmp_path / "m.gguf"), spec))
