@@ -145,12 +145,18 @@ def join_processes(evaluates: bool = False) -> tuple[int, int]:
     return tp, dp
 
 
-def _native_output_to_stderr(stack: contextlib.ExitStack):
+def _native_output_aside(stack: contextlib.ExitStack, shown: bool):
     """Until `stack` closes, what native code writes to the standard output (gloo's "Rank k is connected to n peer
-    ranks" lines) goes to stderr: -> the stream for Python's own output, the real standard output."""
+    ranks" lines) goes to stderr when `shown`, nowhere otherwise: -> the stream for Python's own output, the real
+    standard output. Native code's stderr (a fatal error's message) is left alone."""
     sys.stdout.flush()
     real = os.dup(1)
-    os.dup2(2, 1)
+    if shown:
+        os.dup2(2, 1)
+    else:
+        nowhere = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(nowhere, 1)
+        os.close(nowhere)
 
     def restore():
         os.dup2(real, 1)
@@ -193,7 +199,8 @@ def request_devices(count: int):
 @contextlib.contextmanager
 def leader_prints():
     """Within: only process 0 of a run over several processes prints (the others' stdout and stderr go nowhere);
-    an error leaving the block still comes out of every process, after the streams are back. A failure of the
+    an error leaving the block still comes out of every process, after the streams are back. Native writes to the
+    standard output (gloo's connection lines) are shown, on stderr, only with --verbosity. A failure of the
     distributed runtime (a peer process died) ends the process with an `error:` line naming it (status 2)."""
     import jax
 
@@ -204,7 +211,8 @@ def leader_prints():
         return
     try:
         with contextlib.ExitStack() as stack:
-            stack.enter_context(contextlib.redirect_stdout(_native_output_to_stderr(stack)))
+            python_stdout = _native_output_aside(stack, shown=flags.FLAGS["verbosity"].present)
+            stack.enter_context(contextlib.redirect_stdout(python_stdout))
             if jax.process_index() != 0:
                 quiet = stack.enter_context(open(os.devnull, "w"))
                 stack.enter_context(contextlib.redirect_stdout(quiet))

@@ -2,7 +2,9 @@
 processes on localhost with two virtual CPU devices each, started by the test on a free port, write the same greedy
 text and the same perplexity; a process whose peer never comes, or dies, fails with an error in bounded time."""
 
+import contextlib
 import mmap
+import os
 import re
 import signal
 import subprocess
@@ -17,7 +19,7 @@ import server_process
 from gguf import GGMLQuantizationType as Q
 from server_process import free_port
 
-from jaxinfer import distributed, engine
+from jaxinfer import cli, distributed, engine
 from jaxinfer.sampling import SamplingParams
 from test_sharding import SHAPE, env, perplexity, run_cli
 
@@ -48,10 +50,10 @@ def run_processes(tmp_path, module: str, *args) -> list[subprocess.CompletedProc
 
 
 def assert_quiet(result: subprocess.CompletedProcess):
-    """A process other than 0 prints nothing of its own (JAX's gloo connection lines come from C++)."""
+    """A process other than 0 prints nothing: neither its own lines nor gloo's connection lines (from C++)."""
     assert result.returncode == 0, result.stderr
     assert result.stdout == ""
-    assert "plan:" not in result.stderr and "loaded" not in result.stderr
+    assert "plan:" not in result.stderr and "loaded" not in result.stderr and "[Gloo]" not in result.stderr
 
 
 def test_generate_over_two_processes_writes_the_one_process_text(make_model, tmp_path):
@@ -63,8 +65,23 @@ def test_generate_over_two_processes_writes_the_one_process_text(make_model, tmp
     first, second = run_processes(tmp_path, "generate", *args, "--tp", "4")
     assert first.returncode == 0, first.stderr
     assert "tensor-parallel over 4 devices" in first.stderr and "2 processes" in first.stderr
-    assert first.stdout == one.stdout
+    assert first.stdout == one.stdout and "[Gloo]" not in first.stderr
     assert_quiet(second)
+
+
+@pytest.mark.parametrize("shown", [True, False])
+def test_native_standard_output_goes_to_stderr_only_when_asked(capfd, shown):
+    """What leader_prints does with native writes to fd 1 (gloo's "Rank k is connected" lines): stderr with
+    --verbosity, nowhere without; Python's own standard output still reaches the standard output."""
+    with contextlib.ExitStack() as stack:
+        python_stdout = cli._native_output_aside(stack, shown)
+        os.write(1, b"[Gloo] native\n")
+        python_stdout.write("text\n")
+        python_stdout.flush()
+    os.write(1, b"after\n")
+    out, err = capfd.readouterr()
+    assert out == "text\nafter\n"
+    assert err == ("[Gloo] native\n" if shown else "")
 
 
 def test_perplexity_over_two_processes_is_the_one_process_perplexity(make_model, tmp_path):
