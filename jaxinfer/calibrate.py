@@ -13,17 +13,19 @@ profile and train_predictor apply the ones in `<model>.sparsity.json`, or with `
 import sys
 import time
 
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import sparsity
 from jaxinfer.errors import JaxinferError, exit_on_error
 
+# JAX (and jaxinfer.sparsity, which imports it) is imported by the functions that use it: `python -m
+# jaxinfer.calibrate` loads it under exit_on_error, where a Ctrl-C while it loads is one line rather than a traceback.
 LOG10_EDGES = np.linspace(-8.0, 4.0, 4097, dtype=np.float32)
 
 
 def _histogram(values, valid):
     """Counts of log10|values| over real windows' tokens, per bin of LOG10_EDGES (clipped into range)."""
+    import jax.numpy as jnp
+
     logs = jnp.clip(jnp.log10(jnp.abs(values) + 1e-30), LOG10_EDGES[0], LOG10_EDGES[-1] - 1e-6)
     weights = jnp.broadcast_to(valid[:, None, None], values.shape).astype(jnp.float32)
     return jnp.histogram(logs, bins=jnp.asarray(LOG10_EDGES), weights=weights)[0]
@@ -48,6 +50,8 @@ def thresholds_from_histogram(histogram: np.ndarray, level: float) -> float:
 
 def calibrate(m, windows: np.ndarray, method: str, levels, n_seq: int = 4) -> dict[float, np.ndarray]:
     """{level: per-layer thresholds [n_layer]} for `method` on the windows' tokens (model run densely)."""
+    from jaxinfer import sparsity
+
     dense = sparsity.apply(m, sparsity.SparsitySpec("dense"))
     histograms = sparsity.reduce_over_windows(dense, windows, HISTOGRAMS[method], n_seq, desc="calibrating")
     return {level: np.array([thresholds_from_histogram(h, level) for h in histograms], np.float32)
@@ -57,7 +61,7 @@ def calibrate(m, windows: np.ndarray, method: str, levels, n_seq: int = 4) -> di
 def _cli_main(argv):
     from absl import flags
 
-    from jaxinfer import cli, engine, runtime, sidecar
+    from jaxinfer import cli, engine, runtime, sidecar, sparsity
     from jaxinfer.evaluation import make_windows
 
     f = flags.FLAGS

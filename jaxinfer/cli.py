@@ -267,7 +267,7 @@ def build_model(tp: int):
                            vram_budget_gib=f.vram_budget if split else None, ctx=f.ctx_size,
                            activation_dir=f.activation_dir, reset_gpu_index=f.reset_gpu_index,
                            thresholds_file=f.thresholds, tp=tp,
-                           loaded=lambda m: print(f"{m.describe()}\n{m.config.plan.describe()}", file=sys.stderr))
+                           loaded=lambda m: print(f"{m.describe()}\n{m.describe_plan(split)}", file=sys.stderr))
     if m.split is not None:
         print(m.split.summary, file=sys.stderr)
     runtime.freeze_loaded_objects()

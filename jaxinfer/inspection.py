@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType
 
 from jaxinfer import (activation_profile, config, hybrid, metadata, placement, quant, repack, sidecar, sparsity,
                       ternary, validate)
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_io import GGUFFile, open_gguf
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
 from jaxinfer.plan import Plan, make_plan
@@ -121,10 +121,8 @@ def read_header(path: str) -> dict:
 
 def check_readable(path: str) -> None:
     """A JaxinferError (a usage error: exit 2) when `path` is not a file this process can read."""
-    if not os.path.exists(path):
-        raise JaxinferError(f"model file not found: {path}")
     if not os.path.isfile(path):
-        raise JaxinferError(f"{path} is not a file")
+        raise not_a_model_file(path)
     if not os.access(path, os.R_OK):
         raise JaxinferError(f"cannot read {path}: permission denied")
 

@@ -18,10 +18,7 @@ import os
 import sys
 import time
 
-import numpy as np
-
 from jaxinfer.errors import JaxinferError, exit_on_error
-from jaxinfer.evaluation import evaluate, leading_tokens, read_logits_file, write_logits_header
 
 
 def _cli_main(argv):
@@ -36,9 +33,11 @@ def _cli_main(argv):
 
 def _evaluate(tp: int, dp: int):
     """The run of the CLI once JAX has started, the model cut over `tp` devices or windows spread over `dp`."""
+    import numpy as np
     from absl import flags
 
     from jaxinfer import cli, engine, receipt, runtime, sidecar, sparsity
+    from jaxinfer.evaluation import evaluate, leading_tokens, read_logits_file, write_logits_header
 
     f = flags.FLAGS
     receipt.check_path(f.receipt)  # before loading and evaluating, not after
@@ -58,7 +57,7 @@ def _evaluate(tp: int, dp: int):
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
                            thresholds_file=f.thresholds, tp=tp, dp=dp)
-    print(f"{m.describe()}, --sparsity {spec}\n{m.config.plan.describe()}", file=sys.stderr)
+    print(f"{m.describe()}, --sparsity {spec}\n{m.describe_plan(split)}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
 
     if base is not None:
@@ -106,7 +105,8 @@ def _evaluate(tp: int, dp: int):
         result = run()
     print(result.summary())
     kl = None if result.kl is None else {"mean": result.kl.mean, "error": result.kl.error,
-                                          "same_top": result.kl.same_top, "base_ppl": result.kl.base_ppl}
+                                          "same_top": result.kl.same_top, "base_ppl": result.kl.base_ppl,
+                                          "ppl_clamped_as_base": result.kl.stored_ppl}
     receipt.write(f.receipt, m, {
         "load_seconds": m.load_seconds, "text": source, "tokens": len(tokens), "n_ctx": result.n_ctx,
         "chunks": result.n_chunks, "windows_per_batch": n_seq, "scored_tokens": result.n_scored, "ppl": result.ppl,

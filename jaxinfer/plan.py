@@ -28,6 +28,7 @@ import functools
 import glob
 import importlib.util
 import os
+from collections.abc import Iterable
 
 import jax
 
@@ -55,21 +56,34 @@ class Plan:
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
     dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
 
-    def describe(self) -> str:
+    def describe(self, repacked: Iterable[str] | None = None, tq1_0: bool = True, split: bool = True) -> str:
+        """The `plan:` line the CLIs print, naming what a run of this plan uses: `repacked`, the names of the weight
+        types the model holds repacked (None: every type this plan repacks); `tq1_0`, whether it holds TQ1_0 weights
+        as TQ2_0; `split`, whether its FFN is split between device and host. The down projection's layout is named
+        for a sparse FFN only (engine.LoadedModel.describe_plan passes a loaded model's)."""
         bounded = self.attn_max_batch_mib is not None and self.attention == "xla"  # the kernels hold a block a task
         bound = f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)" if bounded else ""
-        down = "neuron-major" if self.neuron_major else "transposed"
-        repackable = "/".join(t.name for t in sorted(quant.REPACKED_TYPES))
-        repacked = f", {repackable} weights repacked eight rows to a group, TQ1_0 held as TQ2_0" if self.repack else ""
-        devices = "" if self.tp == 1 else (f", tensor-parallel over {self.tp} devices (heads, neurons and vocabulary "
-                                           f"cut {self.tp} ways, an all-reduce after attention and after the FFN)")
+        parts = [f"plan: {self.backend} backend", f"FFN {self.ffn_sparsity}", f"products {self.products}",
+                 f"attention {self.attention}{bound}"]
+        if split:
+            parts.append(f"split FFN hot {self.hot_ffn} / cold {self.host_products} in {self.host_memory_kind}")
+        if self.ffn_sparsity != "dense":
+            parts.append(f"down projection {'neuron-major' if self.neuron_major else 'transposed'}")
+        if self.repack:
+            names = [t.name for t in sorted(quant.REPACKED_TYPES)] if repacked is None else list(repacked)
+            if names:
+                parts.append(f"{'/'.join(names)} weights repacked eight rows to a group")
+            if tq1_0:
+                parts.append("TQ1_0 held as TQ2_0")
+        if self.tp > 1:
+            parts.append(f"tensor-parallel over {self.tp} devices (heads, neurons and vocabulary cut {self.tp} ways, "
+                         f"an all-reduce after attention and after the FFN)")
         if self.dp > 1:
-            devices = f", data-parallel over {self.dp} devices (the windows of a batch spread over them)"
+            parts.append(f"data-parallel over {self.dp} devices (the windows of a batch spread over them)")
         processes = jax.process_count()
-        devices += f", {processes} processes" if processes > 1 else ""
-        return (f"plan: {self.backend} backend, FFN {self.ffn_sparsity}, products {self.products}, attention "
-                f"{self.attention}{bound}, split FFN hot {self.hot_ffn} / cold {self.host_products} in "
-                f"{self.host_memory_kind}, down projection {down} when sparse{repacked}{devices}")
+        if processes > 1:
+            parts.append(f"{processes} processes")
+        return ", ".join(parts)
 
 
 def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1, dp: int = 1) -> Plan:

@@ -16,18 +16,17 @@ import os
 import sys
 import time
 
-import numpy as np
-
-from jaxinfer import sparsity
-from jaxinfer.activation_profile import (COVERAGE_SHARES, check_output_directory, default_directory, profile_counts,
-                                         write_profile)
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 
 def _cli_main(argv):
+    # JAX is imported here, under exit_on_error, where a Ctrl-C while it loads is one line rather than a traceback.
+    import numpy as np
     from absl import flags
 
-    from jaxinfer import cli, engine, runtime
+    from jaxinfer import cli, engine, runtime, sparsity
+    from jaxinfer.activation_profile import (COVERAGE_SHARES, check_output_directory, default_directory,
+                                             profile_counts, write_profile)
     from jaxinfer.evaluation import make_windows
 
     f = flags.FLAGS

@@ -67,11 +67,24 @@ def compile_step(step, *args, donate: tuple[str, ...] = (), **static) -> Program
     return _built[folder, key]
 
 
+def stored(step, *args, **static) -> bool:
+    """Whether compile_step(step, *args, **static) finds its program built in this process or stored by an earlier
+    run, rather than tracing and compiling it anew (what takes seconds): a CLI says so before it compiles."""
+    leaves, in_tree = jax.tree.flatten(args)
+    key = program_key(step, leaves, in_tree, static)
+    folder = directory() if jax.config.jax_compilation_cache_dir else None
+    return (folder, key) in _built or (folder is not None and _read(_path(step, key, folder), key) is not None)
+
+
+def _path(step, key: str, folder: str) -> str:
+    return os.path.join(folder, f"{step.__qualname__}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.program")
+
+
 def _build(step, args: tuple, leaves: list, in_tree, static: dict, donate: tuple[str, ...], key: str,
            folder: str | None) -> Program:
     if folder is None:
         return _compiled(step, args, static, "compiled (the persistent compilation cache is off)")
-    path = os.path.join(folder, f"{step.__qualname__}-{hashlib.sha256(key.encode()).hexdigest()[:32]}.program")
+    path = _path(step, key, folder)
     donated = _donated_leaves(step, args, donate)
     stored = _read(path, key)
     if stored is not None:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from jaxinfer import runtime
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, not_a_model_file
 
 FINGERPRINT_BYTES = 1 << 20
 STALE_TEMP_SECONDS = 24 * 3600
@@ -50,7 +50,7 @@ def derived_path(model_path: str, name: str, create: bool = False) -> str:
     installed package or in a folder this user cannot write; then in CACHE_DIR/models/<model file>-<fingerprint>/
     (created when `create`), so that writers and readers agree and no package folder is ever written to."""
     if not os.path.isfile(model_path):  # before its folder is judged: a mistyped model is what to report
-        raise JaxinferError(f"model file not found: {model_path}")
+        raise not_a_model_file(model_path)
     model_path = os.path.abspath(model_path)
     directory = os.path.dirname(model_path)
     if set(directory.split(os.sep)) & set(PACKAGE_FOLDERS) or not os.access(directory, os.W_OK | os.X_OK):

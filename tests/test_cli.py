@@ -12,7 +12,7 @@ from importlib.util import find_spec
 import pytest
 from absl import flags
 
-from jaxinfer import cli, sparsity
+from jaxinfer import cli, engine, sparsity
 
 CLIS = ("jaxinfer.generate", "jaxinfer.perplexity", "jaxinfer.calibrate", "jaxinfer.profile",
         "jaxinfer.train_predictor", "jaxinfer.server")
@@ -178,7 +178,8 @@ def test_normal_runs_print_only_the_projects_own_lines(make_model, tmp_path):
     ])
     generate, capped, too_long, train, probed = results
     assert generate["rc"] == 0 and generate["stdout"].startswith("hello the"), generate["stderr"]
-    lines = generate["stderr"].strip().splitlines()
+    lines = [line for line in generate["stderr"].strip().splitlines()
+             if line != engine.compile_notice()]  # there while the cache does not hold the programs
     assert len(lines) == 3 and lines[0].startswith("loaded tiny.gguf"), lines
     assert lines[1].startswith("plan: cpu backend"), lines
     assert lines[2].startswith("load "), lines
@@ -194,6 +195,15 @@ def test_normal_runs_print_only_the_projects_own_lines(make_model, tmp_path):
     progress = train["stderr"].replace("\r", "\n")
     assert "training: 100%" in progress and "loss=" in progress
     assert probed["rc"] == 0 and probed["stderr"] == ""
+
+
+def test_a_directory_given_for_the_model_is_named_as_one(tmp_path):
+    """Before: "model file not found" for a folder that is there."""
+    text = tmp_path / "text.txt"
+    text.write_text("words " * 50)
+    runs = [(module, ["-m", str(tmp_path)] + ["-f", str(text)] * (module not in TAKES_NO_TEXT_FILE)) for module in CLIS]
+    for result in run_all(runs + [("jaxinfer.inspect", [str(tmp_path)])]):
+        assert_one_line_error(result, f"{tmp_path} is a directory, not a model file: give the path of a .gguf file")
 
 
 def test_check_range_rejects_non_finite_and_out_of_range_values():

@@ -282,7 +282,7 @@ def test_the_cli_text_json_and_exit_statuses(make_model, tmp_path):
     assert "past the end of the file" in cut["stdout"] and "is not a GGUF file" in foreign["stdout"]
     assert cut_json["rc"] == 1 and json.loads(cut_json["stdout"])["verdict"]["status"] == inspection.DOES_NOT_RUN
     assert_one_line_error(missing, "model file not found")
-    assert_one_line_error(folder, "is not a file")
+    assert_one_line_error(folder, f"{tmp_path} is a directory, not a model file: give the path of a .gguf file")
     assert_one_line_error(no_args, "give one model file")
     assert_one_line_error(two, "unexpected arguments")
     assert_one_line_error(bad_flag, "bogus")

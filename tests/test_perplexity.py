@@ -79,6 +79,25 @@ def test_logits_file_round_trip_and_self_kl_divergence(tiny, tmp_path):
     assert again.kl.base_ppl == pytest.approx(saved.ppl, rel=1e-4)
 
 
+def test_the_default_model_against_its_own_base(default_model, tmp_path):
+    """Before: "KL-divergence -0.000000" (the base's 16-bit rounding takes the mean just below 0) and a base PPL
+    under the run's with nothing saying why: the base holds log-probs clamped 16 nats below each top one (llama.cpp's
+    format), and llama-perplexity reads a base's PPL from them as they are."""
+    m, path = default_model, tmp_path / "base.kld"
+    tokens = np.asarray(m.tokenizer.encode(WIKITEXT.read_text(encoding="utf-8")), np.int32)
+    with open(path, "wb") as f:  # 4 windows of 64: a case where the mean came out at -6e-8
+        evaluation.write_logits_header(f, 64, m.config.n_vocab, tokens[:4 * 64])
+        saved = evaluation.evaluate(m, tokens, n_ctx=64, n_chunks=4, save_logits=f)
+    again = evaluation.evaluate(m, tokens, n_ctx=64, n_chunks=4, base=evaluation.read_logits_file(str(path)))
+    line = again.summary()
+    assert again.ppl == saved.ppl and again.kl.mean == 0.0
+    assert "KL-divergence 0.000000 +/- " in line and "-0.0" not in line and "same top-1 100.00%" in line, line
+    assert again.kl.base_ppl < 0.999 * again.ppl  # targets under the clamp count at it
+    assert again.kl.stored_ppl == pytest.approx(again.kl.base_ppl, rel=1e-6)
+    assert line.endswith(f", base PPL {again.kl.base_ppl:.4f} from its stored log-probs, which llama.cpp's format "
+                         f"clamps at 16 nats below the top one (this run's PPL clamped so: {again.kl.base_ppl:.4f})")
+
+
 def test_quantized_log_probs_decode_to_log_softmax():
     logits = np.random.default_rng(2).normal(scale=4, size=(3, 101)).astype(np.float32)
     records = evaluation.quantize_log_probs(logits)
