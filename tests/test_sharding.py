@@ -63,6 +63,15 @@ def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, e
     assert len(runs["1/tokens"]) == 12
 
 
+def test_f32_weights_through_the_kernels_match_one_device_to_f32_rounding(make_model, tmp_path):
+    """No 8-bit rounding to move: F32 weights are multiplied in f32 whatever the plan, so --tp changes the logits by
+    the order of f32 additions only, as exact products do."""
+    runs = sharded_runs(tmp_path, make_model(**{**SHAPE, "weight_type": Q.F32}), tps=(1, 2))
+    for what in ("prefill", "decode", "decode_active"):
+        np.testing.assert_allclose(runs[f"2/{what}"], runs[f"1/{what}"], atol=F32_ROUNDING, rtol=0, err_msg=what)
+    np.testing.assert_array_equal(runs["2/tokens"], runs["1/tokens"])
+
+
 def run_cli(module, *args):
     return subprocess.run([sys.executable, "-m", f"jaxinfer.{module}", *args], capture_output=True, text=True,
                           env=env(), timeout=300)
