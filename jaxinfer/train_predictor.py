@@ -168,6 +168,10 @@ def _cli_main(argv):
         raise JaxinferError("--sparsity defines the labels to learn: dense, gate:S or hidden:S")
     if f.output:
         sidecar.check_writable_file(f.output)  # before training, not after
+    if spec.mode == "dense":
+        _check_natural_zeros(f.model or engine.default_model_path())
+    if not f.output:
+        print("note: no -o given: the predictors are trained and evaluated, not saved", file=sys.stderr)
     runtime.enable_compilation_cache()
     m = engine.build_model(f.model, sparsity_spec=spec, thresholds_file=f.thresholds)
     print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)
@@ -201,6 +205,20 @@ def _cli_main(argv):
     if f.output:
         export(m, predictors, f.output, threshold=0.0)
         print(f"wrote {f.output} (PowerInfer GGUF; run it with --sparsity predictor)")
+
+
+def _check_natural_zeros(path: str):
+    """--sparsity dense labels a neuron active where its activation is not zero: only a model whose FFN zeroes
+    neurons itself (ReLU-family activations) has labels to learn; in a SwiGLU model every neuron is active, and a
+    predictor trained on that would skip neurons that were never inactive. Read from the header, before the load."""
+    from jaxinfer.gguf_io import load_config, open_gguf
+
+    cfg = load_config(open_gguf(path))
+    if not {cfg.gate_activation, cfg.up_activation} & set(sparsity.NATURAL_ZEROS):
+        raise JaxinferError(f"--sparsity dense (the default) learns which neurons a ReLU-family model zeroes "
+                            f"itself, and this {cfg.arch} model's FFN ({cfg.gate_activation} gate) has no natural "
+                            f"zeros: every neuron is active. Give --sparsity hidden:S or gate:S (thresholds from "
+                            f"python -m jaxinfer.calibrate)")
 
 
 def main():

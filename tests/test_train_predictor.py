@@ -1,10 +1,15 @@
 import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, evaluation, model, quant, sparsity, train_predictor
+from jaxinfer import engine, errors, evaluation, model, quant, sparsity, train_predictor
 from jaxinfer.gguf_io import open_gguf
 
 
@@ -72,3 +77,44 @@ def test_export_of_a_model_run_sparse_keeps_its_down_projection(make_model, tmp_
     for layer, original in zip(exported.weights.layers, m.weights.layers):
         np.testing.assert_allclose(np.asarray(quant.dequantize(layer.ffn_down_t)).T,
                                    np.asarray(quant.dequantize(original.ffn_down)), rtol=1e-3, atol=1e-3)
+
+
+def train_predictor_cli(*args, stderr=subprocess.PIPE) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "jaxinfer.train_predictor", *args], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_cli_refuses_dense_labels_of_a_model_without_natural_zeros(make_model, tmp_path):
+    """A SwiGLU model's activations are never zero: --sparsity dense (the default) would label every neuron active.
+    Refused from the file's header, before the model loads, naming the modes that work."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    process = train_predictor_cli("-m", make_model(), "-f", str(text), "-c", "32")
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 2 and "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines() == [
+        "error: --sparsity dense (the default) learns which neurons a ReLU-family model zeroes itself, and this llama "
+        "model's FFN (silu gate) has no natural zeros: every neuron is active. Give --sparsity hidden:S or gate:S "
+        "(thresholds from python -m jaxinfer.calibrate)"]
+
+
+def test_cli_without_output_says_so_and_ctrl_c_ends_it_with_one_line(make_model, tmp_path):
+    """A ReLU model trains on its natural zeros (--sparsity dense); without -o a note says nothing will be saved;
+    SIGINT (Ctrl-C) while it trains ends it with status 130 and one line, no traceback."""
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        process = train_predictor_cli("-m", make_model(n_embd=64, n_ff=256, sparsity=0.85), "-f", str(text), "-c",
+                                      "32", "--train_chunks", "4", "--heldout_chunks", "2", "--steps", "1000000",
+                                      stderr=stderr)
+    deadline = time.monotonic() + 120
+    while "training:" not in log.read_text():
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=60)
+    lines = log.read_text().replace("\r", "\n").strip().splitlines()
+    assert process.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()
+    assert "note: no -o given: the predictors are trained and evaluated, not saved" in lines
+    assert lines[-1] == errors.INTERRUPTED_LINE
