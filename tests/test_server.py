@@ -1,6 +1,9 @@
 """The real server process (python -m jaxinfer.server) on a tiny synthetic model, driven by the official `openai`
 client and, for what that client cannot send (malformed JSON, raw status codes), by httpx."""
 
+import pathlib
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -11,7 +14,7 @@ import openai
 import pytest
 import server_process
 
-from jaxinfer import engine
+from jaxinfer import engine, errors
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
@@ -324,3 +327,70 @@ def test_a_model_that_cannot_load_stops_the_server_with_one_error_line():
                             timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == ["error: model file not found: /no/such/model.gguf"]
+
+
+def test_a_port_in_use_is_one_error_line_before_the_model_loads():
+    """The port is taken before anything loads: no model is needed to learn that it is in use."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "jaxinfer.server", "-m", "/no/such/model.gguf", "--port",
+                                 str(port)], env=server_process.env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"error: port {port} on 127.0.0.1 is already in use (give another with --port)"]
+
+
+def wait_health(process: subprocess.Popen, base: str, status: int):
+    """Wait until the server at `base` answers /health with `status` (200: ready)."""
+    deadline = time.monotonic() + server_process.READY_TIMEOUT_S
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, process.returncode
+        try:
+            if httpx.get(f"{base}/health").status_code == status:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.02)
+
+
+def test_first_start_says_what_it_compiles_and_ctrl_c_stops_it_with_one_line(make_model, tmp_path):
+    """A first start (an empty cache) says what it compiles before the programs compile, a later one does not.
+    SIGINT (Ctrl-C) while it compiles (in native code, which an ordinary exit would abort) and once it serves
+    (uvicorn stops, then the rounds): one line, status 130; SIGTERM: status 0."""
+    path, cache = make_model(n_ctx=64), tmp_path / "cache"
+    notice = (f"compiling 2 prefill programs and 1 decode program for 1 slot (first run with these shapes; cached in "
+              f"{cache} for the next)")
+
+    def start() -> tuple[subprocess.Popen, str, pathlib.Path]:
+        port, log = server_process.free_port(), tmp_path / f"server-{time.monotonic_ns()}.err"
+        command = [sys.executable, "-m", "jaxinfer.server", "-m", path, "--port", str(port), "-c", "32", "-np", "1"]
+        with open(log, "w") as stderr:
+            process = subprocess.Popen(command, env=dict(server_process.env(), JAXINFER_CACHE_DIR=str(cache)),
+                                       stderr=stderr, text=True)
+        return process, f"http://127.0.0.1:{port}", log
+
+    def stopped(process: subprocess.Popen, log: pathlib.Path, sig: int) -> list[str]:
+        process.send_signal(sig)
+        process.wait(timeout=60)
+        text = log.read_text()
+        assert process.returncode == (errors.INTERRUPTED if sig == signal.SIGINT else 0), text
+        assert "Traceback" not in text and "terminate called" not in text and "Fatal" not in text, text
+        return text.strip().splitlines()
+
+    compiling, _, log = start()
+    deadline = time.monotonic() + server_process.READY_TIMEOUT_S
+    while notice not in log.read_text():
+        assert compiling.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.02)
+    lines = stopped(compiling, log, signal.SIGINT)
+    assert lines[-2:] == [notice, errors.INTERRUPTED_LINE], lines
+    serving, base, log = start()
+    wait_health(serving, base, 200)
+    lines = stopped(serving, log, signal.SIGINT)
+    assert lines[-2].startswith("serving tiny.gguf") and lines[-1] == errors.INTERRUPTED_LINE, lines
+    cached, base, log = start()
+    wait_health(cached, base, 200)
+    lines = stopped(cached, log, signal.SIGTERM)
+    assert lines[-1].startswith("serving tiny.gguf") and not any(line.startswith("compiling") for line in lines)
