@@ -15,7 +15,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from jaxinfer import (activation_profile, attention, hybrid, model, placement, programs, quant, runtime, sharding,
-                      sparsity)
+                      sparse_ffn, sparsity)
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -70,7 +70,10 @@ class LoadedModel:
         in_file = {t.tensor_type for t in self.gguf.reader.tensors}
         tq1_0 = GGMLQuantizationType.TQ1_0
         widened = tq1_0 in in_file and not any(w.qtype == tq1_0 for w in weights)
-        return self.config.plan.describe(repacked, widened, self.split is not None if split is None else split)
+        layouts = {part.ffn_down_t.layout for layer in self.weights.layers for part in sparse_ffn.layer_parts(layer)
+                   if isinstance(part, sparse_ffn.FFNPart) and part.ffn_down_t is not None}
+        down = None if not layouts else "neuron-major" if layouts == {quant.NEURON_MAJOR} else "rows per neuron"
+        return self.config.plan.describe(repacked, widened, self.split is not None if split is None else split, down)
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,

@@ -56,11 +56,13 @@ class Plan:
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
     dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
 
-    def describe(self, repacked: Iterable[str] | None = None, tq1_0: bool = True, split: bool = True) -> str:
+    def describe(self, repacked: Iterable[str] | None = None, tq1_0: bool = True, split: bool = True,
+                 down: str | None = None) -> str:
         """The `plan:` line the CLIs print, naming what a run of this plan uses: `repacked`, the names of the weight
         types the model holds repacked (None: every type this plan repacks); `tq1_0`, whether it holds TQ1_0 weights
-        as TQ2_0; `split`, whether its FFN is split between device and host. The down projection's layout is named
-        for a sparse FFN only (engine.LoadedModel.describe_plan passes a loaded model's)."""
+        as TQ2_0; `split`, whether its FFN is split between device and host; `down`, the layout its down projections
+        are held in ("neuron-major", "rows per neuron"; None: the one this plan packs), named for a sparse FFN only
+        (engine.LoadedModel.describe_plan passes a loaded model's)."""
         bounded = self.attn_max_batch_mib is not None and self.attention == "xla"  # the kernels hold a block a task
         bound = f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)" if bounded else ""
         parts = [f"plan: {self.backend} backend", f"FFN {self.ffn_sparsity}", f"products {self.products}",
@@ -68,7 +70,7 @@ class Plan:
         if split:
             parts.append(f"split FFN hot {self.hot_ffn} / cold {self.host_products} in {self.host_memory_kind}")
         if self.ffn_sparsity != "dense":
-            parts.append(f"down projection {'neuron-major' if self.neuron_major else 'transposed'}")
+            parts.append(f"down projection {down or ('neuron-major' if self.neuron_major else 'rows per neuron')}")
         if self.repack:
             names = [t.name for t in sorted(quant.REPACKED_TYPES)] if repacked is None else list(repacked)
             if names:

@@ -103,12 +103,18 @@ def command_lines(text: str) -> list[str]:
 
 @functools.cache
 def program_flags(program: str) -> frozenset[str]:
-    """The flag names (with their dashes, long and short, --no forms) that `program`'s --helpfull lists."""
+    """The flag names (with their dashes, long and short, --no forms) that `program`'s --helpfull lists (absl), or
+    its --help (argparse, which has no --helpfull)."""
     argv = ["-m", program] if program.startswith("jaxinfer.") else [os.path.join(ROOT, program)]
-    result = subprocess.run([sys.executable, *argv, "--helpfull"], capture_output=True, text=True, timeout=120,
-                            cwd=ROOT)
-    assert result.returncode == 0, f"{program} --helpfull failed: {result.stderr[-2000:]}"
     names = set()
+    for asked in ("--helpfull", "--help"):
+        result = subprocess.run([sys.executable, *argv, asked], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        if result.returncode == 0:
+            break
+    assert result.returncode == 0, f"{program} --help failed: {result.stderr[-2000:]}"
+    if asked == "--help":
+        names.update(re.findall(r"^\s+(?:-\w, )?(--?[\w-]+)", result.stdout, re.M))
+        names.update(re.findall(r"^\s+-\w, (--[\w-]+)", result.stdout, re.M))
     for match in re.finditer(r"^\s+(?:-(\w+),)?--(\[no\])?(\w+):", result.stdout, re.M):
         short, negatable, name = match.groups()
         names.add("--" + name)
