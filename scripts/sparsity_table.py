@@ -108,7 +108,8 @@ def main(argv):
         del x, y
         weights = train_predictor.with_predictors(base.weights, predictors)
         predicted = dataclasses.replace(base, weights=weights)
-        measure(f"predictor (hidden:{label_level:g} labels, budget {FLAGS.budget:g}, F16)",
+        measure(f"predictor (hidden:{label_level:g} labels, budget {FLAGS.budget:g}, "
+                f"{train_predictor.DEFAULT_PREDICTOR_TYPE.name})",
                 sparsity.apply(predicted, sparsity.SparsitySpec("predictor")), "predictor")
 
     print(f"| method | FFN sparsity (measured) | PPL (wiki.test.raw, -c 512, {FLAGS.chunks} chunks) | FFN bytes / token |")
