@@ -29,8 +29,8 @@ import numpy as np
 import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from jaxinfer import ternary, validate
-from jaxinfer.config import ARCHITECTURES, SPARSE_THRESHOLD_KEY, Config
+from jaxinfer import gguf_io, powerinfer, ternary, validate
+from jaxinfer.config import ARCHITECTURES, GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.powerinfer import PendingTensor, write_gguf
 
@@ -309,3 +309,47 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     if not spec.tied_output or sparse:  # a sparse model's embedding is unit-variance: too large to tie
         tensors.append(matrix("output.weight", n_vocab, d, spec.embedding_type))
     return fields, tensors
+
+
+# Types of a down projection that a dense twin quantizes again along its other axis (gguf-py quantizes them).
+TWIN_DOWN_TYPES = frozenset(GGMLQuantizationType[name] for name in ("F32", "F16", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                                                                    "Q8_0"))
+
+
+def write_dense_twin(path: str, sparse_path: str, progress: bool = False) -> str:
+    """Write the dense twin of the PowerInfer file at `sparse_path` to `path` and return the path: the same weights
+    as a plain GGUF that llama.cpp loads, for the dense baseline on them. Magic GGUF, no predictors (fc1/fc2, and no
+    threshold), each layer's down projection as GGUF's ffn_down [d, n_ff] in its own type instead of ffn_down_t
+    [n_ff, d]: a block type's blocks run along rows, so it is decoded, transposed and quantized again (one more
+    rounding; float types transpose exactly). The gate activation (ReLU) is written as jaxinfer.gate_activation, so
+    jaxinfer runs the twin as the same model; llama.cpp has no such key for a llama and runs SiLU there: the same
+    bytes and work per token, other values."""
+    g = gguf_io.open_gguf(sparse_path)
+    if not g.powerinfer:
+        raise JaxinferError(f"{sparse_path} is not a PowerInfer file (magic PWRI): its dense twin is itself")
+    n_vocab = int(g.tensors["token_embd.weight"].shape[-1]) if "token_embd.weight" in g.tensors else 0
+    cfg = Config.from_metadata(g.metadata, n_vocab, powerinfer=True)
+    fields = [f for f in powerinfer.metadata_fields(g) if f[0] not in (SPARSE_THRESHOLD_KEY, GATE_ACTIVATION_KEY)]
+    fields.append((GATE_ACTIVATION_KEY, cfg.gate_activation, GGUFValueType.STRING, None))
+    tensors = []
+    for t in powerinfer.stored_tensors(g, skip=[n for n in g.tensors if n.endswith((".fc1.weight", ".fc2.weight"))]):
+        if t.name.endswith(".ffn_down_t.weight"):
+            t = _untransposed_down(t, sparse_path)
+        tensors.append(t)
+    return write_gguf(path, cfg.arch, fields, tensors, progress=progress)
+
+
+def _untransposed_down(down_t: PendingTensor, sparse_path: str) -> PendingTensor:
+    """ffn_down_t [n_ff, d] -> ffn_down [d, n_ff] of the same type, made when written."""
+    n_ff, d = down_t.shape
+    block_size = GGML_QUANT_SIZES[down_t.qtype][0]
+    if down_t.qtype not in TWIN_DOWN_TYPES or n_ff % block_size:
+        raise JaxinferError(f"{sparse_path}: {down_t.name} is {down_t.qtype.name} with rows of {n_ff} neurons; a dense "
+                            f"twin quantizes it again along the neurons, which needs one of "
+                            f"{', '.join(sorted(t.name for t in TWIN_DOWN_TYPES))} and whole blocks of neurons")
+
+    def make():
+        values = gguf.quants.dequantize(down_t.make(), down_t.qtype).reshape(n_ff, d)
+        return gguf.quants.quantize(np.ascontiguousarray(values.T), down_t.qtype)
+
+    return PendingTensor(down_t.name.replace(".ffn_down_t.", ".ffn_down."), (d, n_ff), down_t.qtype, make)

@@ -24,7 +24,6 @@ tg of the unsplit and the split model are timed alternately and compared.
 """
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -34,10 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from jaxinfer import cli, engine, model, quant, receipt, runtime, sparsity
+from jaxinfer import cli, decode_bytes, engine, model, receipt, runtime, sparsity
 from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
-from jaxinfer.sampling import SamplingParams
 
 flags.DEFINE_string("model", None, "GGUF model (default: the built-in SmolLM2 Q4_1)", short_name="m")
 flags.DEFINE_list("pp", ["128", "512"], "prompt lengths to time")
@@ -91,63 +89,7 @@ def decode_rates(m, n_tokens, repetitions) -> tuple[list[float], list[int]]:
     n_tokens decode steps, `repetitions` timed runs after an untimed one -> (tokens/s of each timed run, the tokens
     generated)."""
     prompt = [m.tokenizer.bos_id or 0] + context_tokens(m).tolist()
-    ctx = max(FLAGS.ctx_size, len(prompt) + n_tokens + 1)
-    rates = []
-    for _ in range(repetitions + 1):
-        stats = engine.GenerationStats()
-        tokens = list(engine.generate_tokens(m, prompt, n_tokens + 1, ctx,
-                                             SamplingParams(temperature=0), 0, stats, stop_ids=frozenset()))
-        rates.append((stats.generated_tokens - 1) / stats.decode_seconds)
-    return rates[1:], prompt + tokens
-
-
-# FFN matrices whose rows of inactive neurons a decode step does not read, by --sparsity mode (sparse_ffn.py).
-SKIPPED_WITH_NEURONS = {"dense": (), "hidden": ("ffn_down_t",), "gate": ("ffn_up", "ffn_down_t"),
-                        "predictor": ("ffn_gate", "ffn_up", "ffn_down_t")}
-
-
-def skippable_bytes(w: quant.QuantArray) -> float:
-    """Bytes of a matrix stored one row per neuron that belong to single neurons: all of them, but for a
-    neuron-major packing the scales, which every 32-neuron block with an active neuron reads (all, at 50%)."""
-    return quant.neuron_row_bytes(w) if w.layout == quant.NEURON_MAJOR else w.nbytes
-
-
-def neuron_run_bytes(w: quant.QuantArray) -> int:
-    """Bytes one neuron owns in a row, contiguously: its piece of a 64-output tile of a neuron-major packing in spans
-    of 64 (its q for a longer span is one run), or its whole row."""
-    if w.layout == quant.NEURON_MAJOR and quant.neuron_span(w.shape[1], w.qtype) == 64:
-        return 64 * quant.neuron_row_bytes(w) // (w.shape[0] * w.shape[1])
-    return quant.neuron_row_bytes(w) // w.shape[0] if w.layout == quant.NEURON_MAJOR else w.nbytes // w.shape[0]
-
-
-def touched_line_share(run_bytes: int, active: float, line: int = 64) -> float:
-    """Expected share of the cache lines under back-to-back runs of `run_bytes` (one per neuron) that a step reads
-    when each neuron is active with probability `active`, independently: a line is read if any run on it is."""
-    n_runs = line // math.gcd(run_bytes, line)  # the layout repeats every n_runs runs
-    starts = np.arange(n_runs * run_bytes // line) * line
-    runs_on_line = (starts + line - 1) // run_bytes - starts // run_bytes + 1
-    return float(np.mean(1.0 - (1.0 - active) ** runs_on_line))
-
-
-def decode_weight_bytes(m, tokens) -> tuple[float, float, float]:
-    """(bytes of weights a decode step reads, the same counted in whole 64-byte lines, share of FFN neurons active)
-    for `tokens`: every matrix (a tied output once, the embedding only as the output), those the sparsity mode skips
-    by neuron only for active neurons (in lines: each neuron active independently with its layer's share), counted
-    by running the model over the tokens with its own sparsity."""
-    counts = sparsity.reduce_over_windows(m, np.array([tokens]), sparsity.count_active, n_seq=1, desc="counting")
-    skipped = SKIPPED_WITH_NEURONS[m.config.plan.ffn_sparsity]
-    total = lines = m.weights.output.nbytes
-    for layer, count in zip(m.weights.layers, counts):
-        active = float(np.sum(count)) / (len(tokens) * m.config.n_ff)
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1",
-                     "fc2"):
-            w = getattr(layer, name)
-            if w is None:
-                continue
-            total += w.nbytes - (1.0 - active) * skippable_bytes(w) if name in skipped else w.nbytes
-            unread = 1.0 - touched_line_share(neuron_run_bytes(w), active) if name in skipped else 0.0
-            lines += w.nbytes - unread * skippable_bytes(w)
-    return total, lines, float(np.sum(counts)) / (len(tokens) * m.config.n_ff * len(m.weights.layers))
+    return decode_bytes.decode_rates(m, prompt, n_tokens, repetitions, FLAGS.ctx_size)
 
 
 def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
@@ -160,9 +102,12 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
         rates, tokens = decode_rates(sparse, n, 1)
         sparse_rates += rates
     dense_tg, sparse_tg = float(np.median(dense_rates)), float(np.median(sparse_rates))
-    dense_bytes, _, _ = decode_weight_bytes(dense, tokens)
-    sparse_bytes, sparse_lines, active = decode_weight_bytes(sparse, tokens)
-    saved, lines_saved = 1 - sparse_bytes / dense_bytes, 1 - sparse_lines / dense_bytes
+    # Each model's bytes with its own active neurons on the same tokens: the dense mode of a ReLU model skips the
+    # down projection's rows of its natural zeros, and reads no predictor (decode_bytes).
+    dense_step = decode_bytes.step_bytes(dense, decode_bytes.active_shares(dense, tokens))
+    sparse_step = decode_bytes.step_bytes(sparse, decode_bytes.active_shares(sparse, tokens))
+    dense_bytes, sparse_bytes, active = dense_step.total, sparse_step.total, sparse_step.active_share
+    saved, lines_saved = 1 - sparse_bytes / dense_bytes, 1 - sparse_step.total_lines / dense_step.total_lines
     print(f"tg{n}: dense {dense_tg:.2f} / --sparsity {spec} {sparse_tg:.2f} tokens/s (medians of "
           f"{len(dense_rates)} alternating runs) = {sparse_tg / dense_tg:.3f}x", flush=True)
     print(f"weights read per decode step: dense {dense_bytes / 2**20:.1f} MiB, sparse {sparse_bytes / 2**20:.1f} MiB "
@@ -171,7 +116,7 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
           f"{100 * lines_saved:.1f}% fewer, {1 / (1 - lines_saved):.3f}x", flush=True)
     return {"dense_generation_tokens_per_s": dense_tg, "sparse_generation_tokens_per_s": sparse_tg,
             "sparse_speedup": sparse_tg / dense_tg, "bytes_saved_share": saved, "lines_saved_share": lines_saved,
-            "active_share": active}
+            "active_share": active, "dense_active_share": dense_step.active_share}
 
 
 def compare_with_split(m) -> dict[str, float]:

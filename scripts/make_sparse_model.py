@@ -17,6 +17,12 @@ TQ2_0 or I2_S, each matrix a scale times values in {-1, 0, +1}), e.g. the 7B-sha
 
     python scripts/make_sparse_model.py --architecture bitnet --shape 7b --n_layer 4 --n_vocab 32000 --sparsity 0 \
         --weight_type TQ2_0 -o bitnet-7b4l-TQ2_0.gguf
+
+--dense_twin FILE writes the dense twin of the PowerInfer FILE instead (synthetic.write_dense_twin): the same weights
+as a plain GGUF that llama.cpp loads (no predictors, ffn_down [d, n_ff] quantized again along the neurons in place of
+ffn_down_t), for the dense baseline on the same weights (scripts/bench_sparse.py runs llama-bench on it):
+
+    python scripts/make_sparse_model.py --dense_twin sparse-7b.gguf -o sparse-7b.dense.gguf
 """
 
 import dataclasses
@@ -28,7 +34,7 @@ from gguf import GGMLQuantizationType
 
 from jaxinfer.cli import check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
-from jaxinfer.synthetic import SyntheticSpec, check_loadable, write_model
+from jaxinfer.synthetic import SyntheticSpec, check_loadable, write_dense_twin, write_model
 from jaxinfer.ternary import BitNetType
 
 SHAPES = {  # (layers, d, ffn, heads, kv heads, vocab)
@@ -54,9 +60,13 @@ flags.DEFINE_integer("seed", 0, "random seed")
 flags.DEFINE_enum("architecture", "llama", ["llama", "bitnet", "bitnet-b1.58"], "the block: llama's, or BitNet's "
                   "(plain files only: --sparsity 0)")
 flags.DEFINE_integer("n_vocab", None, "vocabulary size (default: the shape's; the tiny one's is byte-level, 263)")
+flags.DEFINE_string("dense_twin", None, "write the dense twin of this PowerInfer file instead: its weights as a plain "
+                    "GGUF that llama.cpp loads (no predictors, ffn_down in place of ffn_down_t)")
 check_range("n_head", 1)
 check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
+MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
+               "seed", "architecture", "n_vocab")  # what makes a synthetic model: not taken with --dense_twin
 SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
 
@@ -66,6 +76,14 @@ def main(argv):
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     if not FLAGS.output:
         raise JaxinferError("-o/--output is required")
+    if FLAGS.dense_twin:
+        given = [f"--{name}" for name in MODEL_FLAGS if FLAGS[name].present]
+        if given:
+            raise JaxinferError(f"--dense_twin takes the model from its file: drop {', '.join(given)}")
+        write_dense_twin(FLAGS.output, FLAGS.dense_twin, progress=True)
+        print(f"wrote {FLAGS.output} ({os.path.getsize(FLAGS.output) / 2**20:.1f} MiB), the dense twin of "
+              f"{FLAGS.dense_twin}")
+        return
     if not 0 <= FLAGS.sparsity < 1:
         raise JaxinferError(f"--sparsity must be in [0, 1), got {FLAGS.sparsity}")
     if FLAGS.architecture != "llama" and FLAGS.sparsity:

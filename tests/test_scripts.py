@@ -261,3 +261,170 @@ def test_a_synthetic_spec_that_passes_check_loadable_loads(tmp_path, fields):
     else:  # some cannot even be written (I2_S rows of 200 values, IQ2_XXS blocks, which gguf-py cannot make)
         with pytest.raises((JaxinferError, ValueError, QuantError)):
             engine.load_model(synthetic.write_model(str(tmp_path / "m.gguf"), spec))
+
+
+def test_bench_generate_compare_dense_counts_no_predictor_in_the_dense_bytes(tmp_path):
+    """A PowerInfer model (ReLU, with predictors), --sparsity predictor --compare_dense: the dense mode's bytes are
+    every matrix but fc1/fc2 (which it never reads), its down rows only for its active neurons; the predictor mode's
+    also gate and up rows only for active neurons, plus fc1/fc2. Counting fc1/fc2 in the dense bytes overstated the
+    share saved."""
+    model = synthetic.write_model(str(tmp_path / "sparse.gguf"), synthetic.SyntheticSpec(
+        n_layer=1, n_embd=64, n_ff=256, sparsity=0.8, weight_type=Q.Q8_0, embedding_type=Q.Q8_0))
+    result = run("scripts/bench_generate.py", "-m", model, "--pp", "8", "--tg", "8", "--repetitions", "1", "-c", "32",
+                 "--sparsity", "predictor", "--compare_dense", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    tensors = open_gguf(model).tensors
+    size = {name.removeprefix("blk.0.").removesuffix(".weight"): t.n_bytes for name, t in tensors.items()}
+    fixed = sum(size[n] for n in ("attn_q", "attn_k", "attn_v", "attn_output", "output"))
+    ffn = size["ffn_gate"] + size["ffn_up"]
+    dense = fixed + ffn + report["dense_active_share"] * size["ffn_down_t"]
+    sparse = fixed + report["active_share"] * (ffn + size["ffn_down_t"]) + size["fc1"] + size["fc2"]
+    assert 0 < report["dense_active_share"] < 0.5
+    assert report["bytes_saved_share"] == pytest.approx(1 - sparse / dense, abs=1e-4)
+
+
+def test_make_sparse_model_writes_a_dense_twin_llama_cpp_can_load(tmp_path):
+    """--dense_twin FILE: a plain GGUF (magic GGUF) of the PowerInfer FILE's weights: no predictors, ffn_down
+    [d, n_ff] in the same type equal to ffn_down_t transposed (to Q4_0's rounding), every other tensor as stored;
+    jaxinfer runs it as the same ReLU model. Model flags beside it, or a file that is not PowerInfer's, are one
+    error line."""
+    sparse = synthetic.write_model(str(tmp_path / "sparse.gguf"), synthetic.SyntheticSpec(
+        n_layer=2, n_embd=64, n_ff=256, sparsity=0.8, weight_type=Q.Q4_0, embedding_type=Q.Q8_0))
+    twin = str(tmp_path / "twin.gguf")
+    made = run("scripts/make_sparse_model.py", "--dense_twin", sparse, "-o", twin)
+    assert made.returncode == 0, made.stderr
+    assert pathlib.Path(twin).read_bytes()[:4] == b"GGUF"
+    g, t = open_gguf(sparse), open_gguf(twin)
+    assert not t.powerinfer and not any(".fc1." in n or ".fc2." in n or "ffn_down_t" in n for n in t.tensors)
+    assert set(t.tensors) == {n.replace("ffn_down_t", "ffn_down") for n in g.tensors if ".fc" not in n}
+    for name, tensor in t.tensors.items():
+        if "ffn_down" not in name:
+            assert np.array_equal(np.asarray(tensor.data), np.asarray(g.tensors[name].data)), name
+    for i in range(2):
+        down = np.asarray(quant.dequantize(load_matrix(t, f"blk.{i}.ffn_down.weight")))
+        down_t = np.asarray(quant.dequantize(load_matrix(g, f"blk.{i}.ffn_down_t.weight")))
+        assert t.tensors[f"blk.{i}.ffn_down.weight"].tensor_type == Q.Q4_0 and down.shape == (64, 256)
+        # Q4_0's step is a block's largest magnitude / 8: half a step off at most, or a step where +8 is clipped to +7
+        steps = np.abs(down_t.T).reshape(64, 8, 32).max(axis=-1, keepdims=True) / 8
+        error = np.abs(down - down_t.T).reshape(64, 8, 32)
+        assert np.all(error <= steps * 1.001 + 1e-6) and np.mean(error <= steps / 2 + 1e-6) > 0.95
+    assert engine.load_model(twin).config.gate_activation == "relu"
+    with pytest.raises(JaxinferError, match="not a PowerInfer file"):
+        synthetic.write_dense_twin(str(tmp_path / "x.gguf"), twin)
+    bad = run("scripts/make_sparse_model.py", "--dense_twin", sparse, "--sparsity", "0.5", "-o", twin)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: --dense_twin takes the model from its file: drop --sparsity"], bad.stderr
+
+
+FAKE_POWERINFER = """#!{python}
+import sys
+args = sys.argv[1:]
+model, threads, n = args[args.index("-m") + 1], int(args[args.index("-t") + 1]), int(args[args.index("-n") + 1])
+print("main: build = 1590 (d3ebd7c)", file=sys.stderr)
+if "{fail_on}" in model:
+    print("llama_model_loader: loaded meta data\\nllama_model_load: error loading model: unknown tensor",
+          file=sys.stderr)
+    sys.exit(1)
+print(b"\\xb4 random bytes".decode("latin-1"))
+print("llama_print_timings: prompt eval time =  10.00 ms /  1 tokens ( 10.00 ms per token, 100.00 tokens per second)",
+      file=sys.stderr)
+print(f"llama_print_timings:        eval time = 99.00 ms / {{n - 1}} runs   ( 1.57 ms per token, "
+      f"{{10.0 * threads:.2f}} tokens per second)", file=sys.stderr)
+"""
+FAKE_LLAMA_BENCH_TG = """#!{python}
+import json, sys
+args = sys.argv[1:]
+if "{fail_on}" in args[args.index("-m") + 1]:
+    print("llama_model_load: error loading model: unknown tensor", file=sys.stderr)
+    sys.exit(1)
+assert args[args.index("-p") + 1] == "0"
+samples = {{1: [40.0, 50.0, 70.0], 2: [60.0, 80.0, 90.0]}}
+print(json.dumps([{{"n_prompt": 0, "n_gen": int(args[args.index("-n") + 1]), "n_threads": int(t), "samples_ts":
+                   samples[int(t)], "build_commit": "0c1e570", "build_number": 1}}
+                  for t in args[args.index("-t") + 1].split(",")]))
+"""
+
+
+def fake(path: pathlib.Path, text: str, fail_on: str) -> str:
+    """An executable peer from `text` that fails on models whose path holds `fail_on`."""
+    path.write_text(text.format(python=sys.executable, fail_on=fail_on))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path):
+    """Two levels of tiny PowerInfer files in --models_dir, one there already, one made: per level the bytes each
+    mode reads (the sums of the file's tensors), the speed-up against the one the bytes promise, PowerInfer's best
+    -t on the file and llama.cpp's best -t on the dense twin (made beside it). A peer that fails (here on the 0.95
+    file) is one line naming it and what it said, and null in the table."""
+    models = tmp_path / "models"
+    models.mkdir()
+    given = synthetic.write_model(str(models / "sparse-tiny-1l-Q4_0-0.8.gguf"), synthetic.SyntheticSpec(
+        n_layer=1, n_embd=64, n_ff=256, sparsity=0.8, weight_type=Q.Q4_0, embedding_type=Q.Q8_0))
+    powerinfer = fake(tmp_path / "main", FAKE_POWERINFER, "-0.95.")
+    llama_bench = fake(tmp_path / "llama-bench", FAKE_LLAMA_BENCH_TG, "-0.95.")
+    result = run("scripts/bench_sparse.py", "--models_dir", str(models), "--shape", "tiny", "--n_layer", "1",
+                 "--levels", "0.8,0.95", "--tg", "4", "--repetitions", "1", "-c", "32", "--powerinfer", powerinfer,
+                 "--llama_bench", llama_bench, "--threads", "1,2", "--json")
+    assert result.returncode == 0, result.stderr
+    made = [line for line in result.stderr.splitlines() if line.startswith("making /")]
+    assert len(made) == 1 and "-0.95.gguf: " in made[0], made  # 0.8's file was there
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    ok, failed = summary["levels"]
+    assert ok["file"] == given and failed["file"] == str(models / "sparse-tiny-1l-Q4_0-0.95.gguf")
+    assert (models / "sparse-tiny-1l-Q4_0-0.8.dense.gguf").is_file()
+
+    size = {n.removeprefix("blk.0.").removesuffix(".weight"): t.n_bytes for n, t in open_gguf(given).tensors.items()}
+    fixed = sum(size[n] for n in ("attn_q", "attn_k", "attn_v", "attn_output", "output"))
+    ffn = size["ffn_gate"] + size["ffn_up"]
+    mib = 2**20
+    assert ok["dense_mib"] * mib == pytest.approx(fixed + ffn + ok["dense_active_share"] * size["ffn_down_t"])
+    assert ok["sparse_mib"] * mib == pytest.approx(fixed + ok["active_share"] * (ffn + size["ffn_down_t"]) +
+                                                   size["fc1"] + size["fc2"])
+    assert ok["twin_mib"] * mib == pytest.approx(fixed + ffn + size["ffn_down_t"])
+    assert ok["speedup"] == pytest.approx(ok["sparse_tg"] / ok["dense_tg"])
+    assert ok["byte_ideal"] == pytest.approx(ok["dense_mib"] / ok["sparse_mib"])
+    assert ok["fraction_of_ideal"] == pytest.approx(ok["speedup"] / ok["byte_ideal"])
+    assert (ok["powerinfer_tg"], ok["powerinfer_threads"]) == (20.0, 2)  # -t 1: 10, -t 2: 20
+    assert ok["powerinfer_build"] == "build 1590 (d3ebd7c)"
+    assert (ok["llama_cpp_tg"], ok["llama_cpp_threads"]) == (80.0, 2)  # medians: -t 1 50, -t 2 80
+    assert ok["sparse_over_powerinfer_tg"] == pytest.approx(ok["sparse_tg"] / 20.0)
+    assert ok["sparse_over_llama_cpp_tg"] == pytest.approx(ok["sparse_tg"] / 80.0)
+    assert failed["powerinfer_tg"] is None and failed["llama_cpp_tg"] is None and failed["sparse_tg"] > 0
+    said = [line for line in result.stderr.splitlines() if "failed" in line]
+    assert len(said) == 2 and "Traceback" not in result.stderr, result.stderr
+    assert said[0] == (f"PowerInfer on {failed['file']} failed (-t 1,2: exited with status 1: llama_model_loader: "
+                       "loaded meta data | llama_model_load: error loading model: unknown tensor): reported as null")
+    assert said[1].startswith("llama-bench on ") and "error loading model" in said[1], said[1]
+    table = [line for line in result.stdout.splitlines() if line.startswith(("| 0.8 |", "| 0.95 |"))]
+    assert len(table) == 2 and table[1].endswith("| - | - | - | - |") and "20.00 (2)" in table[0]
+
+
+def test_bench_sparse_compares_calibrated_specs_with_dense_on_a_model(make_model, tmp_path):
+    """--specs on a plain model: thresholds missing from --thresholds are calibrated into it; each spec's row has the
+    bytes it reads, its speed against dense's and against the bytes' promise, and its perplexity. Bad input is one
+    error line."""
+    model = make_model(n_layer=1, n_embd=64, n_ff=256, weight_type=Q.Q8_0, embedding_type=Q.Q8_0)
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    thresholds = tmp_path / "thresholds.json"
+    result = run("scripts/bench_sparse.py", "-m", model, "--specs", "hidden:0.5,gate:0.5", "-f", str(text),
+                 "--chunks", "2", "--ppl_ctx_size", "32", "--tg", "4", "--repetitions", "1", "-c", "32",
+                 "--thresholds", str(thresholds), "--json")
+    assert result.returncode == 0, result.stderr
+    assert set(json.loads(thresholds.read_text())["thresholds"]) == {"hidden", "gate"}
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    dense, *specs = summary["rows"]
+    size = {n: t.n_bytes for n, t in open_gguf(model).tensors.items() if n.endswith(".weight") and "norm" not in n}
+    assert dense["spec"] == "dense" and dense["active_share"] == 1.0 and dense["mib"] * 2**20 == sum(size.values())
+    assert [s["spec"] for s in specs] == ["hidden:0.5", "gate:0.5"]
+    for row in specs:
+        assert 0 < row["active_share"] < 1 and row["mib"] < dense["mib"] and 1 < row["ppl"] < 1e4
+        assert row["speedup"] == pytest.approx(row["tg"] / dense["tg"])
+        assert row["byte_ideal"] == pytest.approx(dense["mib"] / row["mib"])
+        assert row["fraction_of_ideal"] == pytest.approx(row["speedup"] / row["byte_ideal"])
+    for args, message in ((("--specs", "hidden:0.5"), "error: -f/--file is required with --specs"),
+                          (("--powerinfer", str(text)), f"error: --powerinfer {text}: not an executable file")):
+        bad = run("scripts/bench_sparse.py", *args)
+        assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr
