@@ -18,6 +18,8 @@ frequencies follow a power law with a chosen mean, with exact predictors:
     ~ N(b_i x_0, |A_i B|² |x_rest|² / (d-1)), so b_i = |A_i B| Φ⁻¹(p_i) / c makes neuron i fire with probability ~p_i;
   * the predictor fc2(relu(fc1 v)) with fc1 = [B; -B; e_0; -e_0], fc2 = [A, -A, b, -b] equals the gate's
     pre-activation exactly (relu(u) - relu(-u) = u), so it predicts firing up to the gate's quantization error.
+    Stored in a block type (`predictor_type` Q8_0, Q4_0: fc2's rows are blocks along the rank), its rank 2r + 2 is
+    padded to whole blocks with zero rows of fc1 and zero columns of fc2, which add nothing to the logits.
 """
 
 import dataclasses
@@ -79,7 +81,7 @@ class SyntheticSpec:
     sparsity: float | None = None
     power_law: float = 1.0  # firing frequency of the k-th most active neuron ~ k^-power_law
     gate_rank: int = 0  # rank of the gates' random part (0: n_embd // 16, at least 4)
-    predictor_type: GGMLQuantizationType = GGMLQuantizationType.F16
+    predictor_type: GGMLQuantizationType = GGMLQuantizationType.F16  # fc1/fc2's type (a block type pads the rank)
     projection_scales: bool = False  # BitNet: a blk.N.PROJ.scale tensor beside each projection
 
 
@@ -142,13 +144,23 @@ class SparseLayer:
     """A sparse layer's gate and its exact predictor, derived together from one seed."""
 
     gate: np.ndarray  # [n_ff, d]
-    fc1: np.ndarray  # [2r + 2, d]
-    fc2: np.ndarray  # [n_ff, 2r + 2]
+    fc1: np.ndarray  # [predictor_rank, d]
+    fc2: np.ndarray  # [n_ff, predictor_rank]
+
+
+def gate_rank(spec: SyntheticSpec) -> int:
+    return spec.gate_rank or max(4, spec.n_embd // 16)
+
+
+def predictor_rank(spec: SyntheticSpec) -> int:
+    """The stored predictor's rank: 2r + 2, padded to whole blocks of a block `predictor_type`."""
+    block_size = GGML_QUANT_SIZES[spec.predictor_type][0]  # 1 for the float types
+    return -(-(2 * gate_rank(spec) + 2) // block_size) * block_size
 
 
 def sparse_layer(spec: SyntheticSpec, rng: np.random.Generator) -> SparseLayer:
     d, f = spec.n_embd, spec.n_ff
-    rank = spec.gate_rank or max(4, d // 16)
+    rank = gate_rank(spec)
     a = rng.normal(size=(f, rank)).astype(np.float32)
     b_rest = (rng.normal(size=(rank, d - 1)) / np.sqrt(rank * (d - 1))).astype(np.float32)
     rest = a @ b_rest
@@ -156,10 +168,11 @@ def sparse_layer(spec: SyntheticSpec, rng: np.random.Generator) -> SparseLayer:
     bias = (np.linalg.norm(rest, axis=1) * scipy.special.ndtri(p) / BIAS_VALUE).astype(np.float32)
     b = np.concatenate([np.zeros((rank, 1), np.float32), b_rest], axis=1)
     e0 = np.eye(1, d, dtype=np.float32)
+    padding = predictor_rank(spec) - (2 * rank + 2)
     return SparseLayer(
         gate=np.concatenate([bias[:, None], rest], axis=1),
-        fc1=np.concatenate([b, -b, e0, -e0]),
-        fc2=np.concatenate([a, -a, bias[:, None], -bias[:, None]], axis=1),
+        fc1=np.concatenate([b, -b, e0, -e0, np.zeros((padding, d), np.float32)]),
+        fc2=np.concatenate([a, -a, bias[:, None], -bias[:, None], np.zeros((f, padding), np.float32)], axis=1),
     )
 
 
@@ -274,7 +287,7 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             layer = sparse_layer(spec, _rng(spec, f"blk.{layer_index}.sparse"))
             return encode_tensor(getattr(layer, part), qtype, _rng(spec, name))
 
-        rank = 2 * (spec.gate_rank or max(4, spec.n_embd // 16)) + 2
+        rank = predictor_rank(spec)
         shape = {"gate": (spec.n_ff, spec.n_embd), "fc1": (rank, spec.n_embd), "fc2": (spec.n_ff, rank)}[part]
         return PendingTensor(name, shape, qtype, make)
 

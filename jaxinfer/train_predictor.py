@@ -32,7 +32,7 @@ from flax import nnx
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from tqdm import tqdm
 
-from jaxinfer import powerinfer, quant, sparsity
+from jaxinfer import powerinfer, quant, repack, sparsity
 from jaxinfer.config import GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.gguf_io import load_matrix
@@ -154,18 +154,22 @@ def evaluate_predictor(p: Predictor, x: np.ndarray, y: np.ndarray,
 
 
 def with_predictors(weights, predictors: list[Predictor],
-                    predictor_type: GGMLQuantizationType = DEFAULT_PREDICTOR_TYPE):
-    """The model's weights with these predictors attached in memory, stored as `export` writes them (and marked
-    exact as the loader marks a file's matrices: with the model's own)."""
-    def as_array(values, exact):
+                    predictor_type: GGMLQuantizationType = DEFAULT_PREDICTOR_TYPE, plan=None):
+    """The model's weights with these predictors attached in memory, stored as `export` writes them and held as the
+    loader holds that file's: marked exact with the model's own matrices, repacked where `plan` (the model's
+    config.plan) repacks a predictor (repack.packs)."""
+    def as_array(name, values, exact):
         stored = quant.from_gguf_data(encode(values, predictor_type), predictor_type, values.shape)
-        return dataclasses.replace(stored, data=jnp.asarray(stored.data), exact=exact)
+        w = dataclasses.replace(stored, exact=exact)
+        if plan is not None and repack.packs(name, w, plan):
+            return quant.pack_rows_x8(w)
+        return dataclasses.replace(w, data=jnp.asarray(w.data))
 
     layers = []
     for layer, p in zip(weights.layers, predictors):
         fc1, fc2 = p.arrays()
-        layers.append(dataclasses.replace(layer, fc1=as_array(fc1, layer.attn_q.exact),
-                                          fc2=as_array(fc2, layer.attn_q.exact)))
+        exact = layer.attn_q.exact
+        layers.append(dataclasses.replace(layer, fc1=as_array("fc1", fc1, exact), fc2=as_array("fc2", fc2, exact)))
     return dataclasses.replace(weights, layers=layers)
 
 

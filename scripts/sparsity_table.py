@@ -106,7 +106,7 @@ def main(argv):
                                                   positive_weight=FLAGS.positive_weight, seed=i)
                       for i, r in enumerate(ranks)]
         del x, y
-        weights = train_predictor.with_predictors(base.weights, predictors)
+        weights = train_predictor.with_predictors(base.weights, predictors, plan=base.config.plan)
         predicted = dataclasses.replace(base, weights=weights)
         measure(f"predictor (hidden:{label_level:g} labels, budget {FLAGS.budget:g}, "
                 f"{train_predictor.DEFAULT_PREDICTOR_TYPE.name})",

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from gguf import GGMLQuantizationType as Q
 
-from jaxinfer import engine, errors, evaluation, model, quant, sparsity, train_predictor
+from jaxinfer import engine, errors, evaluation, model, quant, sparsity, synthetic, train_predictor
 from jaxinfer.gguf_io import open_gguf
 
 
@@ -57,7 +57,7 @@ def test_quantized_predictors_round_trip_and_are_evaluated_as_stored(make_model,
         path = train_predictor.export(m, predictors, str(tmp_path / f"{qtype.name}.gguf"), 0.0, qtype)
         g = open_gguf(path)
         exported = engine.load_model(path)
-        attached = train_predictor.with_predictors(m.weights, predictors, qtype)
+        attached = train_predictor.with_predictors(m.weights, predictors, qtype, m.config.plan)
         for i, (p, layer, in_memory) in enumerate(zip(predictors, exported.weights.layers, attached.layers)):
             assert g.tensors[f"blk.{i}.fc2.weight"].tensor_type == qtype and layer.fc1.shape[0] % 32 == 0
             stored_fc1, stored_fc2 = (np.asarray(quant.dequantize(w)) for w in (layer.fc1, layer.fc2))
@@ -188,3 +188,42 @@ def test_cli_writes_the_predictor_type_it_evaluated(make_model, tmp_path):
     assert lines[3].startswith("mean (Q4_0, as stored): recall "), stdout
     g = open_gguf(str(out))
     assert {g.tensors[f"blk.{i}.{name}.weight"].tensor_type for i in range(2) for name in ("fc1", "fc2")} == {Q.Q4_0}
+
+
+def test_synthetic_predictors_of_a_block_type_are_padded_exactly():
+    """A block predictor_type pads the exact predictor's rank (2r + 2) with zero rows of fc1 and zero columns of fc2
+    to whole blocks of 32: the same logits, the same gate."""
+    spec = synthetic.SyntheticSpec(n_embd=64, n_ff=128, sparsity=0.9)
+    plain = synthetic.sparse_layer(spec, np.random.default_rng(7))
+    assert plain.fc1.shape == (10, 64) and synthetic.predictor_rank(spec) == 10
+    v = np.random.default_rng(8).normal(size=(256, 64)).astype(np.float32)
+    for qtype in (Q.Q8_0, Q.Q4_0):
+        padded_spec = dataclasses.replace(spec, predictor_type=qtype)
+        padded = synthetic.sparse_layer(padded_spec, np.random.default_rng(7))
+        assert synthetic.predictor_rank(padded_spec) == 32
+        assert padded.fc1.shape == (32, 64) and padded.fc2.shape == (128, 32)
+        np.testing.assert_array_equal(padded.gate, plain.gate)
+        np.testing.assert_allclose(np.maximum(v @ padded.fc1.T, 0) @ padded.fc2.T,
+                                   np.maximum(v @ plain.fc1.T, 0) @ plain.fc2.T, rtol=1e-6, atol=1e-6)
+
+
+def test_make_sparse_model_stores_its_predictors_q8_0_by_default(tmp_path):
+    """The default --predictor_type q8_0 writes fc1/fc2 as Q8_0 with the rank padded to 32; the engine runs them and
+    they predict the gate's firing as the F16 ones do; --predictor_type f16 keeps the unpadded rank."""
+    shape = ["--n_layer", "1", "--n_embd", "64", "--n_ff", "128", "--n_vocab", "300", "--n_head", "4"]
+    paths, env = {}, dict(os.environ, JAX_PLATFORMS="cpu")
+    for args in ([], ["--predictor_type", "f16"]):
+        paths[tuple(args)] = str(tmp_path / f"sparse{len(args)}.gguf")
+        made = subprocess.run([sys.executable, "scripts/make_sparse_model.py", *shape, *args, "-o", paths[tuple(args)]],
+                              capture_output=True, text=True, env=env)
+        assert made.returncode == 0, made.stderr
+    predicted = {}
+    for args, path in paths.items():
+        m = engine.load_model(path)
+        x, _ = train_predictor.collect(m, windows_for(m, 2))
+        layer = m.weights.layers[0]
+        fc1, fc2 = (np.asarray(quant.dequantize(w)) for w in (layer.fc1, layer.fc2))
+        predicted[args] = np.maximum(x[0] @ fc1.T, 0) @ fc2.T >= 0
+        assert (layer.fc1.qtype, layer.fc2.qtype, layer.fc1.shape[0]) == \
+               ((Q.Q8_0, Q.Q8_0, 32) if not args else (Q.F16, Q.F16, 10))
+    assert np.mean(predicted[()] == predicted[("--predictor_type", "f16")]) > 0.99
