@@ -15,8 +15,10 @@ floats applied once per row and super-block, so within f32 rounding of the row k
 Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows of active neurons: `masked_matmul`
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
 down projection stored transposed, one row per neuron; h stays f32, so these match their references to f32
-rounding), and `neuron_major_axpy` (a Q4_0/Q4_1/Q8_0 down projection repacked neuron-major without rounding; h in 8
-bits and integer dots, as the dense kernels).
+rounding), `neuron_major_axpy` (a Q4_0/Q4_1/Q8_0 down projection repacked neuron-major without rounding; h in 8
+bits and integer dots, as the dense kernels) and `down_rows_axpy` (a transposed Q4_0/Q8_0 down projection with each
+row's scales in front; each group of 32 active neurons' coefficients rounded to 8 bits per block and dotted in
+integers).
 
 Each kernel has a plain-jnp `*_reference` beside it, the semantics it is tested against. The references take the
 weight already dequantized to f32 (jaxinfer.quant.dequantize reads every format): this package is a leaf that imports
@@ -54,6 +56,9 @@ REPACKED_TYPES = frozenset(GGMLQuantizationType[name]
 # The types neuron_major_axpy reads, packed as jaxinfer.quant.pack_neuron_major lays them out (qmatmul.h,
 # NeuronLayout).
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
+# The types down_rows_axpy reads, as jaxinfer.quant.pack_down_rows lays them out (down_rows.h).
+DOWN_ROWS_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q8_0"))
+DOWN_GROUP = 32  # neurons whose coefficients down_rows_axpy rounds with one scale per block
 
 
 def _find_library() -> pathlib.Path:
@@ -82,6 +87,7 @@ _OPS = {
     "masked_axpy": ("MaskedAxpy", (True, False, True), lambda rows, cols, h, data_t, mask: cols),
     "gather_axpy": ("GatherAxpy", (True, False, False), lambda rows, cols, h, data_t, index: cols),
     "neuron_major_axpy": ("NeuronMajorAxpy", (True, False, True), lambda rows, cols, h, packed, mask: cols),
+    "down_rows_axpy": ("DownRowsAxpy", (True, False, True), lambda rows, cols, h, rows_data, mask: cols),
 }
 
 
@@ -329,6 +335,40 @@ def neuron_major_axpy(h: jax.Array, packed: jax.Array, mask: jax.Array, *, qtype
     call = _batched_call("neuron_major_axpy", qtype, int(rows), int(cols), span=int(span))
     return call(jnp.asarray(h, jnp.float32), packed, _mask("neuron_major_axpy", mask))
 
+
+
+def down_rows_axpy(h: jax.Array, rows_data: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
+                   cols: int) -> jax.Array:
+    """masked_axpy for a Q4_0/Q8_0 W_t [rows = n_ff, cols = d] given as `jaxinfer.quant.pack_down_rows(W_t).data`
+    (each row's scales, then its quants): the rows of neurons masked off, or whose h is 0, are not read. A token's
+    active neurons are taken in groups of DOWN_GROUP; each group's coefficients h_i d_ib are rounded to 8 bits with
+    one scale per block and dotted in integers (cpu_ext/down_rows.h), as `down_rows_axpy_reference` computes."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in DOWN_ROWS_TYPES:
+        raise ValueError(f"cpu_ext.down_rows_axpy: unsupported type {qtype.name} (Q4_0 or Q8_0)")
+    call = _batched_call("down_rows_axpy", qtype, int(rows), int(cols))
+    return call(jnp.asarray(h, jnp.float32), rows_data, _mask("down_rows_axpy", mask))
+
+
+def down_rows_axpy_reference(h, scales, values, mask) -> jax.Array:
+    """down_rows_axpy's arithmetic in plain jnp, for one token h [rows]: W_t given as its block scales f32 [rows,
+    cols / 32] and its values q - offset, int32 [rows, cols]. The nonzero active neurons in order, in groups of
+    DOWN_GROUP; per group and block the coefficients g = h d rounded to 8 bits over the group (scale max |g| / 127),
+    dotted with q in integers, times the scale, the groups added in order. Equal to the kernel up to the f32
+    rounding of its sums over threads."""
+    h, mask = np.asarray(h, np.float32), np.asarray(mask)
+    scales, values = jnp.asarray(scales, jnp.float32), jnp.asarray(values, jnp.int32)
+    active = np.flatnonzero(mask & (h != 0))
+    y = jnp.zeros(values.shape[1], jnp.float32)
+    for begin in range(0, len(active), DOWN_GROUP):
+        group = active[begin:begin + DOWN_GROUP]
+        g = jnp.asarray(h[group])[:, None] * scales[group]  # [n, blocks]
+        amax = jnp.max(jnp.abs(g), axis=0)
+        inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0).astype(jnp.float32)
+        g8 = jnp.round(g * inv).astype(jnp.int32)
+        isum = jnp.einsum("nb,nbj->bj", g8, values[group].reshape(len(group), -1, 32))
+        y = y + ((amax / 127.0).astype(jnp.float32)[:, None] * isum.astype(jnp.float32)).reshape(-1)
+    return y
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start, row=0) -> jax.Array:

@@ -154,8 +154,8 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
     def matrix(tensor, field=None):
         return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w), widens)
 
-    def optional(tensor):
-        return matrix(tensor) if name(tensor) in gguf.tensors else None
+    def optional(tensor, field=None):
+        return matrix(tensor, field) if name(tensor) in gguf.tensors else None
 
     tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor, field)
                for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
@@ -163,7 +163,8 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
     down = None if down_t is not None else matrix("ffn_down", "ffn_down")
     norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
              if sub_norms}
-    return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1"), fc2=optional("fc2"), **norms)
+    return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1", "fc1"), fc2=optional("fc2", "fc2"),
+                 **norms)
 
 
 def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False,

@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import model, repack
+from jaxinfer import model, quant, repack
 from jaxinfer.config import Config
 from jaxinfer.placement import ModelCosts
-from jaxinfer.quant import FLOAT_TYPES, NEURON_MAJOR, ROW_BLOCKS, QuantArray, tree_nbytes
+from jaxinfer.quant import DOWN_ROWS, FLOAT_TYPES, NEURON_MAJOR, ROW_LAYOUTS, QuantArray, tree_nbytes
 from jaxinfer.ternary import QUANT_SIZES
 from jaxinfer.sparse_ffn import FFNPart, KernelPart
 from pallas_kernels import sparse_ffn as pallas_ffn
@@ -52,7 +52,7 @@ def _down_part(layer: model.Layer, rows: np.ndarray) -> dict:
     """The down projection of neurons `rows` (whole units, see unit_neurons) in the layer's own format and values:
     {"ffn_down": ...} or {"ffn_down_t": ...} of the part."""
     down, down_t = layer.ffn_down, layer.ffn_down_t
-    if down_t is not None and down_t.layout == ROW_BLOCKS:
+    if down_t is not None and down_t.layout in ROW_LAYOUTS:
         return {"ffn_down_t": _rows(down_t, rows)}
     unit = unit_neurons(layer)
     if unit == 1:  # a float ffn_down: its transpose is exact, one row per neuron
@@ -69,7 +69,7 @@ def _down_part(layer: model.Layer, rows: np.ndarray) -> dict:
 
 
 def _row_bytes(w: QuantArray) -> int:
-    """Bytes of one row of a weight whose rows can be sliced (layout ROW_BLOCKS)."""
+    """Bytes of one row of a weight whose rows can be sliced (quant.ROW_LAYOUTS)."""
     return w.nbytes // w.shape[0]
 
 
@@ -122,7 +122,7 @@ def ffn_part(layer: model.Layer, rows: np.ndarray, on_host: bool = False) -> FFN
 
 def kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -> str | None:
     """"q8_0" or "float" where the Pallas kernel takes these weights (rows per neuron, one kind of type), else None."""
-    if down_t is None or down_t.layout != ROW_BLOCKS:
+    if down_t is None or down_t.layout not in ROW_LAYOUTS:
         return None
     types = {w.qtype for w in (gate, up, down_t)}
     if types == {GGMLQuantizationType.Q8_0}:
@@ -132,7 +132,10 @@ def kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) ->
 
 def kernel_part(part: FFNPart) -> KernelPart | None:
     """`part` in the Pallas kernel's layout, or None where the kernel does not take its weights."""
-    weights = (part.ffn_gate, part.ffn_up, part.ffn_down_t)
+    down_t = part.ffn_down_t
+    if down_t is not None and down_t.layout == DOWN_ROWS:  # the Pallas kernel reads GGUF's rows
+        down_t = quant.unpack_down_rows(dataclasses.replace(down_t, data=np.asarray(down_t.data)))
+    weights = (part.ffn_gate, part.ffn_up, down_t)
     kind = kernel_takes(*weights)
     if kind == "q8_0":
         rows = [pallas_ffn.repack_q8_0(w.data, w.shape[1]) for w in weights]
@@ -141,6 +144,15 @@ def kernel_part(part: FFNPart) -> KernelPart | None:
     else:
         return None
     return KernelPart(*rows)
+
+
+def _predictor_rows(fc2: QuantArray, rows: np.ndarray) -> QuantArray:
+    """fc2's output rows in the order `rows`, in its layout: one repacked eight rows to a group (repack.py) is read
+    back in GGUF's rows, reordered and repacked."""
+    if fc2.layout != quant.ROWS_X8:
+        return _rows(fc2, rows)
+    unpacked = quant.unpack_rows_x8(fc2)
+    return quant.pack_rows_x8(_rows(dataclasses.replace(unpacked, data=np.asarray(unpacked.data)), rows))
 
 
 def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) -> model.Weights:
@@ -160,8 +172,8 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) ->
             hot_part = kernel_part(hot_part) or hot_part  # types the kernel does not take stay with XLA/cpu_ext
         parts = [jax.device_put(hot_part, in_device)] if hot_part is not None else []
         parts += [jax.device_put(cold_part, in_host)] if cold_part is not None else []
-        fc2 = None if layer.fc2 is None else jax.device_put(_rows(layer.fc2, np.concatenate([hot_rows, cold_rows])),
-                                                            in_device)
+        order = np.concatenate([hot_rows, cold_rows])
+        fc2 = None if layer.fc2 is None else jax.device_put(_predictor_rows(layer.fc2, order), in_device)
         layers.append(dataclasses.replace(_without_ffn_rows(layer), fc2=fc2, ffn_parts=parts))
     return dataclasses.replace(weights, layers=layers)
 

@@ -13,7 +13,9 @@ A frozen, static value built from the devices, the flags and the model's shapes;
                        for decode-sized steps
     split FFN, hot     on the device, the products above             Pallas masked sparse FFN (predictor models)
     split FFN, cold    host memory (pinned_host), compute_on("device_host"), cpu_ext's row-sparse kernels
-    down projection    neuron-major where cpu_ext's kernel is fast   transposed, one row per neuron
+    down projection    neuron-major where cpu_ext's kernel is fast,  transposed, one row per neuron
+      when sparse      else one row per neuron, scales first
+                       (Q4_0/Q8_0: cpu_ext's integer axpy)
 
 With `tp` > 1 (--tp) the weights are cut over the first `tp` devices, the same on either backend (sharding.py); with
 `dp` > 1 (perplexity's --dp) the windows of an evaluation batch are spread over the first `dp` devices instead. Over
@@ -51,6 +53,7 @@ class Plan:
     attn_max_batch_mib: float | None = None  # bound on XLA attention's K·Q scores per step (attention.py); None: none
     hot_ffn: str = "xla"  # a split's device part with a predictor, one of HOT_FFN (sparse_ffn.ffn)
     neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
+    down_rows: bool = False  # a Q4_0/Q8_0 down projection held one row per neuron takes cpu_ext's integer axpy
     repack: bool = False  # dense products' weights repacked eight rows to a group at load (repack.py)
     host_memory_kind: str = "pinned_host"  # where a split's cold parts live
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
@@ -123,7 +126,7 @@ def _device_plan(attn_max_batch_mib: float | None) -> Plan:
         # Repacking reads every weight whole: over several processes each reads only its own shards, so not there.
         return Plan(backend, products=host_products, host_products=host_products, attention=host_products,
                     attn_max_batch_mib=attn_max_batch_mib,
-                    neuron_major=kernels is not None and kernels.fast_neuron_major(),
+                    neuron_major=kernels is not None and kernels.fast_neuron_major(), down_rows=kernels is not None,
                     repack=kernels is not None and jax.process_count() == 1)
     host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
     gpu_kernels = "pallas" if backend == "gpu" else "xla"

@@ -36,6 +36,8 @@ TERNARY_TYPES = frozenset({GGMLQuantizationType.TQ1_0, GGMLQuantizationType.TQ2_
 ROW_BLOCKS = "rows"  # GGUF's layout: blocks run along each row
 NEURON_MAJOR = "neuron_major"  # a down projection repacked for the sparse FFN: see pack_neuron_major
 ROWS_X8 = "rows_x8"  # eight rows' blocks side by side, for the repacked kernels: see pack_rows_x8
+DOWN_ROWS = "down_rows"  # a transposed down projection's rows, scales in front, for down_rows_axpy: see pack_down_rows
+ROW_LAYOUTS = (ROW_BLOCKS, DOWN_ROWS)  # data row i holds the weight's row i: rows can be taken, split and cut
 
 
 @jax.tree_util.register_dataclass
@@ -85,6 +87,8 @@ def dequantize(w: QuantArray) -> jax.Array:
     """QuantArray -> f32 [..., cols] (leading dims of `w.data`, so row-gathered arrays work too)."""
     if w.layout == ROWS_X8:
         return dequantize(unpack_rows_x8(w))  # GGUF's rows, w's scale with them
+    if w.layout == DOWN_ROWS:
+        return dequantize(unpack_down_rows(w))
     if w.layout == NEURON_MAJOR:
         values = dequantize_neuron_major(w)
     elif w.qtype in FLOAT_TYPES:
@@ -208,6 +212,50 @@ def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array
 # A group's blocks are one run, so a tensor-parallel cut of rows is whole groups (rows a multiple of 8 tp) and a cut
 # of columns whole blocks of all eight rows, as for GGUF's rows.
 # Q4_K, Q5_K, Q6_K and IQ4_XS take the same groups per 256-value super-block, with their scales unpacked (x8_kquants).
+# The sparse down projection stored transposed (ffn_down_t [n_ff, d], one row per neuron: PowerInfer's layout, or a
+# transposed copy), laid out for cpu_ext's down_rows_axpy (cpu_ext/down_rows.h), which rounds each group of 32 active
+# neurons' coefficients to 8 bits and dots them in integers: each row's block scales first, then its blocks' quants
+# (Q8_0's + 128, unsigned), so that one pass over a row's scales gives a neuron's coefficients on every block. The
+# same bytes as GGUF's row, rearranged; rows stay rows (ROW_LAYOUTS).
+#
+#   row = | d: f16[nb] | qs of block 0 | ... | qs of block nb - 1 |        nb = d / 32
+DOWN_ROWS_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q8_0"))
+
+
+def can_pack_down_rows(w: QuantArray) -> bool:
+    return w.layout == ROW_BLOCKS and w.qtype in DOWN_ROWS_TYPES and not w.exact and w.scale == 1.0
+
+
+def _down_rows_parts(qtype: GGMLQuantizationType) -> tuple[int, int]:
+    """(bytes of a block's scale, of its quants) of a DOWN_ROWS type."""
+    return 2, QUANT_SIZES[qtype][1] - 2
+
+
+def pack_down_rows(w: QuantArray) -> QuantArray:
+    """w [rows, cols] (ROW_BLOCKS) laid out as DOWN_ROWS (see above), in numpy at load."""
+    scale_bytes, q_bytes = _down_rows_parts(w.qtype)
+    data = np.asarray(w.data)
+    blocks = data.reshape(data.shape[0], -1, scale_bytes + q_bytes)
+    quants = blocks[:, :, scale_bytes:]
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        quants = quants ^ np.uint8(0x80)
+    packed = np.concatenate([blocks[:, :, :scale_bytes].reshape(data.shape[0], -1),
+                             quants.reshape(data.shape[0], -1)], axis=1)
+    return dataclasses.replace(w, data=packed, layout=DOWN_ROWS)
+
+
+def unpack_down_rows(w: QuantArray) -> QuantArray:
+    """A DOWN_ROWS w back in GGUF's rows (any leading dims of its data, as dequantize takes them)."""
+    scale_bytes, q_bytes = _down_rows_parts(w.qtype)
+    lead, n_blocks = w.data.shape[:-1], w.shape[1] // QUANT_SIZES[w.qtype][0]
+    scales = w.data[..., :scale_bytes * n_blocks].reshape(*lead, n_blocks, scale_bytes)
+    quants = w.data[..., scale_bytes * n_blocks:].reshape(*lead, n_blocks, q_bytes)
+    if w.qtype == GGMLQuantizationType.Q8_0:
+        quants = quants ^ jnp.uint8(0x80)
+    rows = jnp.concatenate([scales, quants], axis=-1).reshape(*lead, n_blocks * (scale_bytes + q_bytes))
+    return dataclasses.replace(w, data=rows, layout=ROW_BLOCKS)
+
+
 REPACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL")) | \
     frozenset(x8_kquants.GROUP_BYTES)
 INTERLEAVE = 8
@@ -466,9 +514,12 @@ def masked_matmuls(x: jax.Array, ws, mask: jax.Array) -> list[jax.Array]:
 
 def masked_axpy(h: jax.Array, w_t: QuantArray, mask: jax.Array) -> jax.Array:
     """Σ_j mask[..., j] h[..., j] w_t[j, :] -> [..., cols]: a product with a transposed weight (one row per input
-    feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows: of a NEURON_MAJOR
-    weight with h in 8 bits and integer dots, of a transposed one with h in f32; the XLA path zeroes inactive inputs
-    and multiplies with the dequantized weight."""
+    feature, PowerInfer's ffn_down_t) over the active inputs only. cpu_ext reads only active rows: of a DOWN_ROWS
+    weight with each group of 32 neurons' coefficients in 8 bits, of a NEURON_MAJOR one with h in 8 bits, both dotted
+    in integers, of a transposed one in GGUF's rows with h in f32; the XLA path zeroes inactive inputs and multiplies
+    with the dequantized weight."""
+    if (kernels := _kernels(h, w_t, (DOWN_ROWS,))) is not None:
+        return kernels.down_rows_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0], cols=w_t.shape[1])
     if (kernels := _kernels(h, w_t, (NEURON_MAJOR,))) is not None:
         return _scaled(kernels.neuron_major_axpy(h, w_t.data, mask, qtype=w_t.qtype, rows=w_t.shape[0],
                                                  cols=w_t.shape[1], span=neuron_span(w_t.shape[1], w_t.qtype)), w_t)

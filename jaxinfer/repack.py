@@ -4,8 +4,10 @@ weight of quant.REPACKED_TYPES (Q4_0/Q4_1/Q8_0/IQ4_NL, and Q4_K/Q5_K/Q6_K/IQ4_XS
 dense products read.
 
     repacked    attention q/k/v/output; the FFN's gate/up/down when it runs dense and is not split between devices
-                (`ffn`); the output head, and the embedding when it is the output head too (tied): the head is the
-                largest product of a perplexity window, and a lookup unpacks only the groups of the rows it reads
+                (`ffn`); the predictor's fc1/fc2 (dense products every token: a quantized predictor read at the
+                dense kernels' pace); the output head, and the embedding when it is the output head too (tied): the
+                head is the largest product of a perplexity window, and a lookup unpacks only the groups of the
+                rows it reads
     kept        an embedding only looked up; weights marked exact (XLA's f32 products); a sparse or split FFN
                 (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives them back, without rounding,
                 where a model loaded dense is made sparse after)
@@ -26,6 +28,7 @@ from jaxinfer.quant import QuantArray
 
 ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")
 FFN = ("ffn_gate", "ffn_up", "ffn_down")
+PREDICTOR = ("fc1", "fc2")
 OUTPUT = "output"  # the output head, of its own or the embedding
 ROW_CUT = frozenset(name for name, axis in sharding.LAYER_CUTS.items() if axis == sharding.ROWS) | {OUTPUT}
 
@@ -34,7 +37,7 @@ def packs(name: str, w: QuantArray, plan: Plan, ffn: bool = True) -> bool:
     """Whether the weight `w` of Layer field `name` (or OUTPUT) is repacked at load (see above)."""
     if not plan.repack or not quant.can_pack_rows_x8(w):
         return False
-    if name not in ATTENTION + (OUTPUT,) and not (ffn and name in FFN):
+    if name not in ATTENTION + PREDICTOR + (OUTPUT,) and not (ffn and name in FFN):
         return False
     return plan.tp == 1 or name not in ROW_CUT or w.shape[0] % (quant.INTERLEAVE * plan.tp) == 0
 

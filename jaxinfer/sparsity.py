@@ -144,8 +144,19 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
         layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec, cfg.plan)) for layer in layers]
     elif cfg.gate_activation in NATURAL_ZEROS:
         layers = [_with_ternary_down_t(m.path, layer) for layer in layers]
+    if cfg.plan.down_rows:
+        layers = [with_down_rows(layer) for layer in layers]
     weights = dataclasses.replace(m.weights, layers=layers)
     return dataclasses.replace(m, config=cfg, weights=weights)
+
+
+def with_down_rows(layer):
+    """The layer with a Q4_0/Q8_0 down projection held one row per neuron (a PowerInfer file's ffn_down_t, or a
+    transposed copy) laid out for cpu_ext's integer axpy (quant.pack_down_rows: the same bytes, each row's scales in
+    front): at 4096-wide rows the f32 axpy is compute-bound, this one reads at the dense kernels' pace."""
+    if layer.ffn_down_t is None or not quant.can_pack_down_rows(layer.ffn_down_t):
+        return layer
+    return dataclasses.replace(layer, ffn_down_t=quant.pack_down_rows(layer.ffn_down_t))
 
 
 def packs_neuron_major(spec: SparsitySpec, plan: Plan) -> bool:

@@ -1,6 +1,14 @@
+import gc
 import os
+import signal
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# A shell starts a background job (`pytest ... &`) with SIGINT ignored, and an ignored signal stays ignored across
+# exec: the CLIs the tests start would never see the Ctrl-C the tests send them. A handler instead is reset to the
+# default in a child, where Python installs its KeyboardInterrupt.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -35,6 +43,16 @@ def isa(request):
     cpu_ext.select_isa(request.param)
     yield request.param
     cpu_ext.select_isa("best")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_compiled_programs():
+    """Each module's compiled programs are let go after it: they pile up over a module's shapes and types (the kernel
+    tests' eager calls: +2.3 GB in tests/test_cpu_ext.py), and the persistent compilation cache serves the few that
+    a later module compiles again."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture

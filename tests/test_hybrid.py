@@ -31,7 +31,15 @@ def models(tmp_path_factory):
                                      sparsity.with_transposed_down(dataclasses.replace(
                                          layer, ffn_threshold=jnp.float32(0.02))) for layer in dense.weights.layers]))
     predictor = sparsity.apply(engine.load_model(predictor_path), sparsity.SparsitySpec("predictor"))
-    return {"dense": dense, "hidden": hidden, "predictor": predictor}
+    exact = sparsity.apply(engine.load_model(predictor_path, exact=True), sparsity.SparsitySpec("predictor"))
+    return {"dense": dense, "hidden": hidden, "predictor": predictor, "predictor_exact": exact}
+
+
+# The predictor model's down projection (ffn_down_t rows, cpu_ext's down_rows_axpy) rounds each group of 32 active
+# neurons' coefficients to 8 bits with one scale per block, and a part groups its own neurons: a split changes that
+# rounding, not only the order of the parts' sums (measured: 0.03 at most on logits within +-3.5). With exact products
+# ("predictor_exact") a split changes the order of additions only.
+GROUPED_ROUNDING = 5e-2
 
 
 def split_at(m, hot_share: float, seed: int = 0):
@@ -64,11 +72,12 @@ def greedy(m, prompt, n):
                                        stop_ids=frozenset()))
 
 
-@pytest.mark.parametrize("mode", ["dense", "hidden", "predictor"])
+@pytest.mark.parametrize("mode", ["dense", "hidden", "predictor", "predictor_exact"])
 @pytest.mark.parametrize("hot_share", [0.0, 0.3, 1.0])
 def test_a_split_model_equals_the_unsplit_one(models, mode, hot_share):
     """Split or not, the same weights give the same logits (to f32 rounding: the parts' sums are added in another
-    order) in prefill and decode, and the same greedy tokens through generate's while_loop."""
+    order; a predictor model's down projection to GROUPED_ROUNDING where both parts hold neurons) in prefill and
+    decode, and the same greedy tokens through generate's while_loop."""
     m = models[mode]
     split = split_at(m, hot_share)
     on_host = [getattr(p, "on_host", False) for layer in split.weights.layers for p in layer.ffn_parts]
@@ -76,8 +85,12 @@ def test_a_split_model_equals_the_unsplit_one(models, mode, hot_share):
     assert (False in on_host) == (hot_share > 0)
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)
-    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
-    assert greedy(split, prompt, 12) == greedy(m, prompt, 12)
+    regrouped = mode == "predictor" and 0 < hot_share < 1
+    assert regrouped == (m.weights.layers[0].ffn_down_t.layout == quant.DOWN_ROWS and 0 < hot_share < 1)
+    tolerance = GROUPED_ROUNDING if regrouped else 1e-5 * np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance)
+    if not regrouped:
+        assert greedy(split, prompt, 12) == greedy(m, prompt, 12)
 
 
 def test_pallas_kernel_part_equals_the_unsplit_model(models):
@@ -145,13 +158,14 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
 
 @pytest.mark.parametrize("ubatch", [8, 32])
 def test_perplexity_of_a_split_model_equals_the_unsplit_ones(models, ubatch):
-    m = models["predictor"]
-    split = split_at(m, 0.3)
     windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
-    expected = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=ubatch, progress=False)
-    got = evaluation.evaluate_windows(split.weights, m.config, windows, n_seq=2, ubatch=ubatch, progress=False)
-    np.testing.assert_allclose(got.nll, expected.nll, rtol=0, atol=1e-4)
-    assert abs(got.ppl - expected.ppl) < 1e-4 * expected.ppl
+    for mode, tolerance in (("predictor_exact", 1e-4), ("predictor", 1e-2)):  # GROUPED_ROUNDING's share of a PPL
+        m = models[mode]
+        split = split_at(m, 0.3)
+        expected = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, ubatch=ubatch, progress=False)
+        got = evaluation.evaluate_windows(split.weights, m.config, windows, n_seq=2, ubatch=ubatch, progress=False)
+        np.testing.assert_allclose(got.nll, expected.nll, rtol=tolerance, atol=tolerance, err_msg=mode)
+        assert abs(got.ppl - expected.ppl) < tolerance * expected.ppl, mode
 
 
 @pytest.fixture

@@ -25,6 +25,10 @@ F32_ROUNDING = 2e-5
 # logits' scale here). Greedy tokens agree on these two-layer models, not on every model (the default model's test
 # below); exact weights (XLA's f32 products) are held to F32_ROUNDING.
 KERNEL_ROUNDING = 1e-2
+# A predictor model's down projection (ffn_down_t rows, cpu_ext's down_rows_axpy) rounds each group of 32 active
+# neurons' coefficients to 8 bits with one scale per block: each device groups its own neurons, so the rounding itself
+# differs, not only the order of additions (measured: 0.025 at most on logits within +-3).
+GROUPED_ROUNDING = 5e-2
 
 
 def env():
@@ -50,7 +54,7 @@ def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, e
     if spec.startswith("hidden"):  # |h| under the threshold: inactive
         sparsity.save_thresholds(path, "hidden", {0.5: np.full(2, 0.05, np.float32)}, "test")
     runs = sharded_runs(tmp_path, path, spec, exact)
-    tolerance = F32_ROUNDING if exact else KERNEL_ROUNDING
+    tolerance = F32_ROUNDING if exact else GROUPED_ROUNDING if spec == "predictor" else KERNEL_ROUNDING
     for tp in (2, 4):
         for what in ("prefill", "decode", "decode_active"):
             np.testing.assert_allclose(runs[f"{tp}/{what}"], runs[f"1/{what}"], atol=tolerance, rtol=0,

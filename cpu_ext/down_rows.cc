@@ -1,0 +1,165 @@
+// The down_rows_axpy handler (down_rows.h): the sparse down projection of a Q4_0/Q8_0 weight laid out as down rows,
+// the coefficients of each group of active neurons rounded to 8 bits and dotted in integers; the portable kernel
+// that defines its bits; and the choice of kernel.
+#include <cmath>
+#include <cstring>
+
+#include "down_rows.h"
+#include "sparse_common.h"
+
+namespace jaxinfer_cpu {
+
+template <DownType T>
+void down_group_portable(const DownGroup& g, int cols, DownCoefficients& c, float* y) {
+  const int nb = cols / kQK;
+  constexpr int kQsBytes = down_qs_bytes(T);
+  auto coefficient = [&](int i, int b) {
+    uint16_t bits;
+    std::memcpy(&bits, g.rows[i] + 2 * b, 2);
+    return g.h[i] * fp16_to_f32(bits);
+  };
+  for (int b = 0; b < nb; ++b) {
+    float amax = 0.0f;
+    for (int i = 0; i < g.n; ++i) amax = std::fmax(amax, std::fabs(coefficient(i, b)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    c.scale[b] = amax / 127.0f;
+    int32_t sum = 0;
+    for (int k = 0; k < g.n / 4; ++k) {
+      uint32_t word = 0;
+      for (int r = 0; r < 4; ++r) {
+        const auto rounded = static_cast<int32_t>(std::nearbyint(coefficient(4 * k + r, b) * inv));
+        sum += rounded;
+        word |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(rounded))) << (8 * r);
+      }
+      c.word[static_cast<size_t>(k) * nb + b] = static_cast<int32_t>(word);
+    }
+    c.sum[b] = sum;
+  }
+  for (int b = 0; b < nb; ++b) {
+    int32_t isum[kQK] = {};
+    for (int i = 0; i < g.n; ++i) {
+      const int32_t coef = static_cast<int8_t>(static_cast<uint32_t>(c.word[static_cast<size_t>(i / 4) * nb + b]) >>
+                                               (8 * (i % 4)));
+      const uint8_t* q = g.rows[i] + 2 * nb + kQsBytes * b;
+      for (int j = 0; j < kQK; ++j) {
+        const int value = T == DownType::kQ4_0 ? (j < 16 ? q[j] & 0x0F : q[j - 16] >> 4) : q[j];
+        isum[j] += coef * value;
+      }
+    }
+    for (int j = 0; j < kQK; ++j) {
+      y[kQK * b + j] += c.scale[b] * static_cast<float>(isum[j] - down_offset(T) * c.sum[b]);
+    }
+  }
+}
+
+template void down_group_portable<DownType::kQ4_0>(const DownGroup&, int, DownCoefficients&, float*);
+template void down_group_portable<DownType::kQ8_0>(const DownGroup&, int, DownCoefficients&, float*);
+
+#if !JAXINFER_CPU_X86  // down_rows_avx512.cc is only built for x86-64
+template <DownType T>
+void down_group_avx512(const DownGroup& g, int cols, DownCoefficients& c, float* y) {
+  down_group_portable<T>(g, cols, c, y);
+}
+#endif
+
+namespace {
+
+// The group kernel of the kernel set in use (Kernels::isa, so that tests forcing a set get its kernel): AVX-512 where
+// the set is AVX-512 and the CPU has VBMI, else the portable one.
+DownGroupKernel group_kernel(DownType t) {
+  bool simd = std::strcmp(best_kernels().isa, "avx512") == 0;
+#if JAXINFER_CPU_X86
+  simd = simd && __builtin_cpu_supports("avx512vbmi");
+#endif
+  if (t == DownType::kQ4_0) return simd ? down_group_avx512<DownType::kQ4_0> : down_group_portable<DownType::kQ4_0>;
+  return simd ? down_group_avx512<DownType::kQ8_0> : down_group_portable<DownType::kQ8_0>;
+}
+
+// One item of the work: a group of token t's nonzero neurons, entries [begin, end) of the neuron list.
+struct GroupItem {
+  int64_t t, begin, end;
+};
+
+ffi::Error DownRowsAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
+                            int64_t cols) {
+  const std::string op = "down_rows_axpy";
+  DownType type;
+  int block_bytes;
+  if (qtype == kQ4_0) {
+    type = DownType::kQ4_0, block_bytes = 18;
+  } else if (qtype == kQ8_0) {
+    type = DownType::kQ8_0, block_bytes = 34;
+  } else {
+    return ffi::Error::InvalidArgument(op + ": unsupported GGML type " + std::to_string(qtype) + " (Q4_0 or Q8_0)");
+  }
+  if (rows <= 0 || rows > (int64_t{1} << 30) || cols <= 0 || cols % kQK != 0 || cols > (int64_t{1} << 30)) {
+    return ffi::Error::InvalidArgument(op + ": rows=" + std::to_string(rows) + " must be positive and cols=" +
+                                       std::to_string(cols) + " a positive multiple of 32");
+  }
+  const int64_t row_bytes = cols / kQK * block_bytes;
+  const auto w_dims = w.dimensions();
+  if (w_dims.size() != 2 || w_dims[0] != rows || w_dims[1] != row_bytes) {
+    return ffi::Error::InvalidArgument(op + ": weight must be uint8 [" + std::to_string(rows) + ", " +
+                                       std::to_string(row_bytes) + "], got " + dims_string(w_dims));
+  }
+  int64_t m;
+  if (ffi::Error error = check_masked_axpy(op, h, mask, *y, rows, cols, &m); error.failure()) return error;
+
+  // Each token's nonzero active neurons, in order, cut into groups: a neuron whose h is 0 adds nothing, and its row
+  // is not read.
+  Scratch& s = thread_scratch();
+  const float* hs = h.typed_data();
+  const uint8_t* ms = mask_bytes(mask);
+  s.rows.resize(static_cast<size_t>(m * rows));
+  std::vector<GroupItem> items;
+  int64_t n = 0;
+  for (int64_t t = 0; t < m; ++t) {
+    const int64_t first = n;
+    for (int64_t j = 0; j < rows; ++j) {  // branch-free, as active_rows
+      s.rows[n] = static_cast<int32_t>(j);
+      n += ms[t * rows + j] != 0 && hs[t * rows + j] != 0.0f;
+    }
+    for (int64_t begin = first; begin < n; begin += kDownGroup) items.push_back({t, begin, std::min(n, begin + kDownGroup)});
+  }
+  const DownGroupKernel kernel = group_kernel(type);
+  const uint8_t* ws = w.typed_data();
+  const int32_t* neurons = s.rows.data();
+  const GroupItem* groups = items.data();
+  sum_over_groups(pool, static_cast<int64_t>(items.size()), m * cols, y->typed_data(), s,
+                  [=](int64_t i0, int64_t i1, float* ys) {
+                    thread_local DownCoefficients coefficients;
+                    coefficients.resize(static_cast<int>(cols / kQK));
+                    DownGroup group;
+                    for (int64_t i = i0; i < i1; ++i) {
+                      const GroupItem& item = groups[i];
+                      group.n = static_cast<int>(item.end - item.begin);
+                      for (int e = 0; e < group.n; ++e) {
+                        const int64_t j = neurons[item.begin + e];
+                        group.rows[e] = ws + j * row_bytes;
+                        group.h[e] = hs[item.t * rows + j];
+                      }
+                      for (; group.n % 4; ++group.n) {
+                        group.rows[group.n] = group.rows[0];
+                        group.h[group.n] = 0.0f;
+                      }
+                      kernel(group, static_cast<int>(cols), coefficients, ys + item.t * cols);
+                    }
+                  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jaxinfer_cpu
+
+// The weight: uint8 [rows, cols / 32 * type_size] laid out as down rows (jaxinfer.quant.pack_down_rows).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DownRowsAxpy, jaxinfer_cpu::DownRowsAxpyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // h [..., rows]
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // W_t as down rows
+                                  .Arg<ffi::Buffer<ffi::PRED>>()  // mask [..., rows]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [..., cols]
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
