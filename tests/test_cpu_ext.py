@@ -29,21 +29,24 @@ def random_weight(qtype, rows, cols, rng):
     return encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), qtype, rng)
 
 
+@functools.partial(jax.jit, static_argnames=("qtype", "rows", "cols"))
 def dequantized(data, qtype, rows, cols):
-    return quant.dequantize(quant.QuantArray(jnp.asarray(data), qtype, (rows, cols)))
+    """Jitted: one program per shape, not dozens of operations compiled one by one (and kept: memory)."""
+    return quant.dequantize(quant.QuantArray(data, qtype, (rows, cols)))
 
 
 def rel_error(y, y_ref, x, w):
     """||y - y_ref|| over the typical size of an output, ||x|| ||W|| / sqrt(cols) (= ||y_ref|| for random x and W;
     unlike ||y_ref|| itself it does not shrink when a one-element output happens to be near zero)."""
-    scale = jnp.linalg.norm(x) * jnp.linalg.norm(w) / np.sqrt(x.shape[-1])
-    return float(jnp.linalg.norm(y - y_ref) / scale)
+    y, y_ref, x, w = (np.asarray(a, np.float64) for a in (y, y_ref, x, w))
+    scale = np.linalg.norm(x) * np.linalg.norm(w) / np.sqrt(x.shape[-1])
+    return float(np.linalg.norm(y - y_ref) / scale)
 
 
 def check(x, data, qtype, rows, cols, y):
     """Compare y with the reference product; returns the relative error."""
     w = dequantized(data, qtype, rows, cols)
-    y_ref = cpu_ext.quantized_matmul_reference(x, w)
+    y_ref = jax.jit(cpu_ext.quantized_matmul_reference)(x, w)
     assert y.shape == y_ref.shape and y.dtype == jnp.float32
     error = rel_error(y, y_ref, x, w)
     assert error < REL_ERROR[qtype], (qtype.name, x.shape, rows, cols, error)
@@ -289,10 +292,10 @@ def sparse_ops(x, h, data, data_masked, data_gathered, mask, index, h_index, *, 
 def sparse_references(x, h, data, data_masked, data_gathered, mask, index, h_index, *, qtype, rows, cols):
     w = dequantized(data, qtype, rows, cols)
     return (
-        cpu_ext.masked_matmul_reference(x, w, mask),
-        cpu_ext.gather_matmul_reference(x, w, index),
-        cpu_ext.masked_axpy_reference(h, w, mask),
-        cpu_ext.gather_axpy_reference(h_index, w, index),
+        jax.jit(cpu_ext.masked_matmul_reference)(x, w, mask),
+        jax.jit(cpu_ext.gather_matmul_reference)(x, w, index),
+        jax.jit(cpu_ext.masked_axpy_reference)(h, w, mask),
+        jax.jit(cpu_ext.gather_axpy_reference)(h_index, w, index),
     )
 
 
