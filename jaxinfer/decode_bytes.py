@@ -135,11 +135,11 @@ def decode_rates(m, prompt: Sequence[int], n_tokens: int, repetitions: int, ctx:
 
 
 def alternate_decode(models: dict, prompt: Sequence[int], n_tokens: int, repetitions: int, ctx: int,
-                     on_run=None) -> tuple[dict[str, list[float]], list[int]]:
+                     on_run=None, warm_up: bool = True) -> tuple[dict[str, list[float]], list[int]]:
     """Each model's decode timed `repetitions` times, the models alternating run by run so that load from other
-    processes hits them alike, after one untimed run of each (it compiles) -> ({name: tokens/s of each run}, the
-    tokens the last model generated). `on_run(name, rate)` is called after each timed run."""
-    for m in models.values():
+    processes hits them alike, with `warm_up` after one untimed run of each (it compiles) -> ({name: tokens/s of each
+    run}, the tokens the last model generated). `on_run(name, rate)` is called after each timed run."""
+    for m in models.values() if warm_up else ():
         decode_rates(m, prompt, n_tokens, 0, ctx, warm_up=True)
     rates = {name: [] for name in models}
     tokens = []

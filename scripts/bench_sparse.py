@@ -2,24 +2,28 @@
 PowerInfer and llama.cpp.
 
 Synthetic mode (the default): for each --levels sparsity level, a 7B-shaped PowerInfer file with exact predictors
-(made on demand in --models_dir by scripts/make_sparse_model.py, or given with --sparse_files, one per level):
+(made on demand in --models_dir by scripts/make_sparse_model.py, named sparse-7b-8l-Q4_0-q8_0-0.9.gguf for --shape,
+--n_layer, --weight_type, --predictor_type and the level, or given with --sparse_files, one per level):
 
     python scripts/bench_sparse.py --models_dir DIR [--levels 0.8,0.9,0.95] [--n_layer 8] [--weight_type Q4_0]
-        [--tg 64] [--repetitions 3] [--powerinfer PATH/main] [--llama_bench PATH/llama-bench] [--threads 2] [--json]
+        [--predictor_type q8_0] [--tg 64] [--repetitions 3] [--rounds 1] [--powerinfer PATH/main]
+        [--llama_bench PATH/llama-bench] [--threads 2] [--json]
 
 Per level: the share of FFN neurons active on the generated tokens, the MiB of weights a decode step reads
 (jaxinfer/decode_bytes.py: dense mode, predictor mode, and all of them without the predictor, as a dense engine
-reads the dense twin), jaxinfer's tg of the dense and the predictor mode (medians of --repetitions runs each, the two
-alternating run by run in this process, after one untimed run of each), the speed-up, the speed-up the bytes promise
-(dense bytes / predictor bytes) and the fraction of it reached (speed-up / promised). In the dense mode a ReLU model
-already skips the down projection's rows of its zeros, so the bytes it reads are fewer than the file's. With
---powerinfer (PowerInfer's `main`), its tg on the same file, the best of its --powerinfer_threads -t values (one run
-each: -n TG --temp 0 --repeat-penalty 1.0 --ignore-eos, from its `eval time` line); with --llama_bench, llama.cpp's tg
-(-n TG -p 0, the median of --repetitions, the best of the --threads -t values) on the file's dense twin
-(make_sparse_model.py --dense_twin, made beside the level's file or in --models_dir): the dense baseline a user would
-otherwise run on these weights. On a loaded machine a peer's spinning threads can stall (PowerInfer -t 2 ran 2000x
-slower than -t 1 on a tiny model at load average 8 here), hence the best of several -t. A peer that fails is one
-line on stderr and a null in the table; without its flag it is not run (null).
+reads the dense twin), jaxinfer's tg of the dense and the predictor mode (--repetitions runs each per round, the two
+alternating run by run in this process, after one untimed run of each; medians over all rounds), the speed-up, the
+speed-up the bytes promise (dense bytes / predictor bytes) and the fraction of it reached (speed-up / promised). In
+the dense mode a ReLU model already skips the down projection's rows of its zeros, so the bytes it reads are fewer
+than the file's. With --powerinfer (PowerInfer's `main`), its tg on the same file, one run per --powerinfer_threads
+-t value per round (-n TG --temp 0 --repeat-penalty 1.0 --ignore-eos, from its `eval time` line); with
+--llama_bench, llama.cpp's tg on the file's dense twin (make_sparse_model.py --dense_twin, made beside the level's
+file or in --models_dir), one llama-bench call per round (-n TG -p 0 -r --repetitions, each --threads -t value): the
+dense baseline a user would otherwise run on these weights. A peer's speed is that of its best -t: the median of
+its runs over all rounds. On a loaded machine a peer's spinning threads can stall (PowerInfer -t 2 ran 2000x slower
+than -t 1 on a tiny model at load average 8 here), hence several -t. A peer that fails is one line on stderr and a
+null in the table; without its flag it is not run (null). --rounds N alternates jaxinfer's runs and the peers' N
+times, for a machine whose speed drifts.
 
 Real-model mode (--specs): a model's dense decode against each training-free sparsity spec, with each one's
 perplexity on -f TEXT (--chunks windows of --ppl_ctx_size); thresholds missing from the model's sidecar (or from
@@ -54,6 +58,8 @@ flags.DEFINE_list("sparse_files", None, "synthetic mode: PowerInfer files to use
 flags.DEFINE_string("shape", "7b", "synthetic mode: make_sparse_model --shape of the files made")
 flags.DEFINE_integer("n_layer", 8, "synthetic mode: layers of the files made")
 flags.DEFINE_string("weight_type", "Q4_0", "synthetic mode: make_sparse_model --weight_type of the files made")
+flags.DEFINE_enum("predictor_type", "q8_0", ["f16", "q8_0", "q4_0"], "synthetic mode: make_sparse_model "
+                  "--predictor_type of the files made")
 flags.DEFINE_string("model", None, "real-model mode: GGUF model (default: the built-in SmolLM2 Q4_1)", short_name="m")
 flags.DEFINE_list("specs", None, "real-model mode: sparsity specs to compare with dense, e.g. hidden:0.3,gate:0.5")
 flags.DEFINE_string("file", None, "real-model mode: text for the perplexity (and calibration)", short_name="f")
@@ -62,7 +68,9 @@ flags.DEFINE_integer("ppl_ctx_size", 512, "real-model mode: tokens per perplexit
 flags.DEFINE_string("thresholds", None, "real-model mode: calibrated thresholds file to read, and to calibrate missing "
                     "ones into (default: the model's sidecar, as calibrate writes)")
 flags.DEFINE_integer("tg", 64, "decode steps per timed run (and the peers' -n)")
-flags.DEFINE_integer("repetitions", 3, "timed runs of each model, alternating (and llama-bench's -r)")
+flags.DEFINE_integer("repetitions", 3, "timed runs of each model per round, alternating (and llama-bench's -r)")
+flags.DEFINE_integer("rounds", 1, "rounds of jaxinfer's runs then the peers' (the machine's load drifts): the speeds "
+                     "are medians over all rounds' runs, a peer's of each -t")
 flags.DEFINE_integer("ctx_size", 4096, "KV cache positions for decode (generate's default)", short_name="c")
 flags.DEFINE_string("powerinfer", None, "path to PowerInfer's main: its tg on the same files")
 flags.DEFINE_list("powerinfer_threads", ["1", "2"], "PowerInfer's -t values; the best is reported")
@@ -73,6 +81,7 @@ flags.DEFINE_integer("peer_timeout", 1800, "seconds a peer's run may take")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
 check_range("tg", 2)
 check_range("repetitions", 1)
+check_range("rounds", 1)
 check_range("chunks", 1)
 check_range("ppl_ctx_size", 8)
 check_range("peer_timeout", 1)
@@ -117,39 +126,57 @@ EVAL_LINE = re.compile(r"^llama_print_timings:\s+eval time\s*=.*?([\d.]+)\s+toke
 BUILD_LINE = re.compile(r"^main: build = (\d+) \((\w+)\)", re.MULTILINE)
 
 
-def powerinfer_tg(path: str) -> dict:
-    """PowerInfer's decode speed on `path`: the best of its -t values -> {powerinfer_tg, powerinfer_threads,
-    powerinfer_build}, None where no run gave one (each failure one line on stderr)."""
-    best, build, failures = None, None, []
+class Peer:
+    """A peer's runs on one file over the rounds: tokens/s by -t, its build, and what failed (said once, at the
+    end)."""
+
+    def __init__(self, name: str, path: str):
+        self.name, self.path = name, path
+        self.samples: dict[int, list[float]] = {}
+        self.build = None
+        self.failures: dict[str, list[str]] = {}  # what it said -> the -t values (or calls) that said it
+
+    def add(self, threads, rates: list[float]):
+        self.samples.setdefault(int(threads), []).extend(rates)
+        for rate in rates:
+            print(f"{self.name} -t {threads}: tg{FLAGS.tg} {rate:.2f} tokens/s", flush=True)
+
+    def failed(self, what: str, failure: str):
+        self.failures.setdefault(failure, []).append(what)
+
+    def result(self, prefix: str) -> dict:
+        """{PREFIX_tg, PREFIX_threads, PREFIX_build}: the best -t by its median, None where nothing ran; a failure
+        is one line on stderr."""
+        medians = {threads: statistics.median(rates) for threads, rates in self.samples.items()}
+        threads = max(medians, key=medians.get) if medians else None
+        if self.failures:
+            said = "; ".join(f"{', '.join(dict.fromkeys(whats))}: {failure}"
+                             for failure, whats in self.failures.items())
+            print(f"{self.name} on {self.path} failed ({said})" + ("" if medians else ": reported as null"),
+                  file=sys.stderr, flush=True)
+        return {f"{prefix}_tg": medians.get(threads), f"{prefix}_threads": threads, f"{prefix}_build": self.build}
+
+
+def powerinfer_round(peer: Peer):
+    """One PowerInfer run per --powerinfer_threads value (its `eval time` line)."""
     for threads in FLAGS.powerinfer_threads:
-        done, failure = run_peer([FLAGS.powerinfer, "-m", path, "-n", str(FLAGS.tg), "--temp", "0", "--repeat-penalty",
-                                  "1.0", "--ignore-eos", "-t", threads, "-p", "a"])
+        done, failure = run_peer([FLAGS.powerinfer, "-m", peer.path, "-n", str(FLAGS.tg), "--temp", "0",
+                                  "--repeat-penalty", "1.0", "--ignore-eos", "-t", threads, "-p", "a"])
         found = EVAL_LINE.search(done.stderr + done.stdout) if done else None
         if done and not found:
             failure = "printed no 'llama_print_timings: eval time' line"
         if failure:
-            failures.append((threads, failure))
+            peer.failed(f"-t {threads}", failure)
             continue
-        rate = float(found.group(1))
-        print(f"PowerInfer -t {threads}: tg{FLAGS.tg} {rate:.2f} tokens/s", flush=True)
-        if best is None or rate > best[0]:
-            best = (rate, int(threads))
+        peer.add(threads, [float(found.group(1))])
         if m := BUILD_LINE.search(done.stderr):
-            build = f"build {m.group(1)} ({m.group(2)})"
-    if failures:
-        said = {failure for _, failure in failures}
-        said = [f"-t {','.join(t for t, _ in failures)}: {said.pop()}"] if len(said) == 1 else \
-            [f"-t {t}: {failure}" for t, failure in failures]
-        print(f"PowerInfer on {path} failed ({'; '.join(said)})" + ("" if best else ": reported as null"),
-              file=sys.stderr, flush=True)
-    return {"powerinfer_tg": best and best[0], "powerinfer_threads": best and best[1], "powerinfer_build": build}
+            peer.build = f"build {m.group(1)} ({m.group(2)})"
 
 
-def llama_cpp_tg(path: str) -> dict:
-    """llama-bench's decode speed on `path` (the median of its repetitions, the best of its -t values) ->
-    {llama_cpp_tg, llama_cpp_threads, llama_cpp_build}, None where it failed (one line on stderr)."""
-    done, failure = run_peer([FLAGS.llama_bench, "-m", path, "-t", ",".join(FLAGS.threads), "-n", str(FLAGS.tg), "-p",
-                              "0", "-r", str(FLAGS.repetitions), "-o", "json"])
+def llama_bench_round(peer: Peer):
+    """One llama-bench call: -r --repetitions runs per --threads value."""
+    done, failure = run_peer([FLAGS.llama_bench, "-m", peer.path, "-t", ",".join(FLAGS.threads), "-n", str(FLAGS.tg),
+                              "-p", "0", "-r", str(FLAGS.repetitions), "-o", "json"])
     rows = []
     if done:
         try:
@@ -159,28 +186,29 @@ def llama_cpp_tg(path: str) -> dict:
         if not rows and not failure:
             failure = f"reported no tg{FLAGS.tg}"
     if failure:
-        print(f"llama-bench on {path} failed ({failure}): reported as null", file=sys.stderr, flush=True)
-        return dict.fromkeys(LLAMA_CPP_KEYS)
-    best = None
+        peer.failed(f"-t {','.join(FLAGS.threads)}", failure)
+        return
     for row in rows:
-        rate = statistics.median(row["samples_ts"])
-        print(f"llama.cpp -t {row.get('n_threads')}: tg{FLAGS.tg} {rate:.2f} tokens/s (median of "
-              f"{len(row['samples_ts'])})", flush=True)
-        if best is None or rate > best[0]:
-            best = (rate, row.get("n_threads"))
-    return {"llama_cpp_tg": best[0], "llama_cpp_threads": best[1],
-            "llama_cpp_build": f"{rows[0].get('build_commit')} ({rows[0].get('build_number')})"}
+        peer.add(row.get("n_threads", 0), row["samples_ts"])
+    peer.build = f"{rows[0].get('build_commit')} ({rows[0].get('build_number')})"
 
 
-def timed_models(models: dict) -> tuple[dict[str, float], list[int]]:
-    """Each model's median decode speed over --repetitions runs, alternating -> ({name: tokens/s}, the tokens)."""
-    first = next(iter(models.values()))
-    prompt = [first.tokenizer.bos_id or 0]
-
-    def report(name, rate):
-        print(f"  {name}: tg{FLAGS.tg} {rate:.2f} tokens/s", flush=True)
-
-    rates, tokens = decode_bytes.alternate_decode(models, prompt, FLAGS.tg, FLAGS.repetitions, FLAGS.ctx_size, report)
+def measure(models: dict, peers: list[tuple[Peer, object]]) -> tuple[dict[str, float], list[int]]:
+    """--rounds rounds of: each model's decode --repetitions times, alternating run by run, then each peer's round
+    -> ({name: median tokens/s over all the runs}, the tokens the last run generated)."""
+    prompt = [next(iter(models.values())).tokenizer.bos_id or 0]
+    rates = {name: [] for name in models}
+    tokens = []
+    for index in range(FLAGS.rounds):
+        if FLAGS.rounds > 1:
+            print(f"round {index + 1} of {FLAGS.rounds} ({loads()})", flush=True)
+        round_rates, tokens = decode_bytes.alternate_decode(
+            models, prompt, FLAGS.tg, FLAGS.repetitions, FLAGS.ctx_size, warm_up=index == 0,
+            on_run=lambda name, rate: print(f"  {name}: tg{FLAGS.tg} {rate:.2f} tokens/s", flush=True))
+        for name, r in round_rates.items():
+            rates[name] += r
+        for peer, run_round in peers:
+            run_round(peer)
     return {name: float(np.median(r)) for name, r in rates.items()}, tokens
 
 
@@ -210,11 +238,12 @@ def level_files(levels: list[float]) -> list[str]:
     os.makedirs(FLAGS.models_dir, exist_ok=True)
     paths = []
     for level in levels:
-        name = f"sparse-{FLAGS.shape}-{FLAGS.n_layer}l-{FLAGS.weight_type}-{level:g}.gguf"
+        name = f"sparse-{FLAGS.shape}-{FLAGS.n_layer}l-{FLAGS.weight_type}-{FLAGS.predictor_type}-{level:g}.gguf"
         path = os.path.join(FLAGS.models_dir, name)
         if not os.path.isfile(path):
             command = [sys.executable, MAKE_SPARSE_MODEL, "--shape", FLAGS.shape, "--n_layer", str(FLAGS.n_layer),
-                       "--weight_type", FLAGS.weight_type, "--sparsity", f"{level:g}", "-o", path]
+                       "--weight_type", FLAGS.weight_type, "--predictor_type", FLAGS.predictor_type, "--sparsity",
+                       f"{level:g}", "-o", path]
             print(f"making {path}: {' '.join(command[1:])}", file=sys.stderr, flush=True)
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
@@ -242,25 +271,35 @@ def bench_level(level: float, path: str) -> dict:
     models = {"dense": sparsity.apply(m, sparsity.SparsitySpec("dense")),
               "predictor": sparsity.apply(m, sparsity.SparsitySpec("predictor"))}
     del m
+    peers = []
+    if FLAGS.powerinfer:
+        peers.append((Peer("PowerInfer", path), powerinfer_round))
+    if FLAGS.llama_bench:
+        peers.append((Peer("llama-bench", twin_path(path)), llama_bench_round))
     runtime.freeze_loaded_objects()  # as generate does after loading
-    rates, tokens = timed_models(models)
+    rates, tokens = measure(models, peers)
     dense, dense_shares = byte_row(models["dense"], tokens)
     sparse, _ = byte_row(models["predictor"], tokens)
     twin, _ = byte_row(models["dense"], tokens, np.ones_like(dense_shares))  # every row, no predictor
+    del models
+    gc.unfreeze()
+    gc.collect()
     row = {"level": level, "file": path, "active_share": sparse.active_share,
            "dense_active_share": dense.active_share, "dense_mib": dense.total / MIB,
            "sparse_mib": sparse.total / MIB, "twin_mib": twin.total / MIB,
            "sparse_mib_by_class": {k: v / MIB for k, v in sparse.read.items()},
            "dense_tg": rates["dense"], "sparse_tg": rates["predictor"],
            **compared(rates["dense"], rates["predictor"], dense.total, sparse.total)}
-    del models
-    gc.unfreeze()
-    gc.collect()
-    row |= powerinfer_tg(path) if FLAGS.powerinfer else dict.fromkeys(POWERINFER_KEYS)
-    row |= llama_cpp_tg(twin_path(path)) if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
+    found = {peer.name: peer for peer, _ in peers}
+    row |= found["PowerInfer"].result("powerinfer") if FLAGS.powerinfer else dict.fromkeys(POWERINFER_KEYS)
+    row |= found["llama-bench"].result("llama_cpp") if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
     for peer in ("powerinfer_tg", "llama_cpp_tg"):
         row[f"sparse_over_{peer}"] = row[peer] and row["sparse_tg"] / row[peer]
     return row
+
+
+def runs() -> str:
+    return f"{FLAGS.repetitions * FLAGS.rounds}" + (f" in {FLAGS.rounds} rounds" if FLAGS.rounds > 1 else "")
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -268,7 +307,7 @@ def fmt(value, spec: str = ".2f") -> str:
 
 
 def print_levels(rows: list[dict]):
-    print(f"\ntg{FLAGS.tg}, tokens/s (jaxinfer: medians of {FLAGS.repetitions} alternating runs); MiB of weights a "
+    print(f"\ntg{FLAGS.tg}, tokens/s (jaxinfer: medians of {runs()} alternating runs); MiB of weights a "
           f"decode step reads; ideal = dense MiB / predictor MiB; reached = speed-up / ideal")
     print("| sparsity | active | MiB dense / predictor / all | jaxinfer dense | predictor | speed-up | ideal | reached "
           "| PowerInfer (-t) | llama.cpp on the twin (-t) | predictor ÷ PowerInfer | predictor ÷ llama.cpp |")
@@ -337,9 +376,10 @@ def real_mode() -> dict:
                                          sparsity.THRESHOLD_METHODS else None) for spec in specs}
     path = m.path
     del m
+    peer = Peer("llama-bench", path)
     runtime.freeze_loaded_objects()
     print(f"decode ({loads()})", flush=True)
-    rates, generated = timed_models(models)
+    rates, generated = measure(models, [(peer, llama_bench_round)] if FLAGS.llama_bench else [])
     rows = []
     steps = {name: byte_row(sm, generated)[0] for name, sm in models.items()}
     for name, sm in models.items():
@@ -349,8 +389,8 @@ def real_mode() -> dict:
         rows.append({"spec": name, "active_share": step.active_share, "mib": step.total / MIB, "tg": rates[name],
                      "ppl": result.ppl, "ppl_error": result.error,
                      **compared(rates["dense"], rates[name], steps["dense"].total, step.total)})
-    llama = llama_cpp_tg(path) if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
-    print(f"\n{os.path.basename(path)}: tg{FLAGS.tg}, tokens/s (medians of {FLAGS.repetitions} alternating runs); "
+    llama = peer.result("llama_cpp") if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
+    print(f"\n{os.path.basename(path)}: tg{FLAGS.tg}, tokens/s (medians of {runs()} alternating runs); "
           f"PPL over {FLAGS.chunks} windows of {n_ctx} of {FLAGS.file}; llama.cpp tg{FLAGS.tg} "
           f"{fmt(llama['llama_cpp_tg'])}")
     print("| sparsity | active | MiB read | tg | speed-up | ideal | reached | PPL |")

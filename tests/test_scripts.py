@@ -27,6 +27,7 @@ def run(*args):
 @pytest.mark.parametrize("mode, skipped, weight_type", [("hidden", ("ffn_down",), "Q4_0"),
                                                      ("hidden", ("ffn_down",), "Q8_0"),
                                                      ("gate", ("ffn_up", "ffn_down"), "Q4_0")])
+@pytest.mark.slow
 def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skipped, weight_type):
     """A plain synthetic llama (make_sparse_model --sparsity 0), calibrated for MODE:0.5: --compare_dense reports
     both speeds and a share of weight bytes saved that is the skipped share of the matrices the mode skips by neuron
@@ -67,6 +68,7 @@ def test_bench_generate_compares_sparse_with_dense_decoding(tmp_path, mode, skip
         assert 0 < report["lines_saved_share"] < report["bytes_saved_share"]
 
 
+@pytest.mark.slow
 def test_bench_generate_times_deep_in_the_context(tmp_path):
     """--depth D: pp and tg run with D tokens already in the cache (llama-bench's -d); bad values are one line."""
     model = str(tmp_path / "plain.gguf")
@@ -103,6 +105,7 @@ print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "samples_ts": [100.0 * n, 12
 """
 
 
+@pytest.mark.slow
 def test_bench_generate_runs_llama_bench_without_depth_and_shows_why_it_failed(tmp_path):
     """--llama_bench passes -d only with --depth (older builds reject "-d 0"), reads its JSON, and a failing
     llama-bench is one error line with the end of its stderr."""
@@ -126,6 +129,7 @@ def test_bench_generate_runs_llama_bench_without_depth_and_shows_why_it_failed(t
             assert last.startswith("error: llama-bench exited with status 1") and fail in last, last
 
 
+@pytest.mark.slow
 def test_bench_generate_alternates_rounds_with_llama_bench_and_takes_medians(tmp_path):
     """--rounds 3: ours then llama-bench three times; each test's ratio is the median of the rounds' ratios, with
     their range, and the speeds are the medians."""
@@ -151,6 +155,7 @@ def test_bench_generate_alternates_rounds_with_llama_bench_and_takes_medians(tmp
     assert "median of 3 alternating rounds" in result.stdout
 
 
+@pytest.mark.slow
 def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
     result = run("scripts/bench_sparse_kernels.py", "--types", "Q5_K,Q4_1", "--shapes", "256x512", "--tokens", "1",
                  "--sparsity", "0.5", "--calls", "2", "--repeats", "1")
@@ -166,6 +171,7 @@ def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_repacked_kernels_runs_and_rejects_types_without_repacked_kernels():
     result = run("scripts/bench_repacked_kernels.py", "--types", "Q4_0,IQ4_NL", "--shapes", "13x64", "--tokens", "1,5",
                  "--repeats", "1")
@@ -185,6 +191,7 @@ def test_make_sparse_model_rejects_a_bad_sparsity(tmp_path):
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.slow
 def test_make_sparse_model_writes_a_ternary_bitnet_model(tmp_path):
     """--architecture bitnet-b1.58 with an I2_S weight type: a BitNet file with sub-norms and I2_S matrices of
     ternary values, the vocabulary asked for; a sparse BitNet and an unknown type are refused."""
@@ -205,6 +212,7 @@ def test_make_sparse_model_writes_a_ternary_bitnet_model(tmp_path):
             fragment in bad.stderr, bad.stderr
 
 
+@pytest.mark.slow
 def test_bench_startup_times_a_cold_and_a_warm_run(make_model):
     result = run("scripts/bench_startup.py", "-m", make_model(), "--warm_runs", "1", "--json", "--", "-c", "64")
     assert result.returncode == 0, result.stderr
@@ -218,6 +226,7 @@ def test_bench_startup_times_a_cold_and_a_warm_run(make_model):
     assert "model file not found" in bad.stderr
 
 
+@pytest.mark.slow
 def test_make_sparse_model_refuses_a_shape_that_would_not_load(tmp_path):
     """12 heads do not divide 512: one error line naming it and the flags, nothing written; --n_head 8 writes a file
     that loads with 8 heads (and as many KV heads)."""
@@ -356,24 +365,25 @@ def fake(path: pathlib.Path, text: str, fail_on: str) -> str:
 def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path):
     """Two levels of tiny PowerInfer files in --models_dir, one there already, one made: per level the bytes each
     mode reads (the sums of the file's tensors), the speed-up against the one the bytes promise, PowerInfer's best
-    -t on the file and llama.cpp's best -t on the dense twin (made beside it). A peer that fails (here on the 0.95
-    file) is one line naming it and what it said, and null in the table."""
+    -t on the file and llama.cpp's best -t on the dense twin (made beside it), in each of two rounds. A peer that
+    fails (here on the 0.95 file) is one line naming it and what it said, and null in the table."""
     models = tmp_path / "models"
     models.mkdir()
-    given = synthetic.write_model(str(models / "sparse-tiny-1l-Q4_0-0.8.gguf"), synthetic.SyntheticSpec(
+    given = synthetic.write_model(str(models / "sparse-tiny-1l-Q4_0-q8_0-0.8.gguf"), synthetic.SyntheticSpec(
         n_layer=1, n_embd=64, n_ff=256, sparsity=0.8, weight_type=Q.Q4_0, embedding_type=Q.Q8_0))
     powerinfer = fake(tmp_path / "main", FAKE_POWERINFER, "-0.95.")
     llama_bench = fake(tmp_path / "llama-bench", FAKE_LLAMA_BENCH_TG, "-0.95.")
     result = run("scripts/bench_sparse.py", "--models_dir", str(models), "--shape", "tiny", "--n_layer", "1",
-                 "--levels", "0.8,0.95", "--tg", "4", "--repetitions", "1", "-c", "32", "--powerinfer", powerinfer,
+                 "--levels", "0.8,0.95", "--tg", "4", "--repetitions", "1", "--rounds", "2", "-c", "32",
+                 "--powerinfer", powerinfer,
                  "--llama_bench", llama_bench, "--threads", "1,2", "--json")
     assert result.returncode == 0, result.stderr
     made = [line for line in result.stderr.splitlines() if line.startswith("making /")]
     assert len(made) == 1 and "-0.95.gguf: " in made[0], made  # 0.8's file was there
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     ok, failed = summary["levels"]
-    assert ok["file"] == given and failed["file"] == str(models / "sparse-tiny-1l-Q4_0-0.95.gguf")
-    assert (models / "sparse-tiny-1l-Q4_0-0.8.dense.gguf").is_file()
+    assert ok["file"] == given and failed["file"] == str(models / "sparse-tiny-1l-Q4_0-q8_0-0.95.gguf")
+    assert (models / "sparse-tiny-1l-Q4_0-q8_0-0.8.dense.gguf").is_file()
 
     size = {n.removeprefix("blk.0.").removesuffix(".weight"): t.n_bytes for n, t in open_gguf(given).tensors.items()}
     fixed = sum(size[n] for n in ("attn_q", "attn_k", "attn_v", "attn_output", "output"))
@@ -394,8 +404,9 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert failed["powerinfer_tg"] is None and failed["llama_cpp_tg"] is None and failed["sparse_tg"] > 0
     said = [line for line in result.stderr.splitlines() if "failed" in line]
     assert len(said) == 2 and "Traceback" not in result.stderr, result.stderr
-    assert said[0] == (f"PowerInfer on {failed['file']} failed (-t 1,2: exited with status 1: llama_model_loader: "
+    assert said[0] == (f"PowerInfer on {failed['file']} failed (-t 1, -t 2: exited with status 1: llama_model_loader: "
                        "loaded meta data | llama_model_load: error loading model: unknown tensor): reported as null")
+    assert result.stdout.count("PowerInfer -t 2: tg4 20.00 tokens/s") == 2  # once a round, on the 0.8 file
     assert said[1].startswith("llama-bench on ") and "error loading model" in said[1], said[1]
     table = [line for line in result.stdout.splitlines() if line.startswith(("| 0.8 |", "| 0.95 |"))]
     assert len(table) == 2 and table[1].endswith("| - | - | - | - |") and "20.00 (2)" in table[0]
