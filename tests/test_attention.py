@@ -59,6 +59,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch, n_query, n_key, n_head, n_head_kv, start", CASES)
 def test_equals_model_attend_and_a_per_head_loop_for_every_limit(batch, n_query, n_key, n_head, n_head_kv, start):
     q, k, v, q_pos, k_pos = inputs(start + n_head, batch, n_query, n_key, n_head, n_head_kv, start)

@@ -74,6 +74,7 @@ def test_the_architectures_are_registered_with_their_block():
 @pytest.mark.parametrize("arch, qtype", [("bitnet", Q.TQ2_0), ("bitnet-b1.58", Q.TQ1_0),
                                          ("bitnet-b1.58", ternary.I2_S), ("bitnet", Q.F32)],
                          ids=lambda v: getattr(v, "name", v))
+@pytest.mark.slow
 def test_forward_is_the_block_s_equations(tmp_path, arch, qtype):
     """With XLA's products to f32 rounding; with cpu_ext's ternary kernels to their 8-bit activations' rounding
     (TQ1_0/TQ2_0: llama.cpp's Q8_K, a scale per 256 values, measured 2.9e-2 and 3.3e-2 of the largest logit after two
@@ -105,6 +106,7 @@ def test_incremental_decode_matches_the_full_forward(tmp_path):
     assert_incremental_decode_matches_full_forward(bitnet_model(tmp_path, "bitnet-b1.58", ternary.I2_S), n_prompt=5)
 
 
+@pytest.mark.slow
 def test_the_squared_relu_ffn_has_natural_zeros_that_the_dense_mode_skips(tmp_path):
     """b1.58's FFN: relu(gate)² is zero for about half the neurons, and the dense mode's `active` is exactly the
     nonzero hidden values (their down rows alone are read); SiLU's bitnet has next to none (an integer dot of a

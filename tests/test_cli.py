@@ -83,6 +83,7 @@ def assert_one_line_error(result, fragment):
     assert result["stdout"] == ""
 
 
+@pytest.mark.slow
 def test_help_exits_0_and_shows_every_flags_full_help_and_the_docstring_as_written():
     runs = [(module, [arg]) for module in CLIS for arg in ("--help", "-h", "--helpfull")]
     for (module, (arg,)), result in zip(runs, run_all(runs)):
@@ -151,6 +152,7 @@ BAD_FLAGS = [
 ]
 
 
+@pytest.mark.slow
 def test_bad_flag_values_are_one_line_errors_before_anything_loads():
     """No -m: a bad value must be reported before a model would be needed (none is installed for -m's default)."""
     results = run_all([(module, args + ["-f", "/no/such.txt"] * (module not in TAKES_NO_TEXT_FILE))
@@ -159,6 +161,7 @@ def test_bad_flag_values_are_one_line_errors_before_anything_loads():
         assert_one_line_error(result, fragment)
 
 
+@pytest.mark.slow
 def test_normal_runs_print_only_the_projects_own_lines(make_model, tmp_path):
     model = make_model(n_ctx=64, sparsity=0.8)
     text = tmp_path / "text.txt"
@@ -197,6 +200,7 @@ def test_normal_runs_print_only_the_projects_own_lines(make_model, tmp_path):
     assert probed["rc"] == 0 and probed["stderr"] == ""
 
 
+@pytest.mark.slow
 def test_a_directory_given_for_the_model_is_named_as_one(tmp_path):
     """Before: "model file not found" for a folder that is there."""
     text = tmp_path / "text.txt"

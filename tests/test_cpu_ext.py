@@ -80,6 +80,7 @@ def test_a_token_gets_the_same_bits_in_any_batch(qtype, isa):
         np.testing.assert_array_equal(batched[i], alone[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
 def test_matches_reference(qtype, isa):
     rng = np.random.default_rng(int(qtype))
@@ -370,6 +371,7 @@ def sparse_cases(qtype):
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", sorted(REL_ERROR, key=int), ids=lambda q: q.name)
 def test_sparse_kernels_match_reference(qtype, isa):
     for rows, cols, case, references in sparse_cases(qtype):
@@ -433,6 +435,7 @@ def test_axpy_results_do_not_depend_on_thread_timing():
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_sparse_jit_vmap_and_leading_dims():
     """vmap over the token args folds into the leading dims (batched or not, mask and x alike); vmap over the index or
     the weights maps the call; leading dims beyond one are taken as they are."""

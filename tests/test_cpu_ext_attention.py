@@ -30,6 +30,7 @@ def caches(seed, n_layer, batch, max_len, n_head_kv, head_dim, filled):
     (1, 20, 6, 2, 40, 100),   # ... one that is not a multiple of 16
     (1, 33, 2, 1, 256, 10),   # the largest unrolled head size
 ])
+@pytest.mark.slow
 def test_cached_attention_kernel_equals_the_reference(batch, n_query, n_head, n_head_kv, head_dim, start,
                                                       cache_dtype):
     """An f16 cache is widened to f32 as it is read: the reference gets the same f16 values in f32."""
@@ -92,6 +93,7 @@ def test_cached_attention_kernel_rejects_positions_outside_the_cache():
     (3, [5, 5]),           # equal depths, given per row
     (100, [0, 37, 64]),    # prompts at different depths, through the tiled kernel
 ])
+@pytest.mark.slow
 def test_cached_attention_kernel_with_a_start_per_row_equals_the_reference(n_query, starts, cache_dtype):
     """Each row reads its own filled positions only: past them a row's cache holds NaN, which would show."""
     batch, max_len, layer, n_head, n_head_kv, head_dim = len(starts), 768, 1, 9, 3, 64

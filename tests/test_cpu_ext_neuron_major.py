@@ -34,6 +34,7 @@ def run(h, packed: quant.QuantArray, mask, span=None):
                                      span=span or quant.neuron_span(d, packed.qtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 def test_matches_reference_and_dense_kernel(qtype, isa):
     """Spans of one tile, of several, and of all the outputs (each neuron's q one run)."""

@@ -32,6 +32,7 @@ def x8_matmul(x, packed, qtype, rows, cols):
     return cpu_ext.quantized_matmul(x, packed, qtype=qtype, rows=rows, cols=cols, interleave=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_repacked_kernels_give_the_portable_row_kernels_bits(qtype, isa):
     """Same integer dots and the same float steps per row and block as the portable row kernels: the same bits, on
@@ -50,6 +51,7 @@ def test_repacked_kernels_give_the_portable_row_kernels_bits(qtype, isa):
             check(x, data, qtype, rows, cols, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_k_quant_repacked_kernels_give_the_portable_repacked_bits(qtype, isa):
     """K-quants and IQ4_XS: every ISA gives the portable repacked kernels' bits for any number of tokens; those are
@@ -98,6 +100,7 @@ def exact_k_weight(qtype, rows, cols, rng):
     return blocks.reshape(rows, -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_k_quant_repacked_kernels_give_the_row_kernels_bits_where_floats_are_exact(qtype, isa):
     """With integer activations (max |x| = 127 in every super-block: scale 1, q = x) and the weights above, every
@@ -135,6 +138,7 @@ def test_q8_0_extremes_and_zero_activations(isa):
     np.testing.assert_array_equal(np.asarray(y), row_bits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
 def test_jit_vmap_and_leading_dims(qtype):
     rng = np.random.default_rng(4)

@@ -56,6 +56,7 @@ def rel_error(y, y_ref, x, w):
     return float(np.linalg.norm(y - y_ref) / (np.linalg.norm(x) * np.linalg.norm(values) / np.sqrt(x.shape[-1])))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_matches_reference_with_the_portable_kernels_bits(qtype, isa):
     rng = np.random.default_rng(int(qtype))
@@ -102,6 +103,7 @@ def test_row_sparse_kernels_read_only_the_rows_they_need(qtype, isa):
         np.testing.assert_array_equal(axpy, np.asarray(cpu_ext.masked_axpy(h, garbage, mask, **kw)))
 
 
+@pytest.mark.slow
 def test_quant_routes_ternary_weights_to_the_kernels_at_any_token_count():
     """products("cpu_ext"): the kernels, beyond CPU_KERNEL_MAX_TOKENS too, times the tensor's scale; exact weights
     and I2_S rows that are not a multiple of 256 values go to XLA (with BitNet's int8 activations for I2_S)."""

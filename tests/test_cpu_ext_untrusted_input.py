@@ -80,6 +80,7 @@ case("gather int64 in range", lambda: np.array_equal(cpu_ext.gather_matmul(x, w,
 """
 
 
+@pytest.mark.slow
 def test_crashing_inputs_give_results_or_errors():
     """A mask byte of 2 or 255 counts as active, as numpy reads it; it was added to the count of active rows and
     wrote past the row list. Empty layer/start arrays had their element 0 read, and a smaller output was written

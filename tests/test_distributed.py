@@ -56,6 +56,7 @@ def assert_quiet(result: subprocess.CompletedProcess):
     assert "plan:" not in result.stderr and "loaded" not in result.stderr and "[Gloo]" not in result.stderr
 
 
+@pytest.mark.slow
 def test_generate_over_two_processes_writes_the_one_process_text(make_model, tmp_path):
     path = make_model(**SHAPE)
     args = ["-m", path, "-p", "the quick brown fox", "-n", "16", "--temp", "0", "-c", "64"]
@@ -84,6 +85,7 @@ def test_native_standard_output_goes_to_stderr_only_when_asked(capfd, shown):
     assert err == ("[Gloo] native\n" if shown else "")
 
 
+@pytest.mark.slow
 def test_perplexity_over_two_processes_is_the_one_process_perplexity(make_model, tmp_path):
     """Windows spread over the 4 devices of both processes (5 windows: a batch of 4 and one padded to 4), and the
     model cut over them. F32 weights: XLA's f32 products, whose partial sums added in another order differ by f32
@@ -107,6 +109,7 @@ def one_error_line(result: subprocess.CompletedProcess) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_the_server_over_two_processes_answers_as_one_process(make_model, tmp_path):
     """Process 0 serves HTTP and process 1 runs the same rounds, the model cut over both: three requests at once on
     two slots (one waits, slots are freed and compacted) get the greedy text of one process, a stop string cuts the
@@ -153,6 +156,7 @@ def test_the_server_over_two_processes_answers_as_one_process(make_model, tmp_pa
     assert_quiet(second)
 
 
+@pytest.mark.slow
 def test_a_process_whose_coordinator_or_peer_never_comes_gives_up(make_model, tmp_path):
     """Process 1 with no coordinator to reach, and process 0 with no process 1 to wait for: each an error line
     within its join timeout."""
@@ -184,6 +188,7 @@ def killed_peer(tmp_path, module: str, args: list, shown: str) -> subprocess.Com
     return result
 
 
+@pytest.mark.slow
 def test_a_peer_killed_before_the_run_stops_the_other_process(make_model, tmp_path):
     """Killed once process 0 has loaded the model, before they compute together: JAX's runtime declares it dead
     (heartbeats) and ends process 0 with its own message."""
@@ -193,6 +198,7 @@ def test_a_peer_killed_before_the_run_stops_the_other_process(make_model, tmp_pa
     assert "another task died" in result.stderr or "error: process 0 of 2: " in result.stderr, result.stderr
 
 
+@pytest.mark.slow
 def test_a_peer_killed_during_the_run_stops_the_other_process_with_an_error_line(make_model, tmp_path):
     """Killed once the first windows of a long evaluation are scored: process 0's next all-reduce fails, and it
     says so in one line (status 2)."""
@@ -204,6 +210,7 @@ def test_a_peer_killed_during_the_run_stops_the_other_process_with_an_error_line
     assert "error: process 0 of 2: the run failed, a process probably died (" in one_error_line(result)
 
 
+@pytest.mark.slow
 def test_a_server_process_killed_stops_the_one_serving_with_an_error_line(make_model, tmp_path):
     """Process 1 killed while process 0 serves and waits for requests: process 0's next round (shared at least every
     scheduler.IDLE_ROUND_S) fails, and it says so in one line (status 2)."""
@@ -230,6 +237,7 @@ def rss_kib() -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", open("/proc/self/status").read()).group(1))
 
 
+@pytest.mark.slow
 def test_released_pages_of_a_mapped_file_leave_resident_memory(tmp_path):
     """What keeps a process of a run over several to its own shards: the pages a shard was copied out of are let
     go, and read back from the file unchanged when needed again; anonymous memory is never released."""

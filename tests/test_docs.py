@@ -143,6 +143,7 @@ def documented_programs() -> list[tuple[Block, str, str, list[str]]]:
     return found
 
 
+@pytest.mark.slow
 def test_every_documented_program_and_flag_exists():
     missing = []
     for block, program, command, used in documented_programs():
@@ -191,12 +192,13 @@ def test_readme_is_a_short_guide():
 
 
 def _run_pages():
-    """(page, slow) for each page with runnable blocks: its quick blocks, and apart (marked slow) its slow ones."""
+    """(page, slow) for each page with runnable blocks: its quick blocks, and apart its slow ones. All are marked
+    slow for pytest (a CLI run costs seconds: the pages' runs take about two minutes together)."""
     params = []
     for page in PAGES:
         runnable = [b for b in blocks(page) if b.run]
         if any(not b.slow for b in runnable):
-            params.append(pytest.param(page, False, id=page))
+            params.append(pytest.param(page, False, id=page, marks=pytest.mark.slow))
         if any(b.slow for b in runnable):
             params.append(pytest.param(page, True, id=f"{page}-slow", marks=pytest.mark.slow))
     return params

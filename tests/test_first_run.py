@@ -42,6 +42,7 @@ def interrupted(module: str, args: list[str], trigger: bytes, in_stdout: bool = 
     return process.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.slow
 def test_ctrl_c_ends_generate_with_its_summary_and_status_130():
     """Before: a KeyboardInterrupt traceback of ~20 lines, the text's line left open."""
     prompt = "The capital of France is"
@@ -58,6 +59,7 @@ def test_ctrl_c_ends_generate_with_its_summary_and_status_130():
     ("perplexity", ["-f", str(WIKITEXT), "-c", "128"], b"ppl="),
     ("calibrate", ["-f", str(WIKITEXT), "-c", "128", "--chunks", "-1"], b"| 1/"),
 ])
+@pytest.mark.slow
 def test_ctrl_c_under_a_progress_bar_is_one_line_of_its_own_and_status_130(tmp_path, module, args, trigger):
     """Interrupted while the bar runs (its line on stderr left open): the bar's line is ended, then one line."""
     status, out, err = interrupted(module, [*args, "-o", str(tmp_path / "t.json")] if module == "calibrate" else args,
@@ -81,6 +83,7 @@ def test_every_cli_main_turns_ctrl_c_into_one_line(capsys):
     assert inspect.main.__wrapped__  # exit_on_error's functools.wraps
 
 
+@pytest.mark.slow
 def test_an_error_after_streamed_text_starts_a_line_of_its_own(make_model):
     """The embedding row of the first generated token is NaN (a corrupt file): the prefill gives that token, whose
     text is streamed, and feeding it back makes the logits NaN. Before: `...<text>error: ...` on one line."""
@@ -108,6 +111,7 @@ def test_an_error_after_streamed_text_starts_a_line_of_its_own(make_model):
                                   f"position {position} (corrupt weights?)\n"), result.stdout
 
 
+@pytest.mark.slow
 def test_a_first_run_says_it_compiles_and_a_second_does_not(make_model, tmp_path):
     """The line comes before the compile, on stderr, only while the programs are not stored (JAXINFER_CACHE_DIR)."""
     cache = tmp_path / "cache"
@@ -135,6 +139,7 @@ def test_the_plan_line_names_what_a_dense_run_uses(make_model):
                                        "as TQ2_0")
 
 
+@pytest.mark.slow
 def test_the_plan_line_of_a_sparse_split_run(make_model):
     from test_hybrid import write_profile
 

@@ -27,6 +27,7 @@ def bases(fuzz, tmp_path_factory):
     return fuzz.build_bases(str(tmp_path_factory.mktemp("bases")))
 
 
+@pytest.mark.slow
 def test_every_corrupt_file_is_refused_cleanly_or_runs_finite(fuzz):
     results = fuzz.run_campaign(CASES, SEED, workers=2, timeout=120)
     assert [r["case"] for r in results] == list(range(CASES))
@@ -67,6 +68,7 @@ def test_rebuilt_metadata_keeps_the_tensors(fuzz, bases, tmp_path):
         assert bytes(after.tensors[name].data) == bytes(t.data)
 
 
+@pytest.mark.slow
 def test_a_stuck_case_is_blamed_and_the_rest_still_run(fuzz, bases):
     """A case past the timeout is reported as a hang; its worker is replaced and the cases after it run."""
     slow = next(i for i in range(100) if fuzz.make_case(bases, SEED, i)[1] == "nonfinite_weights")

@@ -34,6 +34,7 @@ def assert_one_line_error(result, *fragments):
         assert fragment in errors[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", json.loads((DATA / "llama_cpp_greedy.json").read_text())["continuations"])
 def test_greedy_output_matches_llama_cpp_f32(default_model_exact, prompt):
     """The Q4_1 weights dequantized to f32 must reproduce llama.cpp's F32 greedy text token for token."""
@@ -43,6 +44,7 @@ def test_greedy_output_matches_llama_cpp_f32(default_model_exact, prompt):
     assert m.tokenizer.decode(new) == expected
 
 
+@pytest.mark.slow
 def test_cli_streams_text_and_reports_timings(make_model):
     result = run_cli("-m", make_model(), "-p", "hello the", "-n", "6", "--temp", "0", "-c", "64")
     assert result.returncode == 0, result.stderr
@@ -54,6 +56,7 @@ def test_cli_streams_text_and_reports_timings(make_model):
     assert f16.returncode == 0 and "f16 KV cache" in f16.stderr, f16.stderr
 
 
+@pytest.mark.slow
 def test_cli_reads_the_prompt_from_a_file(make_model, tmp_path):
     path, prompt = make_model(), tmp_path / "prompt.txt"
     prompt.write_text("hello the\nthe hello", encoding="utf-8")
@@ -65,6 +68,7 @@ def test_cli_reads_the_prompt_from_a_file(make_model, tmp_path):
     assert_one_line_error(run_cli("-m", path, "-f", str(prompt), "-p", "hi"), "not both")
 
 
+@pytest.mark.slow
 def test_cli_chat_template(make_model):
     path = make_model()
     tokenizer = engine.load_model(path).tokenizer
@@ -130,6 +134,7 @@ def test_bad_flag_values(make_model, flag, value, fragment):
     assert_one_line_error(run_cli("-m", make_model(), flag, value), fragment)
 
 
+@pytest.mark.slow
 def test_results_are_identical_across_micro_batch_sizes(make_model):
     """A 21-token prompt prefilled in chunks of 3, 8 or all at once gives the same greedy continuation, also when
     the padded last chunk reaches past the context."""
@@ -166,6 +171,7 @@ def test_generation_runs_each_program_only_for_its_tokens(make_model, monkeypatc
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=0, top_p=1.0,
                                                                                   min_p=0.0, repeat_penalty=1.3)])
+@pytest.mark.slow
 def test_decode_chunk_matches_step_by_step_decoding(make_model, params):
     """The on-device decode loop feeds and samples exactly as stepping model.decode_step from the host would: same
     tokens, same key splits, same repeat-penalty window, same cache."""
@@ -316,6 +322,7 @@ def test_nonfinite_logits_stop_generation_with_an_error(make_model):
         list(engine.generate_tokens(m, m.tokenizer.encode("hi!"), 4, 32, SamplingParams(temperature=0), 0))
 
 
+@pytest.mark.slow
 def test_a_decode_step_with_nonfinite_logits_stops_the_loop():
     state = engine.DecodeState(jnp.array([5, 6], jnp.int32), jnp.full((2, 1), -1, jnp.int32),
                                jax.random.split(jax.random.key(0), 2), jnp.full((2,), 4, jnp.int32),

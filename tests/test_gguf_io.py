@@ -110,6 +110,7 @@ def test_loading_the_default_model_peaks_near_its_file_size(default_model):
     assert peak < 1.7 * size
 
 
+@pytest.mark.slow
 def test_weights_copied_out_of_the_file_are_in_memory_once(make_model):
     """GGUF aligns tensors to 32 bytes, so placing them copies most (zero-copy needs 64): the file's pages they were
     read from are let go, so loading peaks at the file's size and the reader's and tokenizer's ~20 MiB, not at twice

@@ -72,6 +72,7 @@ def greedy(m, prompt, n):
                                        stop_ids=frozenset()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["dense", "hidden", "predictor", "predictor_exact"])
 @pytest.mark.parametrize("hot_share", [0.0, 0.3, 1.0])
 def test_a_split_model_equals_the_unsplit_one(models, mode, hot_share):
@@ -93,6 +94,7 @@ def test_a_split_model_equals_the_unsplit_one(models, mode, hot_share):
         assert greedy(split, prompt, 12) == greedy(m, prompt, 12)
 
 
+@pytest.mark.slow
 def test_pallas_kernel_part_equals_the_unsplit_model(models):
     """The device part of a predictor model laid out for the Pallas masked sparse FFN (interpreted here; compiled
     on a GPU) gives the unsplit model's logits: exact weights, as the kernel multiplies in f32."""
@@ -123,6 +125,7 @@ def test_the_cold_part_lives_and_runs_in_host_memory(models):
     assert lowered.as_text().count('_xla_compute_type = "host"') >= split.config.n_layer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("down", ["F32 ffn_down", "Q4_0 ffn_down", "Q4_0 neuron-major ffn_down_t"])
 def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
     """A dense model's down projection is split in its own format: a float one transposed exactly (any neurons), a
@@ -156,6 +159,7 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
             hybrid.split_weights(m.weights, [np.arange(16, 48), np.arange(0)], m.config)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ubatch", [8, 32])
 def test_perplexity_of_a_split_model_equals_the_unsplit_ones(models, ubatch):
     windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 259, size=3 * 32), 32, -1, None)
@@ -267,6 +271,7 @@ def run_cli(module, path, *args):
                           capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_cli_with_a_vram_budget(profiled_model):
     path, budget = profiled_model
     dense = run_cli("jaxinfer.generate", path, "-n", "6", "--temp", "0")
@@ -279,6 +284,7 @@ def test_generate_cli_with_a_vram_budget(profiled_model):
             f"{activation_profile.default_directory(path)})") in split.stderr, split.stderr
 
 
+@pytest.mark.slow
 def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):
     path, budget = profiled_model
     text = tmp_path / "text.txt"

@@ -254,6 +254,7 @@ def test_the_verdict_agrees_with_the_loader_on_fuzzed_files(tmp_path):
     assert inspection.DOES_NOT_RUN in verdicts and len(verdicts) > 1
 
 
+@pytest.mark.slow
 def test_the_cli_text_json_and_exit_statuses(make_model, tmp_path):
     good = make_model(weight_type=Q.Q4_0)
     truncated = tmp_path / "truncated.gguf"

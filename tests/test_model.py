@@ -70,6 +70,7 @@ def test_attend_matches_per_head_loop_with_gqa():
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_type", [Q.F32, Q.Q4_K, Q.IQ4_XS], ids=lambda q: q.name)
 def test_incremental_decode_matches_full_forward(make_model, weight_type):
     m = engine.load_model(make_model(n_embd=256, n_ff=256, weight_type=weight_type, embedding_type=Q.Q8_0))
@@ -122,6 +123,7 @@ def prefill_and_decode(weights, tokens, config):
 @pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, {"attention": "cpu_ext"},
                                      {"attention": "pallas_interpret"}],
                          ids=["bounded", "cpu_ext", "pallas_interpret"])
+@pytest.mark.slow
 def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
     """Through the whole model, prefill and decode: bounded attention (head groups without a cache, 16-key steps
     against it), cpu_ext's cache kernel and the Pallas flash kernels (interpreted on CPU) equal one-piece XLA
@@ -135,6 +137,7 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
                                atol=1e-5 * np.abs(reference).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
 def test_an_f16_cache_stores_f16_and_changes_logits_by_its_rounding_only(make_model, kernel):
     """Each attention kernel reads an f16 cache: the logits move by about f16's rounding of K and V (2^-11
@@ -175,6 +178,7 @@ def chunks_of(prompts, chunk):
         yield tokens, np.array([len(piece) for piece in pieces], np.int32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
 @pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
 def test_sequences_at_different_depths_give_the_logits_each_gives_alone(make_model, kernel, cache_type):
@@ -212,6 +216,7 @@ def test_sequences_at_different_depths_give_the_logits_each_gives_alone(make_mod
         np.testing.assert_allclose(batched[row], alone, rtol=0, atol=1e-5 * np.abs(alone).max(), err_msg=f"{row=}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
 def test_slots_of_a_larger_cache_prefill_and_decode_as_each_does_alone(make_model, kernel):
     """A server's slots: two prompts prefill one at a time into rows 2 and 0 of a 4-row cache (prefill's row), then
@@ -259,6 +264,7 @@ def cache_copies(compiled_text: str, cache: model.KVCache) -> list[str]:
     return [line for line in compiled_text.splitlines() if re.search(r"= \S+ copy(-start)?\(", line) and shape in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", ["xla", "cpu_ext"])
 def test_a_batched_decode_step_writes_the_donated_cache_in_place(make_model, kernel):
     """Per-row positions make the K/V write a scatter: XLA must still update the donated cache in place, with no

@@ -35,6 +35,7 @@ class AttentionTest:
         (1, 10, 37, 3, 1, 27),
         (2, 16, 48, 6, 2, 0),
     ])
+    @pytest.mark.slow
     def test_prefill_matches_references(self, batch, n_query, n_key, n_head, n_head_kv, start):
         q, k, v = random_qkv(start, batch, n_query, n_key, n_head, n_head_kv, 64)
         got = attention(q, k, v, start, block_sizes=BLOCKS, interpret=self.INTERPRET)
@@ -43,6 +44,7 @@ class AttentionTest:
         model = attend(q, k, v, q_pos, np.arange(n_key, dtype=np.int32))
         np.testing.assert_allclose(np.asarray(got), np.asarray(model), atol=1e-5)
 
+    @pytest.mark.slow
     def test_prefill_with_a_traced_start(self):
         q, k, v = random_qkv(5, 1, 16, 64, 6, 2, 64)
         run = jax.jit(lambda q, k, v, start: attention(q, k, v, start, block_sizes=BLOCKS, interpret=self.INTERPRET))
@@ -51,6 +53,7 @@ class AttentionTest:
                                        np.asarray(attention_reference(q, k, v, start)), atol=1e-5)
 
     # Positions at the start, inside, on split boundaries (S=128 in 4 splits of 32) and at the end of the cache.
+    @pytest.mark.slow
     @pytest.mark.parametrize("n_head, n_head_kv, head_dim", [(4, 4, 64), (9, 3, 64), (6, 2, 128)])
     def test_decode_matches_references(self, n_head, n_head_kv, head_dim):
         q, k, v = random_qkv(n_head, 2, 1, 128, n_head, n_head_kv, head_dim)
@@ -61,6 +64,7 @@ class AttentionTest:
             model = attend(q, k, v, np.array([position], np.int32), np.arange(128, dtype=np.int32))[:, 0]
             np.testing.assert_allclose(np.asarray(got), np.asarray(model), atol=1e-5, err_msg=f"{position=}")
 
+    @pytest.mark.slow
     def test_decode_pads_a_cache_that_does_not_fit_the_splits(self):
         q, k, v = random_qkv(9, 1, 1, 50, 6, 2, 64)  # 50 keys, padded to 4 splits x 16
         for position in (0, 20, 49):
@@ -69,6 +73,7 @@ class AttentionTest:
                                        atol=1e-5)
 
 
+    @pytest.mark.slow
     def test_prefill_with_a_start_per_row(self):
         """Rows at different depths: each row's queries attend up to their own positions, as that row alone."""
         q, k, v = random_qkv(6, 3, 16, 96, 6, 2, 64)
@@ -80,6 +85,7 @@ class AttentionTest:
             alone = attend(q[row:row + 1], k[row:row + 1], v[row:row + 1], q_pos, np.arange(96, dtype=np.int32))
             np.testing.assert_allclose(got[row:row + 1], np.asarray(alone), atol=1e-5, err_msg=f"{row=}")
 
+    @pytest.mark.slow
     def test_decode_with_a_position_per_row(self):
         q, k, v = random_qkv(7, 4, 1, 128, 9, 3, 64)
         positions = np.array([0, 127, 32, 77], np.int32)

@@ -33,6 +33,7 @@ class SparseFfnTest:
         if not self.INTERPRET and jax.default_backend() != "gpu":
             pytest.skip("compiled Pallas kernels need a GPU; the interpret subclass runs them on CPU")
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("quantized", [False, True], ids=["f32", "q8_0"])
     @pytest.mark.parametrize("batch", [1, 3])
     def test_matches_reference_and_dense_numpy(self, quantized, batch):

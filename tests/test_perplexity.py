@@ -79,6 +79,7 @@ def test_logits_file_round_trip_and_self_kl_divergence(tiny, tmp_path):
     assert again.kl.base_ppl == pytest.approx(saved.ppl, rel=1e-4)
 
 
+@pytest.mark.slow
 def test_the_default_model_against_its_own_base(default_model, tmp_path):
     """Before: "KL-divergence -0.000000" (the base's 16-bit rounding takes the mean just below 0) and a base PPL
     under the run's with nothing saying why: the base holds log-probs clamped 16 nats below each top one (llama.cpp's
@@ -128,6 +129,7 @@ def test_leading_tokens_are_the_whole_texts_first_tokens(default_model):
     np.testing.assert_array_equal(evaluation.leading_tokens(encode, text, len(whole) + 1), whole)
 
 
+@pytest.mark.slow
 def test_default_model_matches_llama_cpp_perplexity(default_model):
     tokens = default_model.tokenizer.encode(WIKITEXT.read_text(encoding="utf-8"))
     result = evaluation.evaluate(default_model, tokens, n_ctx=512, n_chunks=20)
@@ -157,6 +159,7 @@ def test_cli_errors(make_model, tmp_path, case):
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
 
 
+@pytest.mark.slow
 def test_cli_writes_base_then_compares(make_model, tmp_path):
     model_path = make_model(n_ctx=64)
     text = tmp_path / "text.txt"
@@ -243,6 +246,7 @@ def test_micro_batches_give_the_same_scores(tiny):
         np.testing.assert_allclose(chunked.nll, whole.nll, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_type", [Q.Q8_0, Q.F32], ids=["repacked", "rows"])
 def test_the_head_in_pieces_of_the_vocabulary_gives_the_whole_heads_nll(make_model, monkeypatch, weight_type):
     """Pieces of 64 words over 263 (the last piece starts early, and a repacked head's last group is padding): the

@@ -12,6 +12,7 @@ from jaxinfer import activation_profile, calibrate, engine, evaluation, model, s
 from jaxinfer.errors import JaxinferError
 
 
+@pytest.mark.slow
 def test_profile_counts_equal_a_direct_count(make_model, tmp_path):
     m = engine.load_model(make_model(n_layer=12, n_embd=64, n_ff=128, sparsity=0.8))
     tokens = np.random.default_rng(0).integers(3, 259, size=5 * 32)

@@ -51,6 +51,7 @@ def stored(program_dir) -> list:
     return sorted(program_dir.glob("*.program"))
 
 
+@pytest.mark.slow
 def test_a_new_run_loads_the_stored_programs_and_generates_the_same_tokens(make_model, program_dir, monkeypatch):
     m = engine.load_model(make_model())
     expected = without_stored_programs(m)
@@ -62,6 +63,7 @@ def test_a_new_run_loads_the_stored_programs_and_generates_the_same_tokens(make_
     assert greedy(m) == expected
 
 
+@pytest.mark.slow
 def test_a_corrupt_stale_or_unloadable_program_is_rebuilt(make_model, program_dir, monkeypatch):
     m = engine.load_model(make_model())
     expected = greedy(m)

@@ -35,6 +35,7 @@ def test_float_types_match_gguf(qtype):
     np.testing.assert_array_equal(np.asarray(got), expected.astype(np.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda q: q.name)
 def test_matmul_and_take_rows_match_dequantized_numpy(qtype):
     rng = np.random.default_rng(1)
@@ -69,6 +70,7 @@ def test_neuron_major_packing_keeps_every_value(qtype, rows, cols, span):
                                    np.where(x > 0, x, 0) @ expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("qtype", sorted(quant.REPACKED_TYPES, key=int), ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,blocks", [(1, 1), (8, 2), (13, 3), (2049, 1)])
 def test_rows_x8_packing_keeps_every_byte(qtype, rows, blocks):

@@ -56,6 +56,7 @@ def check_common(document: dict, model_path: str, given: dict):
     assert document["versions"]["jax"] == jax.__version__ and document["versions"]["python"]
 
 
+@pytest.mark.slow
 def test_receipts_of_generate_perplexity_and_bench_agree_with_what_they_printed(make_model, tmp_path):
     path = make_model(weight_type=GGMLQuantizationType.Q8_0)
     text = tmp_path / "text.txt"

@@ -69,6 +69,7 @@ def repacked_nbytes(m):
     return total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_type", sorted(quant.REPACKED_TYPES, key=int), ids=lambda q: q.name)
 def test_repacked_model_gives_the_row_kernels_bits_and_greedy_tokens(make_model, monkeypatch, weight_type):
     """Every dense product's weight repacked, the embedding kept; each weight held once (its groups in place of its
@@ -147,6 +148,7 @@ def test_under_tensor_parallelism_rows_cut_on_whole_groups_only(make_model):
     assert not repack.packs("ffn_gate", layer.ffn_gate, dataclasses.replace(plan, repack=False))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("weight_type", [Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
 def test_a_repacked_model_made_sparse_reads_the_rows_back(make_model, weight_type):
     """sparsity.apply after load (scripts that compare modes) gets the FFN's rows back without rounding; build_model

@@ -17,6 +17,7 @@ def draw(logits, params, n=400):
     return np.asarray(jax.vmap(lambda k: sample(logits, NO_RECENT, k[None], params)[0])(keys))
 
 
+@pytest.mark.slow
 def test_greedy_is_argmax():
     logits = np.array([[0.1, 3.0, -1.0, 2.9], [5.0, 0.0, 0.0, 0.0]], np.float32)
     got = sample(jnp.asarray(logits), jnp.full((2, 4), -1), jax.random.split(jax.random.key(0), 2),
@@ -24,6 +25,7 @@ def test_greedy_is_argmax():
     assert got.tolist() == [1, 0]
 
 
+@pytest.mark.slow
 def test_top_k_one_is_argmax_at_any_temperature():
     assert set(draw([0.0, 1.0, 0.5, 0.9], SamplingParams(temperature=5.0, top_k=1, min_p=0.0))) == {1}
 
@@ -41,6 +43,7 @@ def test_min_p_drops_unlikely_tokens():
     assert set(drawn) == {0, 1, 2}  # 0.05 < 0.2 * 0.5
 
 
+@pytest.mark.slow
 def test_temperature_sampling_follows_the_distribution():
     probs = np.array([0.6, 0.3, 0.1])
     drawn = draw(np.log(probs), SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0), n=4000)
@@ -102,6 +105,7 @@ def reference_sample(logits, recent, key, params: SamplingParams):
     SamplingParams(temperature=1.0, top_k=5000, top_p=0.5, min_p=0.0, repeat_penalty=0.7),
     SamplingParams(temperature=0.9, top_k=50, frequency_penalty=0.8, presence_penalty=-0.5),
     SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=2.0)])
+@pytest.mark.slow
 def test_traced_sampler_draws_what_the_static_one_drew(params):
     """Same tokens for the same keys, on both sides of FAST_TOP_K (300 > 128 tokens) and with top_k beyond it."""
     rng = np.random.default_rng(1)

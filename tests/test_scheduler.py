@@ -56,6 +56,7 @@ def run_until_idle(scheduler: Scheduler):
     raise AssertionError("the scheduler did not finish its requests in 100 rounds")
 
 
+@pytest.mark.slow
 def test_a_failing_round_ends_its_requests_with_an_error_and_the_scheduler_serves_on(tiny, capsys):
     """A bug in a round (here the decode program raising) reaches each request in a slot as an error event, frees
     every slot, and the next request is served as if nothing happened."""

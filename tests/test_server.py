@@ -70,6 +70,7 @@ def assert_error(response, status, *fragments):
         assert fragment in error["message"], error["message"]
 
 
+@pytest.mark.slow
 def test_health_was_503_while_loading_then_200(server):
     base, saw_loading = server
     assert saw_loading, "the HTTP server should answer /health before the model has loaded"
@@ -321,6 +322,7 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert after["process_resident_memory_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_load_stops_the_server_with_one_error_line():
     result = subprocess.run([sys.executable, "-m", "jaxinfer.server", "-m", "/no/such/model.gguf", "--port",
                              str(server_process.free_port())], env=server_process.env(), capture_output=True, text=True,
@@ -355,6 +357,7 @@ def wait_health(process: subprocess.Popen, base: str, status: int):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_first_start_says_what_it_compiles_and_ctrl_c_stops_it_with_one_line(make_model, tmp_path):
     """A first start (an empty cache) says what it compiles before the programs compile, a later one does not.
     SIGINT (Ctrl-C) while it compiles (in native code, which an ordinary exit would abort) and once it serves

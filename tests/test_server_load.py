@@ -71,6 +71,7 @@ def last_json(result) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_bench_server_counts_every_generated_token(server):
     base, _ = server
     result = run("scripts/bench_server.py", "--url", base, "--clients", "1,2", "--requests", "2", "--max_tokens", "8",
@@ -88,6 +89,7 @@ def test_bench_server_counts_every_generated_token(server):
     assert "tokens_per_s" in result.stdout.splitlines()[0]  # the table's header
 
 
+@pytest.mark.slow
 def test_load_test_200_requests_16_clients_two_rounds(server):
     base, pid = server
     result = run("scripts/load_test_server.py", "--url", base, "--requests", "200", "--clients", "16",
@@ -102,6 +104,7 @@ def test_load_test_200_requests_16_clients_two_rounds(server):
     assert report["memory"]["reported"] and report["memory"]["growth_bytes"] <= report["memory"]["bound_bytes"]
 
 
+@pytest.mark.slow
 def test_load_test_fails_on_errors_other_than_a_full_queue(start_server):
     """The mix's longer prompts do not fit a small context: 400s, clean, but not what valid requests may get."""
     base, _ = start_server(32, ctx=256)
@@ -114,6 +117,7 @@ def test_load_test_fails_on_errors_other_than_a_full_queue(start_server):
     assert result.stderr.strip().splitlines()[-1].startswith("error: load test failed: round 1: request ")
 
 
+@pytest.mark.slow
 def test_load_test_counts_a_full_queue_as_clean_refusals(start_server):
     base, _ = start_server(1)
     result = run("scripts/load_test_server.py", "--url", base, "--requests", "48", "--clients", "16", "--rounds", "1",
@@ -154,6 +158,7 @@ def sse(*chunks) -> bytes:
     (500, b"Internal Server Error", {"completed": False, "clean": False}),
     (200, sse(b"{not json"), {"completed": False, "clean": False}),
 ])
+@pytest.mark.slow
 def test_client_judges_what_a_server_sends(status, body, expected):
     transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
     with httpx.Client(transport=transport) as client:

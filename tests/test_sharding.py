@@ -46,6 +46,7 @@ def sharded_runs(tmp_path, model_path, spec="dense", exact=False, tps=(1, 2, 4))
 
 @pytest.mark.parametrize("spec, exact, tied", [("dense", True, False), ("dense", False, True),
                                                ("hidden:0.5", False, True), ("predictor", False, False)])
+@pytest.mark.slow
 def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, exact, tied):
     """prefill (rows from a row offset, different prompt lengths), decode steps (one with a row sitting out) and
     generate_tokens' greedy ids, with the weights cut 2 and 4 ways, against one device; an output head of its own
@@ -67,6 +68,7 @@ def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, e
     assert len(runs["1/tokens"]) == 12
 
 
+@pytest.mark.slow
 def test_f32_weights_through_the_kernels_match_one_device_to_f32_rounding(make_model, tmp_path):
     """No 8-bit rounding to move: F32 weights are multiplied in f32 whatever the plan, so --tp changes the logits by
     the order of f32 additions only, as exact products do."""
@@ -81,6 +83,7 @@ def run_cli(module, *args):
                           env=env(), timeout=300)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sparse", [False, True])
 def test_generate_cli_text_is_the_same_on_2_and_4_devices(make_model, sparse):
     path = make_model(**SHAPE, sparsity=0.8 if sparse else None)
@@ -102,6 +105,7 @@ def perplexity(result):
     return float(re.search(r"PPL = ([0-9.]+)", result.stdout).group(1))
 
 
+@pytest.mark.slow
 def test_perplexity_cli_is_the_same_on_2_devices(make_model, tmp_path):
     path = make_model(**SHAPE)
     text = tmp_path / "text.txt"
@@ -157,6 +161,7 @@ def test_more_devices_than_the_process_has(make_model):
         engine.load_model(make_model(**SHAPE), tp=2)
 
 
+@pytest.mark.slow
 def test_the_server_with_tp_2_answers_as_one_device(make_model):
     """python -m jaxinfer.server --tp 2 (2 slots): the slots' cache and programs cut over two devices give the greedy
     text that generate_tokens gives on one."""
@@ -200,6 +205,7 @@ np.savez(out, **results)
 """
 
 
+@pytest.mark.slow
 def test_the_default_model_on_3_devices_differs_from_one_by_the_kernels_rounding(tmp_path):
     """What --tp changes, on the default model: with exact products (f32 on dequantized weights) the logits agree to
     f32 rounding and so does every greedy choice; through cpu_ext's kernels, whose activations are rounded to 8 bits,

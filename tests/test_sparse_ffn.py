@@ -89,6 +89,7 @@ def test_bamboo_is_relu_on_gate_and_up(make_model):
 
 @pytest.mark.parametrize("mode, weight_type", [("hidden", Q.Q8_0), ("hidden", Q.Q4_1), ("gate", Q.Q8_0),
                                                ("predictor", Q.Q8_0)])
+@pytest.mark.slow
 def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode, weight_type):
     """On the CPU the sparse modes go through cpu_ext's masked kernels (8-bit activations for gate/up; for down 8-bit
     integer dots over ffn_down packed neuron-major, or an f32 axpy over a PowerInfer file's transposed ffn_down_t):

@@ -60,6 +60,7 @@ def test_a_profile_folder_with_other_files_is_not_replaced(make_model, text, tmp
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_profile_calibrate_and_train_end_to_end(make_model, text, tmp_path):
     sparse_model = make_model(n_ctx=64, n_embd=64, n_ff=128, sparsity=0.8)
     out = tmp_path / "tiny.gguf.activation"  # by default named after the model, beside it
@@ -89,6 +90,7 @@ def test_profile_calibrate_and_train_end_to_end(make_model, text, tmp_path):
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.slow
 def test_thresholds_calibrated_to_another_file_are_used_with_thresholds(make_model, text, tmp_path):
     model, thresholds = make_model(n_ctx=64), str(tmp_path / "hidden.json")
     result = run("jaxinfer.calibrate", "-m", model, "-f", text, "-c", "32", "--levels", "0.5", "-o", thresholds)

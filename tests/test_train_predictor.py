@@ -149,6 +149,7 @@ def test_cli_refuses_dense_labels_of_a_model_without_natural_zeros(make_model, t
         "(thresholds from python -m jaxinfer.calibrate)"]
 
 
+@pytest.mark.slow
 def test_cli_without_output_says_so_and_ctrl_c_ends_it_with_one_line(make_model, tmp_path):
     """A ReLU model trains on its natural zeros (--sparsity dense); without -o a note says nothing will be saved;
     SIGINT (Ctrl-C) while it trains ends it with status 130 and one line, no traceback."""
