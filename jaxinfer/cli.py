@@ -266,7 +266,7 @@ def build_model(tp: int):
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
                            vram_budget_gib=f.vram_budget if split else None, ctx=f.ctx_size,
                            activation_dir=f.activation_dir, reset_gpu_index=f.reset_gpu_index,
-                           thresholds_file=f.thresholds, tp=tp,
+                           thresholds_file=f.thresholds, tp=tp, hot_first=True,
                            loaded=lambda m: print(f"{m.describe()}\n{m.describe_plan(split)}", file=sys.stderr))
     if m.split is not None:
         print(m.split.summary, file=sys.stderr)

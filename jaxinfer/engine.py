@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import (activation_profile, attention, hybrid, model, placement, programs, quant, runtime, sharding,
-                      sparse_ffn, sparsity)
+from jaxinfer import (activation_profile, attention, hybrid, model, neuron_order, placement, programs, quant, runtime,
+                      sharding, sparse_ffn, sparsity)
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -47,6 +47,7 @@ class LoadedModel:
     load_seconds: float
     split: "Split | None" = None  # hot/cold placement across accelerator and host, when --vram-budget is given
     thresholds_path: str | None = None  # the calibrated thresholds file a gate:S / hidden:S sparsity came from
+    neuron_order: str | None = None  # where its FFN neurons' order came from, when they are hottest first
 
     def describe(self) -> str:
         c = self.config
@@ -55,10 +56,11 @@ class LoadedModel:
         down_t = self.weights.layers[0].ffn_down_t if self.weights.layers else None
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
         thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
+        order = f", FFN neurons hottest first {self.neuron_order}" if self.neuron_order else ""
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
                 f"heads={c.n_head}/{c.n_head_kv} kv, vocab={c.n_vocab}, types {'/'.join(types)}, "
                 f"{n_bytes / 2**20:.1f} MiB of weights in {self.load_seconds:.2f} s on {jax.devices()[0].platform}, "
-                f"{c.cache_type} KV cache{down}{thresholds}")
+                f"{c.cache_type} KV cache{down}{thresholds}{order}")
 
     def describe_plan(self, split: bool | None = None) -> str:
         """The `plan:` line of this model (Plan.describe): the weight types it holds repacked, TQ1_0's route only
@@ -120,13 +122,16 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
                 down_t_type=None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                 cache_type: str = "f32", vram_budget_gib: float | None = None, ctx: int | None = None,
                 activation_dir: str | None = None, reset_gpu_index: bool = False, exact: bool = False,
-                thresholds_file: str | None = None, tp: int = 1, dp: int = 1,
+                thresholds_file: str | None = None, tp: int = 1, dp: int = 1, hot_first: bool = False,
                 loaded: Callable[[LoadedModel], None] | None = None) -> LoadedModel:
     """The model a CLI runs, built in one sequence: load (`load_model`), run its FFNs with `sparsity_spec`
     (`sparsity.apply`, down projections in `down_t_type`, gate/hidden thresholds from `thresholds_file`, by default
-    the model's sidecar), then, given `vram_budget_gib`, split it between accelerator and host (`split_model`) for a
-    KV cache of `ctx` positions (capped at the training context; None: the training context); `tp` > 1 cuts it over
-    that many devices, `dp` > 1 places it whole on as many (sharding.py; neither with a split). Prints nothing: the
+    the model's sidecar), with `hot_first` its FFN neurons ordered hottest first from its activation profile where
+    they can be (neuron_order.py: not for a split, which orders its parts, nor over several devices), then, given
+    `vram_budget_gib`, split it between accelerator and host (`split_model`) for a KV cache of `ctx` positions (capped
+    at the training context; None: the training context); `tp` > 1 cuts it over that many devices, `dp` > 1 places
+    it whole on as many (sharding.py; neither with a split). The CLIs that record per-neuron statistics (profile,
+    calibrate, train_predictor) keep the file's order. Prints nothing: the
     CLIs print `describe()` (in `loaded`, called before the split, so that the line comes out even when the split
     fails) and the split's summary."""
     for flag, count in (("--tp", tp), ("--dp", dp)):
@@ -137,13 +142,28 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
                     repack_ffn=sparsity_spec.mode == "dense" and vram_budget_gib is None)
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
-    m = _placed(sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file))
+    m = sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file)
+    if hot_first and vram_budget_gib is None and tp == 1 and dp == 1:
+        m = _hottest_first(m, activation_dir)
+    m = _placed(m)
     if loaded is not None:
         loaded(m)
     if vram_budget_gib is not None:
         n_ctx_train = m.config.n_ctx_train
         m = split_model(m, vram_budget_gib, min(ctx or n_ctx_train, n_ctx_train), activation_dir, reset_gpu_index)
     return m
+
+
+def _hottest_first(m: LoadedModel, activation_dir: str | None) -> LoadedModel:
+    """m with its FFN neurons hottest first (neuron_order.py), where its profile and its layers allow."""
+    if not any(neuron_order.can_order(layer) for layer in m.weights.layers):
+        return m
+    orders, origin = neuron_order.profile_order(m, activation_dir)
+    if orders is None:
+        return m
+    layers = [neuron_order.ordered_layer(layer, order) if neuron_order.can_order(layer) else layer
+              for layer, order in zip(m.weights.layers, orders)]
+    return dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=layers), neuron_order=origin)
 
 
 def apply_chat_template(template: str, conversation: str | list[dict], tokenizer: GGUFTokenizer) -> str:

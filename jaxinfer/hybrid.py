@@ -146,15 +146,6 @@ def kernel_part(part: FFNPart) -> KernelPart | None:
     return KernelPart(*rows)
 
 
-def _predictor_rows(fc2: QuantArray, rows: np.ndarray) -> QuantArray:
-    """fc2's output rows in the order `rows`, in its layout: one repacked eight rows to a group (repack.py) is read
-    back in GGUF's rows, reordered and repacked."""
-    if fc2.layout != quant.ROWS_X8:
-        return _rows(fc2, rows)
-    unpacked = quant.unpack_rows_x8(fc2)
-    return quant.pack_rows_x8(_rows(dataclasses.replace(unpacked, data=np.asarray(unpacked.data)), rows))
-
-
 def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) -> model.Weights:
     """`weights` with each layer's FFN in parts: `hot[i]`, layer i's neurons kept in device memory, and the rest in
     host memory (cfg.plan.host_memory_kind of the same device). The predictor stays whole in device memory, its
@@ -173,7 +164,7 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) ->
         parts = [jax.device_put(hot_part, in_device)] if hot_part is not None else []
         parts += [jax.device_put(cold_part, in_host)] if cold_part is not None else []
         order = np.concatenate([hot_rows, cold_rows])
-        fc2 = None if layer.fc2 is None else jax.device_put(_predictor_rows(layer.fc2, order), in_device)
+        fc2 = None if layer.fc2 is None else jax.device_put(quant.take_rows_in_layout(layer.fc2, order), in_device)
         layers.append(dataclasses.replace(_without_ffn_rows(layer), fc2=fc2, ffn_parts=parts))
     return dataclasses.replace(weights, layers=layers)
 

@@ -56,7 +56,8 @@ def _evaluate(tp: int, dp: int):
     # The split comes below, once the windows per batch are known: it is priced for the KV cache they allocate.
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
                            attn_max_batch_mib=f.attn_max_batch or None, cache_type=f.cache_type,
-                           thresholds_file=f.thresholds, tp=tp, dp=dp)
+                           thresholds_file=f.thresholds, tp=tp, dp=dp, hot_first=not split,
+                           activation_dir=f.activation_dir)
     print(f"{m.describe()}, --sparsity {spec}\n{m.describe_plan(split)}", file=sys.stderr)
     ctx_size = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
 

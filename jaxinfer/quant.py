@@ -355,6 +355,18 @@ def unpack_rows_x8(w: QuantArray) -> QuantArray:
     return QuantArray(blocks[:rows], w.qtype, w.shape, w.exact, scale=w.scale)
 
 
+def take_rows_in_layout(w: QuantArray, rows: np.ndarray) -> QuantArray:
+    """w's rows `rows` (numpy indices, at load), in w's layout: the data's rows where they are the weight's rows
+    (ROW_LAYOUTS, float types); a weight repacked eight rows to a group is read back in GGUF's rows, taken and
+    repacked."""
+    if w.layout == ROWS_X8:
+        unpacked = unpack_rows_x8(w)
+        return pack_rows_x8(take_rows_in_layout(dataclasses.replace(unpacked, data=np.asarray(unpacked.data)), rows))
+    if w.layout not in ROW_LAYOUTS:
+        raise ValueError(f"rows of a {w.layout} weight cannot be taken one by one")
+    return dataclasses.replace(w, data=np.take(np.asarray(w.data), rows, axis=0), shape=(len(rows), w.shape[1]))
+
+
 def dynamic_row_range(w: QuantArray, start, count: int) -> QuantArray:
     """Rows start .. start + count - 1 (start traced; count static) of a weight in GGUF's rows or repacked (then
     start and count multiples of INTERLEAVE, and the rows may run into the last group's padding): a piece of an
