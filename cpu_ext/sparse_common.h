@@ -9,6 +9,15 @@
 
 namespace jaxinfer_cpu {
 
+constexpr int64_t kMaxWeights = 4;  // weights of one masked_matmul_group call (a part's gate and up)
+
+// The weights a masked product reads and the outputs it writes, one pair per weight, by value in its tasks.
+struct WeightsAndOutputs {
+  const uint8_t* ws[kMaxWeights];
+  float* outs[kMaxWeights];
+  int64_t n;
+};
+
 inline bool same_leading_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
   if (a.size() != b.size()) return false;
   for (size_t i = 0; i + 1 < a.size(); ++i) {

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "sparse_common.h"
+#include "union_rows.h"
 
 namespace jaxinfer_cpu {
 namespace {
@@ -88,14 +89,6 @@ struct RowAndColumn {
   int64_t row, column;  // weight row, output column
 };
 
-constexpr int64_t kMaxWeights = 4;  // weights of one masked_matmul_group call (a part's gate and up)
-
-// The weights a row_dots call reads and the outputs it writes, one pair per weight, by value in its tasks.
-struct WeightsAndOutputs {
-  const uint8_t* ws[kMaxWeights];
-  float* outs[kMaxWeights];
-  int64_t n;
-};
 
 // outs[i][t, column(e)] = W_i[row(e)] · x[t] for each weight i and the entries e < n_entries that token t takes, in
 // tasks of rows_per_task (weight, entry) pairs, weight after weight. Other outputs are left as they are.
@@ -158,10 +151,15 @@ ffi::Error MaskedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   std::memset(ys, 0, sizeof(float) * m * rows);
   const int64_t n_active = active_rows(ms, m, rows, s);
   if (n_active == 0) return ffi::Error::Success();  // nothing to read, not even x
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* active = s.rows.data();
+  const WeightsAndOutputs wo{{static_cast<const uint8_t*>(w.untyped_data())}, {ys}, 1};
+  if (packs_union(qtype, m)) {
+    union_row_products(pool, qtype, x.typed_data(), m, cols, wo, row_bytes, active, n_active, ms, rows, s);
+    return ffi::Error::Success();
+  }
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   row_dots(
-      pool, dot, WeightsAndOutputs{{static_cast<const uint8_t*>(w.untyped_data())}, {ys}, 1}, row_bytes, m, n_active,
+      pool, dot, wo, row_bytes, m, n_active,
       [=](int64_t e) { return RowAndColumn{active[e], active[e]}; },
       [=](int64_t t, int64_t e) { return ms[t * rows + active[e]] != 0; }, rows);
   return ffi::Error::Success();
@@ -209,8 +207,12 @@ ffi::Error MaskedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   const uint8_t* ms = mask_bytes(mask);
   const int64_t n_active = active_rows(ms, m, rows, s);
   if (n_active == 0) return ffi::Error::Success();
-  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* active = s.rows.data();
+  if (packs_union(qtype, m)) {
+    union_row_products(pool, qtype, x.typed_data(), m, cols, wo, row_bytes, active, n_active, ms, rows, s);
+    return ffi::Error::Success();
+  }
+  const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   row_dots(
       pool, dot, wo, row_bytes, m, n_active, [=](int64_t e) { return RowAndColumn{active[e], active[e]}; },
       [=](int64_t t, int64_t e) { return ms[t * rows + active[e]] != 0; }, rows);

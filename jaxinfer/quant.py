@@ -410,10 +410,21 @@ CPU_KERNEL_MAX_TOKENS = 128
 CPU_KERNEL_UNBOUNDED_TYPES = TERNARY_TYPES
 
 
-def kernel_token_limit(w: QuantArray) -> int | None:
-    """The most tokens a call for which cpu_ext's kernels multiply by w (beyond, XLA's GEMM on dequantized weights);
-    None: any number."""
-    if w.layout == ROWS_X8 or w.qtype in CPU_KERNEL_UNBOUNDED_TYPES:
+# Row-sparse products of these types take cpu_ext for any number of tokens: from cpu_ext's kUnionPackMinTokens (16)
+# a call packs the union of its tokens' active rows eight to a group and runs the repacked kernels on them
+# (cpu_ext/union_rows.cc), so a prompt's chunk through a sparse gate/up costs the dense repacked product's time times
+# the share of rows it needs, plus the packing (11008 x 4096 Q4_0, 256 tokens: 0.33x the dense product's time at 30%
+# of the rows, 0.78x at 70%, 1.2x at all of them). A transposed down projection laid out as DOWN_ROWS is summed token
+# by token over its active rows, at any length.
+UNION_PACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
+
+
+def kernel_token_limit(w: QuantArray, masked: bool = False) -> int | None:
+    """The most tokens a call for which cpu_ext's kernels multiply by w (beyond, XLA's GEMM on dequantized weights),
+    in a row-sparse product with `masked`; None: any number."""
+    if w.layout in (ROWS_X8, DOWN_ROWS) or w.qtype in CPU_KERNEL_UNBOUNDED_TYPES:
+        return None
+    if masked and w.qtype in UNION_PACKED_TYPES:
         return None
     return CPU_KERNEL_MAX_TOKENS
 
@@ -444,10 +455,10 @@ def products(kind: str):
         _PRODUCTS.reset(token)
 
 
-def _kernels(x: jax.Array, w: QuantArray, layouts: tuple[str, ...] = (ROW_BLOCKS,)):
+def _kernels(x: jax.Array, w: QuantArray, layouts: tuple[str, ...] = (ROW_BLOCKS,), masked: bool = False):
     """The cpu_ext module where it should multiply x by w, else None: under products("cpu_ext"), for block-quantized
-    and F16 weights not marked exact, in one of `layouts`, for up to kernel_token_limit(w) rows of x."""
-    limit = kernel_token_limit(w)
+    and F16 weights not marked exact, in one of `layouts`, for up to kernel_token_limit(w, masked) rows of x."""
+    limit = kernel_token_limit(w, masked)
     use_kernels = (
         w.layout in layouts
         and not w.exact
@@ -505,7 +516,7 @@ def matmuls(x: jax.Array, ws) -> list[jax.Array]:
 def masked_matmul(x: jax.Array, w: QuantArray, mask: jax.Array) -> jax.Array:
     """matmul(x, w) where `mask` [..., rows] is set, else 0. The cpu_ext kernel reads only the rows some token
     needs (sparse up/gate projections); the XLA path computes all rows and masks them, the reference semantics."""
-    kernels = _kernels(x, w)
+    kernels = _kernels(x, w, masked=True)
     if kernels is not None:
         return _scaled(kernels.masked_matmul(x, w.data, mask, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1]), w)
     return where_zero(mask, matmul(x, w))
@@ -515,9 +526,9 @@ def masked_matmuls(x: jax.Array, ws, mask: jax.Array) -> list[jax.Array]:
     """[masked_matmul(x, w, mask) for w in ws]. Where cpu_ext would run each of them and they share a type and shape
     (a sparse FFN's gate and up), it runs them as one kernel call: the active rows are found and x quantized once,
     and one split of all the weights' rows over the threads serves them (one call fewer per FFN part)."""
-    kernels = _kernels(x, ws[0])
-    if kernels is not None and all(_kernels(x, w) is not None and (w.qtype, w.shape) == (ws[0].qtype, ws[0].shape)
-                                   for w in ws[1:]):
+    kernels = _kernels(x, ws[0], masked=True)
+    if kernels is not None and all(_kernels(x, w, masked=True) is not None and (w.qtype, w.shape) ==
+                                   (ws[0].qtype, ws[0].shape) for w in ws[1:]):
         products = kernels.masked_matmul_group(x, [w.data for w in ws], mask, qtype=ws[0].qtype,
                                                rows=ws[0].shape[0], cols=ws[0].shape[1])
         return [_scaled(y, w) for y, w in zip(products, ws)]

@@ -1,0 +1,186 @@
+// Row-sparse products of many tokens (a prompt's chunk through a sparse FFN's gate and up): the union of the rows the
+// tokens need is packed, eight rows to a group as jaxinfer.quant.pack_rows_x8 lays a whole weight out (qmatmul.h), and
+// multiplied by the repacked kernels, tiled over rows and tokens. Row by row, a dot is bound by unpacking each block
+// for a few tokens; packed, a band of rows costs one rearranging and then runs at the dense kernels' pace. The
+// repacked kernels give the row kernels' bits, so the result does not depend on the path.
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if JAXINFER_CPU_X86
+#include <immintrin.h>
+#endif
+
+#include "repacked_kernels.h"
+#include "union_rows.h"
+
+namespace jaxinfer_cpu {
+namespace {
+
+// Bytes of a block's scales (Q4_1: d and m) and its 4-byte chunks of quants, for the 32-value repacked types.
+struct BlockParts {
+  int type_size, scale_bytes, chunks;
+  bool biased;  // Q8_0: quants stored + 128 in a group
+};
+
+bool block_parts(int64_t qtype, BlockParts* parts) {
+  switch (qtype) {
+    case kQ4_0: case kIQ4_NL: *parts = {18, 2, 4, false}; return true;
+    case kQ4_1: *parts = {20, 4, 4, false}; return true;
+    case kQ8_0: *parts = {34, 2, 8, true}; return true;
+    default: return false;
+  }
+}
+
+// One group of eight rows (rows[r], zero blocks for r >= n_rows), n_blocks blocks, into `out` (qmatmul.h):
+// per block | scales of the eight rows, 2 bytes each (Q4_1: then the eight mins) | chunk c: row r's 4 bytes c |.
+void pack_group(const uint8_t* const* rows, int n_rows, int64_t n_blocks, const BlockParts& p, uint8_t* out) {
+  const int64_t group_block = kInterleave * p.type_size;
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    uint8_t* o = out + b * group_block;
+    for (int r = 0; r < kInterleave; ++r) {
+      if (r >= n_rows) {
+        for (int k = 0; k < p.scale_bytes / 2; ++k) std::memset(o + 16 * k + 2 * r, 0, 2);
+        for (int c = 0; c < p.chunks; ++c) {
+          std::memset(o + kInterleave * p.scale_bytes + 4 * (kInterleave * c + r), p.biased ? 0x80 : 0, 4);
+        }
+        continue;
+      }
+      const uint8_t* block = rows[r] + b * p.type_size;
+      for (int k = 0; k < p.scale_bytes / 2; ++k) std::memcpy(o + 16 * k + 2 * r, block + 2 * k, 2);
+      for (int c = 0; c < p.chunks; ++c) {
+        uint32_t word;
+        std::memcpy(&word, block + p.scale_bytes + 4 * c, 4);
+        if (p.biased) word ^= 0x80808080u;
+        std::memcpy(o + kInterleave * p.scale_bytes + 4 * (kInterleave * c + r), &word, 4);
+      }
+    }
+  }
+}
+
+#if JAXINFER_CPU_X86
+// pack_group with AVX2 shuffles for full groups: per block, the eight rows' 4-byte chunks are an 8 x chunks matrix of
+// 32-bit words, transposed four chunks at a time (rows r and r + 4 share a vector, unpacks do the rest). The same
+// bytes as pack_group's: moving bytes needs no rounding, so it serves every kernel set.
+__attribute__((target("avx2"))) void pack_full_group_avx2(const uint8_t* const* rows, int64_t n_blocks,
+                                                          const BlockParts& p, uint8_t* out) {
+  const int64_t group_block = kInterleave * p.type_size;
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t b = 0; b < n_blocks; ++b) {
+    uint8_t* o = out + b * group_block;
+    for (int r = 0; r < kInterleave; ++r) {
+      const uint8_t* block = rows[r] + b * p.type_size;
+      for (int k = 0; k < p.scale_bytes / 2; ++k) std::memcpy(o + 16 * k + 2 * r, block + 2 * k, 2);
+    }
+    auto* q = reinterpret_cast<__m256i*>(o + kInterleave * p.scale_bytes);
+    for (int c0 = 0; c0 < p.chunks; c0 += 4) {
+      __m256i y[4];
+      for (int r = 0; r < 4; ++r) {
+        auto chunks = [&](int row) {
+          return _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[row] + b * p.type_size + p.scale_bytes + 4 * c0));
+        };
+        y[r] = _mm256_inserti128_si256(_mm256_castsi128_si256(chunks(r)), chunks(r + 4), 1);
+      }
+      const __m256i t0 = _mm256_unpacklo_epi32(y[0], y[1]), t1 = _mm256_unpackhi_epi32(y[0], y[1]);
+      const __m256i t2 = _mm256_unpacklo_epi32(y[2], y[3]), t3 = _mm256_unpackhi_epi32(y[2], y[3]);
+      __m256i chunk[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2), _mm256_unpacklo_epi64(t1, t3),
+                          _mm256_unpackhi_epi64(t1, t3)};
+      for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_si256(q + c0 + c, p.biased ? _mm256_xor_si256(chunk[c], bias) : chunk[c]);
+      }
+    }
+  }
+}
+#endif
+
+// pack_group, with the AVX2 shuffles for full groups where the CPU has AVX2.
+void pack(const uint8_t* const* rows, int n_rows, int64_t n_blocks, const BlockParts& p, uint8_t* out) {
+#if JAXINFER_CPU_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  if (avx2 && n_rows == kInterleave) return pack_full_group_avx2(rows, n_blocks, p, out);
+#endif
+  pack_group(rows, n_rows, n_blocks, p, out);
+}
+
+}  // namespace
+
+bool packs_union(int64_t qtype, int64_t m) {
+  BlockParts parts;
+  return m >= kUnionPackMinTokens && block_parts(qtype, &parts);
+}
+
+void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, int64_t m, int64_t cols,
+                        const WeightsAndOutputs& wo, int64_t row_bytes, const int32_t* active, int64_t n_active,
+                        const uint8_t* mask, int64_t rows, Scratch& s) {
+  BlockParts parts;
+  block_parts(qtype, &parts);
+  const Kernels& k = best_kernels();
+  const X8Kernels<BlockQ8> kernels = x8_kernels(k, qtype);
+  const int64_t blocks = cols / kQK, group_bytes = blocks * x8_block_bytes(qtype);
+  const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, s.xq);
+  const int64_t groups = (n_active + kInterleave - 1) / kInterleave, total = wo.n * groups;
+  int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
+  band += kernels.two_groups != nullptr && band % 2;
+  const int64_t chunk = std::max<int64_t>(8, kTokenChunkBytes / (blocks * int64_t{sizeof(BlockQ8)}) / 8 * 8);
+  const int n = static_cast<int>(cols);
+  const WeightsAndOutputs own = wo;
+  parallel_for(pool, (total + band - 1) / band, [=](int64_t task) {
+    const int64_t p0 = task * band, p1 = std::min(total, p0 + band);
+    // The task's groups, packed once into a buffer of this thread's, then dotted with every token.
+    thread_local std::vector<uint8_t> packed;
+    packed.resize(static_cast<size_t>((p1 - p0) * group_bytes));
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t i = p / groups, g = p - i * groups;
+      const uint8_t* group_rows[kInterleave];
+      const int n_rows = static_cast<int>(std::min<int64_t>(kInterleave, n_active - g * kInterleave));
+      for (int r = 0; r < n_rows; ++r) group_rows[r] = own.ws[i] + active[g * kInterleave + r] * row_bytes;
+      pack(group_rows, n_rows, blocks, parts, packed.data() + (p - p0) * group_bytes);
+    }
+    float out[8 * 2 * kInterleave];
+    // Token t's dots of the rows of groups p, p + 1 (n_groups of them), laid out `width` apart: kept where t takes
+    // the row, as masked_matmul's outputs are.
+    auto store = [&](int64_t p, int64_t n_groups, int64_t t, int64_t count, int64_t width) {
+      for (int64_t h = 0; h < n_groups; ++h) {
+        const int64_t i = (p + h) / groups, g = (p + h) - i * groups;
+        for (int r = 0; r < kInterleave && g * kInterleave + r < n_active; ++r) {
+          const int64_t row = active[g * kInterleave + r];
+          for (int64_t j = 0; j < count; ++j) {
+            if (mask[(t + j) * rows + row] != 0) own.outs[i][(t + j) * rows + row] = out[width * j + kInterleave * h + r];
+          }
+        }
+      }
+    };
+    for (int64_t t0 = 0; t0 < m; t0 += chunk) {
+      const int64_t t1 = std::min(m, t0 + chunk);
+      for (int64_t p = p0; p < p1;) {
+        const uint8_t* group = packed.data() + (p - p0) * group_bytes;
+        // Two groups at a time where the kernel set has the kernel and both belong to one weight.
+        const bool pair = kernels.two_groups != nullptr && p + 2 <= p1 && t1 - t0 >= 4 && (p + 1) % groups != 0;
+        const int64_t n_groups = pair ? 2 : 1, width = n_groups * kInterleave;
+        int64_t t = t0;
+        if (pair && kernels.two_groups_eight != nullptr) {
+          for (; t + 8 <= t1; t += 8) {
+            kernels.two_groups_eight(group, group_bytes, xq + t * blocks, blocks, n, out);
+            store(p, 2, t, 8, width);
+          }
+        }
+        for (; t + 4 <= t1; t += 4) {
+          if (pair) {
+            kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);
+          } else {
+            kernels.four(group, xq + t * blocks, blocks, n, out);
+          }
+          store(p, n_groups, t, 4, width);
+        }
+        for (; t < t1; ++t) {
+          for (int64_t h = 0; h < n_groups; ++h) kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n,
+                                                             out + h * kInterleave);
+          store(p, n_groups, t, 1, width);
+        }
+        p += n_groups;
+      }
+    }
+  });
+}
+
+}  // namespace jaxinfer_cpu
