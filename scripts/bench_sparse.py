@@ -10,19 +10,20 @@ Synthetic mode (the default): for each --levels sparsity level, a 7B-shaped Powe
         [--llama_bench PATH/llama-bench] [--threads 2] [--json]
 
 Per level: the share of FFN neurons active on the generated tokens, the MiB of weights a decode step reads
-(jaxinfer/decode_bytes.py: dense mode, predictor mode, and all of them without the predictor, as a dense engine
-reads the dense twin), jaxinfer's tg of the dense and the predictor mode (--repetitions runs each per round, the two
+(jaxinfer/decode_bytes.py: dense mode, predictor mode, and all of them without the predictor, as a dense engine reads
+the dense twin), jaxinfer's tg of the dense and the predictor mode (--repetitions runs each per round, the two
 alternating run by run in this process, after one untimed run of each; medians over all rounds), the speed-up, the
-speed-up the bytes promise (dense bytes / predictor bytes) and the fraction of it reached (speed-up / promised). In
-the dense mode a ReLU model already skips the down projection's rows of its zeros, so the bytes it reads are fewer
-than the file's. With --powerinfer (PowerInfer's `main`), its tg on the same file, one run per --powerinfer_threads
--t value per round (-n TG --temp 0 --repeat-penalty 1.0 --ignore-eos, from its `eval time` line); with
---llama_bench, llama.cpp's tg on the file's dense twin (make_sparse_model.py --dense_twin, made beside the level's
-file or in --models_dir), one llama-bench call per round (-n TG -p 0 -r --repetitions, each --threads -t value): the
-dense baseline a user would otherwise run on these weights. A peer's speed is that of its best -t: the median of
-its runs over all rounds. On a loaded machine a peer's spinning threads can stall (PowerInfer -t 2 ran 2000x slower
-than -t 1 on a tiny model at load average 8 here), hence several -t. A peer that fails is one line on stderr and a
-null in the table; without its flag it is not run (null). --rounds N alternates jaxinfer's runs and the peers' N
+speed-up the bytes promise (dense bytes / predictor bytes) and the fraction of it reached (speed-up / promised). In the
+dense mode a ReLU model already skips the down projection's rows of its zeros, so the bytes it reads are fewer than the
+file's; all the weights / the predictor mode's bytes is the promise against a dense engine that reads them all
+(twin_byte_ideal), to set against predictor ÷ llama.cpp. With --powerinfer (PowerInfer's `main`), its tg on the same
+file, one run per --powerinfer_threads -t value per round (-n TG --temp 0 --repeat-penalty 1.0 --ignore-eos, from its
+`eval time` line); with --llama_bench, llama.cpp's tg on the file's dense twin (make_sparse_model.py --dense_twin, made
+beside the level's file or in --models_dir), one llama-bench call per round (-n TG -p 0 -r --repetitions, each --threads
+-t value): the dense baseline a user would otherwise run on these weights. A peer's speed is that of its best -t: the
+median of its runs over all rounds. On a loaded machine a peer's spinning threads can stall (PowerInfer -t 2 ran 2000x
+slower than -t 1 on a tiny model at load average 8 here), hence several -t. A peer that fails is one line on stderr and
+a null in the table; without its flag it is not run (null). --rounds N alternates jaxinfer's runs and the peers' N
 times, for a machine whose speed drifts.
 
 Real-model mode (--specs): a model's dense decode against each training-free sparsity spec, with each one's
@@ -287,6 +288,7 @@ def bench_level(level: float, path: str) -> dict:
     row = {"level": level, "file": path, "active_share": sparse.active_share,
            "dense_active_share": dense.active_share, "dense_mib": dense.total / MIB,
            "sparse_mib": sparse.total / MIB, "twin_mib": twin.total / MIB,
+           "twin_byte_ideal": twin.total / sparse.total,
            "sparse_mib_by_class": {k: v / MIB for k, v in sparse.read.items()},
            "dense_tg": rates["dense"], "sparse_tg": rates["predictor"],
            **compared(rates["dense"], rates["predictor"], dense.total, sparse.total)}
@@ -299,7 +301,9 @@ def bench_level(level: float, path: str) -> dict:
 
 
 def runs() -> str:
-    return f"{FLAGS.repetitions * FLAGS.rounds}" + (f" in {FLAGS.rounds} rounds" if FLAGS.rounds > 1 else "")
+    """How many runs each jaxinfer speed is the median of."""
+    return f"{FLAGS.repetitions * FLAGS.rounds} alternating runs" + (f" in {FLAGS.rounds} rounds" if FLAGS.rounds > 1
+                                                                     else "")
 
 
 def fmt(value, spec: str = ".2f") -> str:
@@ -307,11 +311,13 @@ def fmt(value, spec: str = ".2f") -> str:
 
 
 def print_levels(rows: list[dict]):
-    print(f"\ntg{FLAGS.tg}, tokens/s (jaxinfer: medians of {runs()} alternating runs); MiB of weights a "
-          f"decode step reads; ideal = dense MiB / predictor MiB; reached = speed-up / ideal")
+    print(f"\ntg{FLAGS.tg}, tokens/s (jaxinfer: medians of {runs()}); MiB of weights a decode step reads; ideal = "
+          f"dense MiB / predictor MiB; reached = speed-up / ideal; all ÷ predictor MiB: the ideal against a dense "
+          f"engine that reads every weight (llama.cpp on the twin)")
     print("| sparsity | active | MiB dense / predictor / all | jaxinfer dense | predictor | speed-up | ideal | reached "
-          "| PowerInfer (-t) | llama.cpp on the twin (-t) | predictor ÷ PowerInfer | predictor ÷ llama.cpp |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| PowerInfer (-t) | llama.cpp on the twin (-t) | predictor ÷ PowerInfer | predictor ÷ llama.cpp "
+          "| all ÷ predictor MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         threads = f" ({r['powerinfer_threads']})" if r["powerinfer_threads"] else ""
         llama_threads = f" ({r['llama_cpp_threads']})" if r["llama_cpp_threads"] else ""
@@ -319,7 +325,7 @@ def print_levels(rows: list[dict]):
               f"{r['twin_mib']:.1f} | {r['dense_tg']:.2f} | {r['sparse_tg']:.2f} | {r['speedup']:.3f}x | "
               f"{r['byte_ideal']:.3f}x | {100 * r['fraction_of_ideal']:.0f}% | {fmt(r['powerinfer_tg'])}{threads} | "
               f"{fmt(r['llama_cpp_tg'])}{llama_threads} | {fmt(r['sparse_over_powerinfer_tg'], '.3f')} | "
-              f"{fmt(r['sparse_over_llama_cpp_tg'], '.3f')} |", flush=True)
+              f"{fmt(r['sparse_over_llama_cpp_tg'], '.3f')} | {r['twin_byte_ideal']:.3f}x |", flush=True)
 
 
 def synthetic_mode() -> dict:
@@ -390,7 +396,7 @@ def real_mode() -> dict:
                      "ppl": result.ppl, "ppl_error": result.error,
                      **compared(rates["dense"], rates[name], steps["dense"].total, step.total)})
     llama = peer.result("llama_cpp") if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
-    print(f"\n{os.path.basename(path)}: tg{FLAGS.tg}, tokens/s (medians of {runs()} alternating runs); "
+    print(f"\n{os.path.basename(path)}: tg{FLAGS.tg}, tokens/s (medians of {runs()}); "
           f"PPL over {FLAGS.chunks} windows of {n_ctx} of {FLAGS.file}; llama.cpp tg{FLAGS.tg} "
           f"{fmt(llama['llama_cpp_tg'])}")
     print("| sparsity | active | MiB read | tg | speed-up | ideal | reached | PPL |")

@@ -396,6 +396,7 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert ok["speedup"] == pytest.approx(ok["sparse_tg"] / ok["dense_tg"])
     assert ok["byte_ideal"] == pytest.approx(ok["dense_mib"] / ok["sparse_mib"])
     assert ok["fraction_of_ideal"] == pytest.approx(ok["speedup"] / ok["byte_ideal"])
+    assert ok["twin_byte_ideal"] == pytest.approx(ok["twin_mib"] / ok["sparse_mib"])
     assert (ok["powerinfer_tg"], ok["powerinfer_threads"]) == (20.0, 2)  # -t 1: 10, -t 2: 20
     assert ok["powerinfer_build"] == "build 1590 (d3ebd7c)"
     assert (ok["llama_cpp_tg"], ok["llama_cpp_threads"]) == (80.0, 2)  # medians: -t 1 50, -t 2 80
