@@ -410,7 +410,7 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert result.stdout.count("PowerInfer -t 2: tg4 20.00 tokens/s") == 2  # once a round, on the 0.8 file
     assert said[1].startswith("llama-bench on ") and "error loading model" in said[1], said[1]
     table = [line for line in result.stdout.splitlines() if line.startswith(("| 0.8 |", "| 0.95 |"))]
-    assert len(table) == 2 and table[1].endswith("| - | - | - | - |") and "20.00 (2)" in table[0]
+    assert len(table) == 2 and "| - | - | - | - |" in table[1] and "20.00 (2)" in table[0]
 
 
 def test_bench_sparse_compares_calibrated_specs_with_dense_on_a_model(make_model, tmp_path):
