@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import (activation_profile, attention, hybrid, model, neuron_order, placement, programs, quant, runtime,
-                      sharding, sparse_ffn, sparsity)
+from jaxinfer import (activation_profile, attention, hybrid, model, neuron_order, placement, programs, quant, repack,
+                      runtime, sharding, sparse_ffn, sparsity)
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -92,9 +92,9 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
-                dp: int, repack: bool = True, repack_ffn: bool = True) -> LoadedModel:
+                dp: int, repack: bool = True, repack_ffn: tuple[str, ...] = repack.FFN) -> LoadedModel:
     """load_model's model before its weights are placed on the plan's devices (`_placed`), repacked where the plan
-    says unless `repack` is False (the FFN's only with `repack_ffn`; repack.py). Over several processes the weights
+    says unless `repack` is False (of the FFN's, those in `repack_ffn`; repack.py). Over several processes the weights
     stay views of the file, so that each process reads only its own shards."""
     if cache_type not in CACHE_TYPES:
         raise JaxinferError(f"--cache_type must be one of {', '.join(CACHE_TYPES)}, got {cache_type!r}")
@@ -137,9 +137,10 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     for flag, count in (("--tp", tp), ("--dp", dp)):
         if count > 1 and vram_budget_gib is not None:
             raise JaxinferError(f"{flag} {count} does not combine with a hot/cold split (--vram-budget) yet")
-    # A dense FFN that stays whole is repacked as it is read; a sparse or split one is read in GGUF's rows.
+    # The FFN weights the mode multiplies densely are repacked as they are read, unless the FFN is to be split; the
+    # rest are read in GGUF's rows.
     m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp,
-                    repack_ffn=sparsity_spec.mode == "dense" and vram_budget_gib is None)
+                    repack_ffn=repack.DENSE_FFN[sparsity_spec.mode] if vram_budget_gib is None else ())
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
     m = sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file)

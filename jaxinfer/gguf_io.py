@@ -168,11 +168,11 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
 
 
 def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool = False,
-                 repack_ffn: bool = True) -> Weights:
+                 repack_ffn: tuple[str, ...] = repack.FFN) -> Weights:
     """`exact`: every matmul multiplies by the dequantized weight, never through 8-bit-activation kernels. Every
     tensor is checked against `cfg` first. `on_host`: the arrays are the file's numpy views, for the caller to
     place (nothing is read yet). Weights are repacked where cfg.plan says (repack.packs; the FFN's only with
-    `repack_ffn`: not for a model about to be made sparse or split)."""
+    `repack_ffn` among the FFN's: those a sparsity mode multiplies densely, none for a model about to be split)."""
     check_tensors(gguf, cfg)
 
     def packs(field, w):

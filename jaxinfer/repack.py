@@ -3,8 +3,8 @@ here, made once at load, straight from the file (gguf_io.load_weights), where th
 weight of quant.REPACKED_TYPES (Q4_0/Q4_1/Q8_0/IQ4_NL, and Q4_K/Q5_K/Q6_K/IQ4_XS per 256-value super-block) that only
 dense products read.
 
-    repacked    attention q/k/v/output; the FFN's gate/up/down when it runs dense and is not split between devices
-                (`ffn`); the predictor's fc1/fc2 (dense products every token: a quantized predictor read at the
+    repacked    attention q/k/v/output; the FFN weights its sparsity mode multiplies densely (DENSE_FFN: all of
+                them dense, gate and up for hidden:S, gate for gate:S) when it is not split between devices; the predictor's fc1/fc2 (dense products every token: a quantized predictor read at the
                 dense kernels' pace); the output head, and the embedding when it is the output head too (tied): the
                 head is the largest product of a perplexity window, and a lookup unpacks only the groups of the
                 rows it reads
@@ -33,11 +33,17 @@ OUTPUT = "output"  # the output head, of its own or the embedding
 ROW_CUT = frozenset(name for name, axis in sharding.LAYER_CUTS.items() if axis == sharding.ROWS) | {OUTPUT}
 
 
-def packs(name: str, w: QuantArray, plan: Plan, ffn: bool = True) -> bool:
-    """Whether the weight `w` of Layer field `name` (or OUTPUT) is repacked at load (see above)."""
+# The FFN weights a sparsity mode multiplies densely, and which are repacked where the FFN is not split: the rest are
+# read row by row for active neurons, in GGUF's rows (sparse_ffn.py).
+DENSE_FFN = {"dense": FFN, "hidden": ("ffn_gate", "ffn_up"), "gate": ("ffn_gate",), "predictor": ()}
+
+
+def packs(name: str, w: QuantArray, plan: Plan, ffn: tuple[str, ...] = FFN) -> bool:
+    """Whether the weight `w` of Layer field `name` (or OUTPUT) is repacked at load (see above), the FFN's fields
+    `ffn` among them."""
     if not plan.repack or not quant.can_pack_rows_x8(w):
         return False
-    if name not in ATTENTION + PREDICTOR + (OUTPUT,) and not (ffn and name in FFN):
+    if name not in ATTENTION + PREDICTOR + (OUTPUT,) + tuple(ffn):
         return False
     return plan.tp == 1 or name not in ROW_CUT or w.shape[0] % (quant.INTERLEAVE * plan.tp) == 0
 
@@ -49,8 +55,9 @@ def widens_tq1_0(qtype, plan: Plan, exact: bool = False) -> bool:
     return plan.repack and qtype == GGMLQuantizationType.TQ1_0 and not exact
 
 
-def ffn_rows(layer):
-    """The layer with its FFN weights in GGUF's rows (unpacked where repacked): what a sparse FFN reads."""
-    return dataclasses.replace(layer, **{name: quant.unpack_rows_x8(getattr(layer, name)) for name in FFN
+def ffn_rows(layer, names: tuple[str, ...] = FFN):
+    """The layer with its FFN weights `names` in GGUF's rows (unpacked where repacked): what the row-sparse kernels,
+    a transposition or a split's parts read."""
+    return dataclasses.replace(layer, **{name: quant.unpack_rows_x8(getattr(layer, name)) for name in names
                                          if getattr(layer, name) is not None
                                          and getattr(layer, name).layout == quant.ROWS_X8})

@@ -141,7 +141,10 @@ def apply(m, spec: SparsitySpec, down_t_type=None, thresholds_file: str | None =
         m = dataclasses.replace(m, thresholds_path=thresholds_file or thresholds_path(m.path))
         layers = [dataclasses.replace(layer, ffn_threshold=jnp.float32(t)) for layer, t in zip(layers, values)]
     if spec.mode != "dense":
-        layers = [with_transposed_down(layer, down_t_type, packs_neuron_major(spec, cfg.plan)) for layer in layers]
+        # What the mode reads row by row for active neurons is in GGUF's rows (a model loaded dense has them repacked).
+        sparse_rows = tuple(name for name in ("ffn_gate", "ffn_up") if name not in repack.DENSE_FFN[spec.mode])
+        layers = [with_transposed_down(repack.ffn_rows(layer, sparse_rows), down_t_type,
+                                       packs_neuron_major(spec, cfg.plan)) for layer in layers]
     elif cfg.gate_activation in NATURAL_ZEROS:
         layers = [_with_ternary_down_t(m.path, layer) for layer in layers]
     if cfg.plan.down_rows:
@@ -189,10 +192,9 @@ def with_transposed_down(layer, qtype=None, pack: bool = True):
     """The layer with its down projection stored one row per neuron (ffn_down_t, as PowerInfer files have it), so
     the rows of inactive neurons need not be read: with `pack`, a Q4_0/Q4_1/Q8_0 one repacked neuron-major, without
     rounding (quant.pack_neuron_major), unless `qtype` asks for a transposed copy; a ternary one as I2_S, exactly,
-    where quant.transpose_ternary can; otherwise transposed (quant.transpose, for what that costs in accuracy). An FFN
-    repacked at load for dense products is read back in GGUF's rows first (repack.ffn_rows): the row-sparse kernels
-    read rows."""
-    layer = repack.ffn_rows(layer)
+    where quant.transpose_ternary can; otherwise transposed (quant.transpose, for what that costs in accuracy). A down
+    projection repacked at load for dense products is read back in GGUF's rows first (repack.ffn_rows)."""
+    layer = repack.ffn_rows(layer, ("ffn_down",))
     if layer.ffn_down_t is not None:
         return layer
     if pack and qtype is None and quant.can_pack_neuron_major(layer.ffn_down):

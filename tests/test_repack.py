@@ -144,7 +144,9 @@ def test_under_tensor_parallelism_rows_cut_on_whole_groups_only(make_model):
     assert not repack.packs(repack.OUTPUT, m.weights.output, plan)
     assert not repack.packs(repack.OUTPUT, m.weights.output, dataclasses.replace(plan, tp=2))  # 132 rows a device
     assert repack.packs(repack.OUTPUT, m.weights.output, dataclasses.replace(plan, tp=1))  # padded
-    assert not repack.packs("ffn_gate", layer.ffn_gate, plan, ffn=False)
+    assert not repack.packs("ffn_gate", layer.ffn_gate, plan, ffn=())
+    assert repack.packs("ffn_gate", layer.ffn_gate, plan, ffn=repack.DENSE_FFN["gate"])
+    assert not repack.packs("ffn_up", layer.ffn_up, plan, ffn=repack.DENSE_FFN["gate"])
     assert not repack.packs("ffn_gate", layer.ffn_gate, dataclasses.replace(plan, repack=False))
 
 
@@ -167,6 +169,10 @@ def test_a_repacked_model_made_sparse_reads_the_rows_back(make_model, weight_typ
     np.testing.assert_allclose(forward_logits(sparse_on, tokens), forward_logits(sparse_off, tokens), rtol=0,
                                atol=2e-2 * np.abs(forward_logits(sparse_off, tokens)).max())
     assert sparse_on.weights.layers[0].attn_q.layout == ROWS_X8
-    built = engine.build_model(path, sparsity_spec=spec).weights.layers[0]
-    down_t = quant.NEURON_MAJOR if weight_type in quant.NEURON_MAJOR_TYPES else ROW_BLOCKS  # K-quants: transposed
-    assert (built.attn_q.layout, built.ffn_gate.layout, built.ffn_down_t.layout) == (ROWS_X8, ROW_BLOCKS, down_t)
+    built = engine.build_model(path, sparsity_spec=spec).weights.layers[0]  # hidden: gate and up dense, repacked
+    down_t = quant.NEURON_MAJOR if weight_type in quant.NEURON_MAJOR_TYPES else quant.DOWN_ROWS  # K-quants: Q8_0 rows
+    assert (built.attn_q.layout, built.ffn_gate.layout, built.ffn_up.layout, built.ffn_down_t.layout) == (
+        ROWS_X8, ROWS_X8, ROWS_X8, down_t)
+    sparsity.save_thresholds(path, "gate", {0.5: np.full(2, 0.05, np.float32)}, "test")
+    gate_mode = engine.build_model(path, sparsity_spec=sparsity.SparsitySpec("gate", 0.5)).weights.layers[0]
+    assert (gate_mode.ffn_gate.layout, gate_mode.ffn_up.layout) == (ROWS_X8, ROW_BLOCKS)  # up: rows of active neurons
