@@ -160,12 +160,15 @@ def test_cli_without_output_says_so_and_ctrl_c_ends_it_with_one_line(make_model,
         process = train_predictor_cli("-m", make_model(n_embd=64, n_ff=256, sparsity=0.85), "-f", str(text), "-c",
                                       "32", "--train_chunks", "4", "--heldout_chunks", "2", "--steps", "1000000",
                                       stderr=stderr)
-    deadline = time.monotonic() + 120
-    while "training:" not in log.read_text():
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
-    process.send_signal(signal.SIGINT)
-    process.wait(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while "training:" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    finally:  # a million steps: never left running by a failure
+        process.kill()
     lines = log.read_text().replace("\r", "\n").strip().splitlines()
     assert process.returncode == 130 and "Traceback" not in log.read_text(), log.read_text()
     assert "note: no -o given: the predictors are trained and evaluated, not saved" in lines
