@@ -306,7 +306,8 @@ class Inspection:
         supported = _types_by_id(quant.SUPPORTED_TYPES)
         unsupported = sorted({t.type_name for t in self.infos if t.type_id not in supported})
         section = {"backend_here": self.plan.backend, "types_supported": not unsupported,
-                   "products": "XLA on dequantized weights", "attention": "Pallas flash kernels"}
+                   "products": "XLA on dequantized weights, decode fused with the dequantization",
+                   "attention": "Pallas flash kernels"}
         if unsupported:
             section["unsupported_types"] = unsupported
         down = "ffn_down_t" if self.layers_with("ffn_down_t") else "ffn_down"

@@ -4,7 +4,9 @@ A frozen, static value built from the devices, the flags and the model's shapes;
 (`Config.plan`) and has no backend checks of its own: `jax.default_backend()` is read here and nowhere else.
 
                        CPU backend                                   GPU backend
-    products           cpu_ext (8-bit activations, integer dots)     XLA (dequantize, f32)
+    products           cpu_ext (8-bit activations, integer dots)     XLA: decode fused with the dequantization
+                                                                     (a multiply-and-reduce), prompts dequantize +
+                                                                     GEMM (f32 operands, TF32 tensor cores)
                        on weights repacked eight rows to a group
                        (repack.py) for any number of tokens, on
                        GGUF's rows up to quant.CPU_KERNEL_MAX_TOKENS
@@ -38,7 +40,7 @@ from jaxinfer import jax_compat, quant
 from jaxinfer.errors import JaxinferError
 
 SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")  # which FFN neurons run for a token (sparse_ffn.py)
-PRODUCTS = ("cpu_ext", "xla")
+PRODUCTS = ("cpu_ext", "xla", "xla_fused")
 ATTENTION = ("xla", "cpu_ext", "pallas", "pallas_interpret")
 HOT_FFN = ("xla", "pallas", "pallas_interpret")
 
@@ -130,7 +132,7 @@ def _device_plan(attn_max_batch_mib: float | None) -> Plan:
                     repack=kernels is not None and jax.process_count() == 1)
     host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
     gpu_kernels = "pallas" if backend == "gpu" else "xla"
-    return Plan(backend, products="xla", host_products=host_products, attention=gpu_kernels,
+    return Plan(backend, products="xla_fused", host_products=host_products, attention=gpu_kernels,
                 attn_max_batch_mib=attn_max_batch_mib, hot_ffn=gpu_kernels)
 
 

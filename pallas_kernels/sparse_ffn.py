@@ -100,8 +100,11 @@ def _down_kernel(h_ref, idx_ref, down_ref, *refs, quantized, block_k, block_d):
 def sparse_ffn(x, idx, gate: RowWeights, up: RowWeights, down_t: RowWeights, *, gate_act="relu",
                up_act="identity", block_sizes: BlockSizes = BlockSizes(), interpret: bool = False):
     """x [B, d], idx [K] int32 (active neuron ids; -1 pads) -> out [B, d] f32. K must be a multiple of block_k and d
-    of block_d (pad idx with -1; d of real models is a multiple of 128). All three weights are floats, or all Q8_0."""
-    b, d = x.shape
+    of block_d (pad idx with -1; d of real models is a multiple of 128). All three weights are floats, or all Q8_0.
+    Triton takes arrays whose sizes are powers of two, so B is padded up to one with zero rows."""
+    tokens, d = x.shape
+    b = 1 << (tokens - 1).bit_length()
+    x = jnp.pad(x, ((0, b - tokens), (0, 0)))
     k = idx.shape[0]
     bk, bd = block_sizes.block_k, block_sizes.block_d
     quantized = gate.scales is not None
@@ -134,7 +137,7 @@ def sparse_ffn(x, idx, gate: RowWeights, up: RowWeights, down_t: RowWeights, *, 
         out_shape=jax.ShapeDtypeStruct((b, d), jnp.float32),
         interpret=interpret,
         name="sparse_ffn_down",
-    )(h, idx, *down_inputs)
+    )(h, idx, *down_inputs)[:tokens]
 
 
 def sparse_ffn_reference(x, idx, gate: RowWeights, up: RowWeights, down_t: RowWeights, *, gate_act="relu",

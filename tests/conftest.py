@@ -3,6 +3,11 @@ import os
 import signal
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Where the tests run on a GPU (JAX_PLATFORMS=cuda,cpu: scripts/gpu_check.py), XLA and Pallas multiply f32 operands
+# on TF32 tensor cores by default (10-bit mantissas, ~1e-3 relative); the tests check the logic against f32
+# references, so they multiply in full f32 there, as do the CLIs they start.
+if any(platform in os.environ["JAX_PLATFORMS"] for platform in ("cuda", "gpu")):
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 # A shell starts a background job (`pytest ... &`) with SIGINT ignored, and an ignored signal stays ignored across
 # exec: the CLIs the tests start would never see the Ctrl-C the tests send them. A handler instead is reset to the

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 
@@ -40,6 +41,29 @@ def models(tmp_path_factory):
 # rounding, not only the order of the parts' sums (measured: 0.03 at most on logits within +-3.5). With exact products
 # ("predictor_exact") a split changes the order of additions only.
 GROUPED_ROUNDING = 5e-2
+# Beside a GPU the device multiplies with XLA in f32 and the host parts with cpu_ext's 8-bit activations: a split's
+# logits differ from the unsplit model's by those kernels' rounding (measured on an H200: 0.033 at most).
+KERNEL_ROUNDING = 5e-2
+# The Pallas kernel sums in another order than XLA, and a ReLU gate within rounding of 0 can fire in one and not the
+# other (measured on an H200, JAX 0.11.2: 4.9e-4 on logits within +-3.4, all neurons in the kernel's part).
+PALLAS_ROUNDING = 5e-4
+
+
+def split_tolerance(m, split, mode: str, hot_share: float) -> tuple[float, bool]:
+    """(absolute tolerance of a split's logits against `m`'s, on its largest logit's scale, whether the rounding
+    differs): GROUPED_ROUNDING where the parts regroup the down projection's neurons, KERNEL_ROUNDING where host
+    and device multiply with different kernels, PALLAS_ROUNDING where a compiled Pallas kernel holds neurons."""
+    plan = m.config.plan
+    has_host = any(getattr(p, "on_host", False) for layer in split.weights.layers for p in layer.ffn_parts)
+    if plan.down_rows and mode == "predictor" and 0 < hot_share < 1:
+        return GROUPED_ROUNDING, True
+    if has_host and plan.host_products != plan.products and mode != "predictor_exact":
+        return KERNEL_ROUNDING, True
+    kernel_parts = any(isinstance(p, sparse_ffn.KernelPart) for layer in split.weights.layers
+                       for p in layer.ffn_parts)
+    if kernel_parts and plan.hot_ffn == "pallas":
+        return PALLAS_ROUNDING, True
+    return 1e-5, False
 
 
 def split_at(m, hot_share: float, seed: int = 0):
@@ -86,11 +110,12 @@ def test_a_split_model_equals_the_unsplit_one(models, mode, hot_share):
     assert (False in on_host) == (hot_share > 0)
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)
-    regrouped = mode == "predictor" and 0 < hot_share < 1
-    assert regrouped == (m.weights.layers[0].ffn_down_t.layout == quant.DOWN_ROWS and 0 < hot_share < 1)
-    tolerance = GROUPED_ROUNDING if regrouped else 1e-5 * np.abs(expected).max()
-    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance)
-    if not regrouped:
+    if m.config.plan.down_rows:  # cpu_ext's integer down projection takes a predictor model's ffn_down_t
+        assert (m.weights.layers[0].ffn_down_t.layout == quant.DOWN_ROWS) == (mode == "predictor")
+    tolerance, rounded = split_tolerance(m, split, mode, hot_share)
+    scale = 1.0 if tolerance in (GROUPED_ROUNDING, KERNEL_ROUNDING) else np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=0, atol=tolerance * scale)
+    if not rounded:
         assert greedy(split, prompt, 12) == greedy(m, prompt, 12)
 
 
@@ -118,7 +143,8 @@ def test_the_cold_part_lives_and_runs_in_host_memory(models):
     lowered = model.decode_step.lower(np.zeros(1, np.int32), split.weights, cache, split.config)
     compiled = lowered.compile()
     weight_kinds = [s.memory_kind for s in jax.tree.leaves(compiled.input_shardings[0][1])]
-    parts = [(p.on_host, w) for layer in split.weights.layers for p in layer.ffn_parts for w in jax.tree.leaves(p)]
+    parts = [(getattr(p, "on_host", False), w)  # a KernelPart (the Pallas kernel's, beside a GPU) is on the device
+             for layer in split.weights.layers for p in layer.ffn_parts for w in jax.tree.leaves(p)]
     host_bytes = sum(w.nbytes for on_host, w in parts if on_host)
     assert host_bytes > 0 and weight_kinds.count("pinned_host") == sum(on_host for on_host, _ in parts)
     assert all(w.sharding.memory_kind == ("pinned_host" if on_host else "device") for on_host, w in parts)
@@ -153,7 +179,10 @@ def test_swiglu_model_with_ffn_down_splits_too(make_model, down):
     forward = jax.jit(model.forward, static_argnums=2)
     reference, _, _ = forward(tokens, m.weights, m.config)
     hidden, _, _ = forward(tokens, split, m.config)
-    np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5, atol=1e-5)
+    plan = m.config.plan
+    mixed = plan.host_products != plan.products and not down.startswith("F32")  # beside a GPU: KERNEL_ROUNDING
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(reference), rtol=1e-5,
+                               atol=KERNEL_ROUNDING if mixed else 1e-5)
     if not down.startswith("F32"):  # half a block of neurons cannot move alone
         with pytest.raises(ValueError, match="whole aligned units"):
             hybrid.split_weights(m.weights, [np.arange(16, 48), np.arange(0)], m.config)
@@ -294,7 +323,9 @@ def test_perplexity_cli_with_a_vram_budget(profiled_model, tmp_path):
                     "--vram-budget", f"{budget:.12f}")
     assert split.returncode == 0, split.stderr
     assert "offloaded" in split.stderr and "(19.5% of neurons)" in split.stderr, split.stderr
-    assert split.stdout.split("|")[0] == dense.stdout.split("|")[0]  # the same PPL line, split or not
+    # The same PPL, split or not (beside a GPU, to the rounding of the host's kernels against the device's).
+    ppl = [float(re.search(r"PPL = ([0-9.]+)", run.stdout).group(1)) for run in (split, dense)]
+    assert ppl[0] == pytest.approx(ppl[1], rel=1e-6)
 
 
 @pytest.mark.parametrize("module", ["jaxinfer.generate", "jaxinfer.perplexity"])

@@ -11,6 +11,10 @@ from gguf import GGMLQuantizationType as Q
 from jaxinfer import engine, model
 from jaxinfer.config import Config
 
+# cpu_ext's attention kernels are CPU FFI handlers: a GPU plan never picks them (scripts/gpu_check.py runs these
+# tests on a GPU).
+HOST_KERNELS = ["cpu_ext"] if jax.default_backend() == "cpu" else []
+
 
 def test_rope_rotates_adjacent_pairs_as_complex_numbers():
     """Independent formulation: pair (x[2i], x[2i+1]) is the complex number x[2i] + j x[2i+1], multiplied by
@@ -77,6 +81,14 @@ def test_incremental_decode_matches_full_forward(make_model, weight_type):
     assert_incremental_decode_matches_full_forward(m, n_prompt=6)
 
 
+def test_the_gpu_plans_fused_decode_products_give_the_full_forwards_logits(make_model):
+    """products "xla_fused" (the GPU plan): decode steps multiply as fused multiply-and-reduces, the full forward's
+    11 tokens as dots, and they agree to f32 rounding."""
+    m = engine.load_model(make_model(n_embd=256, n_ff=256, weight_type=Q.Q4_0), repack=False)
+    fused = dataclasses.replace(m, config=m.config.replan(products="xla_fused", attention="xla"))
+    assert_incremental_decode_matches_full_forward(fused, n_prompt=6)
+
+
 def assert_incremental_decode_matches_full_forward(m, n_prompt: int):
     """A prefill of n_prompt of 11 random tokens, then decode steps of the rest, give the full forward's logits."""
     tokens = np.random.default_rng(2).integers(0, m.config.n_vocab, size=(1, 11)).astype(np.int32)
@@ -120,9 +132,9 @@ def prefill_and_decode(weights, tokens, config):
     return np.concatenate(out)
 
 
-@pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, {"attention": "cpu_ext"},
+@pytest.mark.parametrize("variant", [{"attn_max_batch_mib": 1e-4}, *({"attention": k} for k in HOST_KERNELS),
                                      {"attention": "pallas_interpret"}],
-                         ids=["bounded", "cpu_ext", "pallas_interpret"])
+                         ids=["bounded", *HOST_KERNELS, "pallas_interpret"])
 @pytest.mark.slow
 def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
     """Through the whole model, prefill and decode: bounded attention (head groups without a cache, 16-key steps
@@ -138,7 +150,7 @@ def test_attention_kernels_give_the_model_the_same_logits(make_model, variant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["xla", *HOST_KERNELS, "pallas_interpret"])
 def test_an_f16_cache_stores_f16_and_changes_logits_by_its_rounding_only(make_model, kernel):
     """Each attention kernel reads an f16 cache: the logits move by about f16's rounding of K and V (2^-11
     relative), against the f32 cache through the same kernel."""
@@ -180,7 +192,7 @@ def chunks_of(prompts, chunk):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cache_type", ["f32", "f16"])
-@pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["xla", *HOST_KERNELS, "pallas_interpret"])
 def test_sequences_at_different_depths_give_the_logits_each_gives_alone(make_model, kernel, cache_type):
     """Three prompts of 3, 8 and 13 tokens prefill together in chunks of 8 (the two short ones sit out the second
     chunk) and then decode together, each step at three different depths: row by row, the logits are those of each
@@ -217,7 +229,7 @@ def test_sequences_at_different_depths_give_the_logits_each_gives_alone(make_mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["xla", "cpu_ext", "pallas_interpret"])
+@pytest.mark.parametrize("kernel", ["xla", *HOST_KERNELS, "pallas_interpret"])
 def test_slots_of_a_larger_cache_prefill_and_decode_as_each_does_alone(make_model, kernel):
     """A server's slots: two prompts prefill one at a time into rows 2 and 0 of a 4-row cache (prefill's row), then
     decode steps advance the cache's first 3 rows with row 1 not active: each sequence's logits are those it gives
@@ -265,7 +277,7 @@ def cache_copies(compiled_text: str, cache: model.KVCache) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["xla", "cpu_ext"])
+@pytest.mark.parametrize("kernel", ["xla", *HOST_KERNELS])
 def test_a_batched_decode_step_writes_the_donated_cache_in_place(make_model, kernel):
     """Per-row positions make the K/V write a scatter: XLA must still update the donated cache in place, with no
     copy of it per step, for one row and for several."""

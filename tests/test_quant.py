@@ -49,6 +49,35 @@ def test_matmul_and_take_rows_match_dequantized_numpy(qtype):
     np.testing.assert_array_equal(np.asarray(quant.take_rows(w, ids)), dense[ids])
 
 
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+def test_fused_products_match_the_dot_with_the_dequantized_weight(tokens):
+    """The GPU plan's "xla_fused" products (a decode's multiply-and-reduce, up to FUSED_MAX_TOKENS tokens; a dot
+    beyond) give the dequantized numpy products, for matmul, masked_matmul and masked_axpy."""
+    rng = np.random.default_rng(7)
+    rows, cols = 64, 256
+    stored = encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), Q.Q4_0, rng)
+    dense = gguf.quants.dequantize(stored, Q.Q4_0).astype(np.float32)
+    w = quant.from_gguf_data(stored, Q.Q4_0, (rows, cols))
+    w_t = quant.from_gguf_data(encode_tensor(dense.T.copy(), Q.Q8_0, rng), Q.Q8_0, (cols, rows))
+    x = rng.normal(size=(tokens, cols)).astype(np.float32)
+    mask = rng.random((tokens, rows)) < 0.3
+    h = rng.normal(size=(tokens, cols)).astype(np.float32)
+    mask_t = rng.random((tokens, cols)) < 0.3
+
+    def products(x, mask, h, mask_t):
+        with quant.products("xla_fused"):
+            return quant.matmul(x, w), quant.masked_matmul(x, w, mask), quant.masked_axpy(h, w_t, mask_t)
+
+    if tokens <= quant.FUSED_MAX_TOKENS:
+        text = jax.jit(products).lower(x, mask, h, mask_t).as_text()
+        assert "dot_general" not in text and "reduce" in text
+    y, masked, axpy = jax.jit(products)(x, mask, h, mask_t)
+    dense_t = gguf.quants.dequantize(np.asarray(w_t.data), Q.Q8_0).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(y), x @ dense.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(masked), np.where(mask, x @ dense.T, 0), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(axpy), np.where(mask_t, h, 0) @ dense_t, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("rows,cols,span", [(64, 32, None), (192, 96, 64), (192, 96, 192), (2048, 32, None)])
 def test_neuron_major_packing_keeps_every_value(qtype, rows, cols, span):

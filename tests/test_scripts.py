@@ -440,3 +440,26 @@ def test_bench_sparse_compares_calibrated_specs_with_dense_on_a_model(make_model
                           (("--powerinfer", str(text)), f"error: --powerinfer {text}: not an executable file")):
         bad = run("scripts/bench_sparse.py", *args)
         assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(message), bad.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
+    """scripts/gpu_check.py, the command prepared for a GPU machine, runs its steps here with tiny models and the
+    tests only collected, so that it cannot rot between the runs on a GPU; --only picks steps, bad flags exit 2."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out), "--work",
+                           str(work)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = json.loads((out / "summary.json").read_text())["steps"]
+    assert list(steps) == ["wheels", "env", "nvidia-smi", "cpu_ext", "tests", "models", "default", "sparse", "pp512",
+                           "hybrid", "xla_dump"]
+    assert all(step["status"] in ("ok", "skipped") for step in steps.values()), steps
+    assert steps["default"]["json"]["generation_tokens_per_s"] > 0
+    assert steps["sparse"]["json"]["levels"][0]["sparse_tg"] > 0
+    assert {"neurons", "layers", "host", "all"} <= set(steps["hybrid"]["json"])
+    log = (out / "gpu_check.log").read_text()
+    assert "tests/test_pallas_sparse_ffn.py::TestSparseFfnCompiled" in log  # collected, skipped without a GPU
+    assert (out / "xla_dump.tar.gz").stat().st_size > 0
+    bad = subprocess.run([sys.executable, "scripts/gpu_check.py", "--dry-run", "--out", str(out), "--only", "nope"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "--only: unknown steps nope" in bad.stderr

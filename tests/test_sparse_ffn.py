@@ -108,6 +108,8 @@ def test_row_skipping_kernels_agree_with_the_masked_reference(make_model, mode, 
     assert (layer.ffn_down_t.layout == quant.NEURON_MAJOR) == (mode != "predictor")
     cfg = fast.config.replan(ffn_sparsity=mode)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(1, 3, fast.config.n_embd)).astype(np.float32))
+    if cfg.plan.backend != "cpu":
+        pytest.skip("cpu_ext's row-skipping kernels multiply in device memory on the CPU backend only")
     assert cfg.plan.products == "cpu_ext"
 
     @partial(jax.jit, static_argnums=3)
