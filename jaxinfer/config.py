@@ -26,9 +26,23 @@ class Architecture:
     # PowerInfer's sparse graph runs a PWRI file of this architecture with ReLU on the gate: a `llama` PWRI file is
     # a ReLU-fied model (ReluLLaMA, ProSparse), whatever plain llama.cpp would assume.
     powerinfer_gate_activation: str | None = None
+    # Per-head RMSNorm of q and k before RoPE (blk.N.attn_q_norm / attn_k_norm [head_dim]): Qwen3, Gemma 3.
+    qk_norm: bool = False
+    # RMSNorms of the attention's and the FFN's outputs before each joins the residual (blk.N.post_attention_norm,
+    # blk.N.post_ffw_norm [d]): Gemma 2/3's four norms a layer.
+    post_norms: bool = False
+    embed_scale: bool = False  # the token embeddings times sqrt(n_embd) (Gemma)
+    # With `{arch}.attention.sliding_window` set, layer i attends to its last `sliding_window` positions only unless
+    # i % period == period - 1 (llama.cpp's set_swa_pattern), with RoPE base `{arch}.rope.freq_base_swa` (10000
+    # when absent) and no RoPE scaling; 0: the architecture has no sliding-window layers.
+    swa_period: int = 0
+    # Layer counts at which llama.cpp scales queries by 1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim)
+    # (Gemma 3 27B: its query_pre_attn_scalar).
+    query_scale_by_width: tuple[int, ...] = ()
 
 
-# GGUF `general.architecture` -> block variant. Falcon (no gate, LayerNorm) slots in here next.
+# GGUF `general.architecture` -> block variant. QKV biases (blk.N.attn_q.bias, ...) and llama's rope_freqs.weight
+# are used wherever a file holds them, as llama.cpp does.
 ARCHITECTURES = {
     "llama": Architecture(gate_activation="silu", powerinfer_gate_activation="relu"),
     "bamboo": Architecture(gate_activation="relu", up_activation="relu", powerinfer_gate_activation="relu"),
@@ -36,12 +50,25 @@ ARCHITECTURES = {
     "bitnet": Architecture(gate_activation="silu", sub_norms=True, rope_type="neox"),
     # BitNet b1.58 2B-4T (ik_llama.cpp's bitnet-b1.58): the same block with a squared-ReLU GLU, natively sparse.
     "bitnet-b1.58": Architecture(gate_activation="relu_sqr", sub_norms=True, rope_type="neox"),
+    # Qwen2/2.5 and the DeepSeek-R1 Qwen distills: the llama block with QKV biases, NEOX RoPE.
+    "qwen2": Architecture(gate_activation="silu", rope_type="neox"),
+    # Qwen3 dense: QK-norm, no biases; the head size (attention.key_length) need not be n_embd / n_head.
+    "qwen3": Architecture(gate_activation="silu", rope_type="neox", qk_norm=True),
+    # Gemma 3: sqrt(d) embedding scale, four norms a layer (llama.cpp's converter stores Gemma's 1 + w), QK-norm,
+    # GeGLU with tanh-approximated GELU, five sliding-window layers to one global one.
+    "gemma3": Architecture(gate_activation="gelu_tanh", rope_type="neox", qk_norm=True, post_norms=True,
+                           embed_scale=True, swa_period=6, query_scale_by_width=(62,)),
 }
+# RoPE scaling types (`{arch}.rope.scaling.type`) jaxinfer computes: llama.cpp's default "linear" divides positions
+# by `{arch}.rope.scaling.factor` (none when absent).
+ROPE_SCALING_TYPES = ("none", "linear")
+# Metadata that changes the computation in ways jaxinfer does not implement: a file with any of them is refused.
+UNSUPPORTED_KEYS = {"attention.logit_softcapping": "attention logit soft-capping (Gemma 2)"}
 CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> the KV cache's dtype
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
 GATE_ACTIVATION_KEY = "jaxinfer.gate_activation"
-GATE_ACTIVATIONS = ("silu", "relu", "relu_sqr")
+GATE_ACTIVATIONS = ("silu", "relu", "relu_sqr", "gelu_tanh")
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's predictor threshold (f32)
 
 
@@ -64,6 +91,18 @@ class Config:
     up_activation: str
     sub_norms: bool = False  # Architecture.sub_norms
     rope_type: str = "norm"  # Architecture.rope_type
+    qk_norm: bool = False  # Architecture.qk_norm
+    post_norms: bool = False  # Architecture.post_norms
+    embed_scale: float = 1.0  # what token embeddings are multiplied by (Architecture.embed_scale: sqrt(n_embd))
+    query_scale: float | None = None  # what q·k is multiplied by; None: 1 / sqrt(head_dim)
+    rope_freq_scale: float = 1.0  # positions are multiplied by this (linear RoPE scaling: 1 / factor)
+    # llama's rope_freqs.weight [rope_dim / 2] (Llama 3.x's "llama3" scaling): rotation frequency i is divided by
+    # factor i. Read from the tensor at load (gguf_io.load_config); a tuple so that the Config stays static.
+    rope_freq_factors: tuple[float, ...] | None = None
+    sliding_window: int = 0  # the positions a sliding-window layer attends to (its own included); 0: none
+    swa_layers: tuple[bool, ...] = ()  # per layer: whether it is a sliding-window one (Architecture.swa_period)
+    rope_theta_swa: float = 10000.0  # the RoPE base of the sliding-window layers
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c) when > 0 ({arch}.final_logit_softcapping)
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
@@ -80,6 +119,10 @@ class Config:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
 
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`, or None when it attends to every position before it."""
+        return self.sliding_window if self.swa_layers and self.swa_layers[layer] else None
+
     @classmethod
     def from_metadata(cls, meta: dict, n_vocab: int, powerinfer: bool = False) -> "Config":
         """Build from GGUF key/values (`{"llama.block_count": 30, ...}`) and the embedding's row count; `powerinfer`
@@ -92,9 +135,16 @@ class Config:
             return metadata.integer(meta, f"{arch}.{name}", default, minimum=1)
 
         spec = ARCHITECTURES[arch]
-        scaling = metadata.string(meta, f"{arch}.rope.scaling.type", "none")
-        if scaling != "none":
-            raise JaxinferError(f"unsupported RoPE scaling type {scaling!r}")
+        for key, what in UNSUPPORTED_KEYS.items():
+            if f"{arch}.{key}" in meta:
+                raise JaxinferError(f"{arch}.{key}: {what} is not implemented")
+        scaling = metadata.string(meta, f"{arch}.rope.scaling.type", "linear")
+        if scaling not in ROPE_SCALING_TYPES:
+            raise JaxinferError(f"unsupported RoPE scaling type {scaling!r} (supported: "
+                                f"{', '.join(ROPE_SCALING_TYPES)})")
+        factor = metadata.number(meta, f"{arch}.rope.scaling.factor", 0.0)
+        if factor < 0:
+            raise JaxinferError(f"GGUF metadata {arch}.rope.scaling.factor must be >= 0, found {factor}")
         n_embd = count("embedding_length")
         n_head = count("attention.head_count")
         n_head_kv = count("attention.head_count_kv", n_head)
@@ -105,15 +155,27 @@ class Config:
             raise JaxinferError(f"{arch}.attention.head_count {n_head} does not divide {arch}.embedding_length "
                                 f"{n_embd}")
         head_dim = count("attention.key_length", n_embd // n_head)
+        value_length = count("attention.value_length", head_dim)
+        if value_length != head_dim:
+            raise JaxinferError(f"{arch}.attention.value_length {value_length} differs from the key length {head_dim}: "
+                                f"not supported")
         rope_dim = count("rope.dimension_count", head_dim)
         if rope_dim > head_dim or rope_dim % 2:
             raise JaxinferError(f"{arch}.rope.dimension_count must be even and at most the head size {head_dim}, "
                                 f"found {rope_dim}")
         gate_activation = metadata.string(meta, GATE_ACTIVATION_KEY, None, choices=GATE_ACTIVATIONS) \
             or (spec.powerinfer_gate_activation if powerinfer else None) or spec.gate_activation
+        n_layer = count("block_count")
+        window = metadata.integer(meta, f"{arch}.attention.sliding_window", 0, minimum=0)
+        if window and not spec.swa_period:
+            raise JaxinferError(f"{arch}.attention.sliding_window is {window}: sliding-window attention is not "
+                                f"implemented for {arch}")
+        swa_layers = _swa_layers(meta, f"{arch}.attention.sliding_window_pattern", spec.swa_period, n_layer) \
+            if window else ()
+        query_width = n_embd // n_head if n_layer in spec.query_scale_by_width else head_dim
         return cls(
             arch=arch,
-            n_layer=count("block_count"),
+            n_layer=n_layer,
             n_embd=n_embd,
             n_ff=count("feed_forward_length"),
             n_head=n_head,
@@ -128,5 +190,27 @@ class Config:
             up_activation=spec.up_activation,
             sub_norms=spec.sub_norms,
             rope_type=spec.rope_type,
+            qk_norm=spec.qk_norm,
+            post_norms=spec.post_norms,
+            embed_scale=float(n_embd) ** 0.5 if spec.embed_scale else 1.0,
+            query_scale=None if query_width == head_dim else query_width ** -0.5,
+            rope_freq_scale=1.0 / factor if scaling == "linear" and factor else 1.0,
+            sliding_window=window,
+            swa_layers=swa_layers,
+            rope_theta_swa=metadata.number(meta, f"{arch}.rope.freq_base_swa", 10000.0, positive=True),
+            final_softcap=metadata.number(meta, f"{arch}.final_logit_softcapping", 0.0),
             sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
         )
+
+
+def _swa_layers(meta: dict, key: str, period: int, n_layer: int) -> tuple[bool, ...]:
+    """Which layers slide, as llama.cpp's load_swa_pattern reads them: `key` as one flag per layer, or as a period
+    (the architecture's when absent) of which every layer but the last slides."""
+    flags = meta.get(key)
+    if isinstance(flags, list):
+        if len(flags) != n_layer or not all(isinstance(flag, bool) for flag in flags):
+            raise JaxinferError(f"GGUF metadata {key} must be a period or {n_layer} bools, found "
+                                f"{metadata.describe(flags)}")
+        return tuple(flags)
+    period = metadata.integer(meta, key, period, minimum=1)
+    return tuple(i % period < period - 1 for i in range(n_layer))

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from jaxinfer import distributed, quant, repack, ternary
+from jaxinfer import blocks, distributed, quant, repack, ternary
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
@@ -147,6 +147,12 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
     return packed
 
 
+# Layer field -> F32 vector within blk.N, loaded where the file has it (blocks.check_block_tensors says when it must).
+LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "attn_v_bias": "attn_v.bias",
+                 "attn_q_norm": "attn_q_norm.weight", "attn_k_norm": "attn_k_norm.weight",
+                 "attn_post_norm": "post_attention_norm.weight", "ffn_post_norm": "post_ffw_norm.weight"}
+
+
 def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, sub_norms: bool) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
@@ -163,6 +169,8 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
     down = None if down_t is not None else matrix("ffn_down", "ffn_down")
     norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
              if sub_norms}
+    norms |= {field: load_vector(gguf, f"blk.{i}.{tensor}", on_host) for field, tensor in LAYER_VECTORS.items()
+              if f"blk.{i}.{tensor}" in gguf.tensors}
     return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1", "fc1"), fc2=optional("fc2", "fc2"),
                  **norms)
 
@@ -174,6 +182,7 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     place (nothing is read yet). Weights are repacked where cfg.plan says (repack.packs; the FFN's only with
     `repack_ffn` among the FFN's: those a sparsity mode multiplies densely, none for a model about to be split)."""
     check_tensors(gguf, cfg)
+    blocks.check_block_tensors(gguf, cfg)
 
     def packs(field, w):
         return repack.packs(field, w, cfg.plan, repack_ffn)
@@ -191,8 +200,13 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
 
 
 def load_config(gguf: GGUFFile) -> Config:
+    """The config of the file's metadata, with llama's rope_freqs.weight (Llama 3.x's RoPE frequency factors) read
+    into it where the file has one."""
     n_vocab = tensor_shape(gguf, "token_embd.weight", 2)[0]
     try:
-        return Config.from_metadata(gguf.metadata, n_vocab=n_vocab, powerinfer=gguf.powerinfer)
+        cfg = Config.from_metadata(gguf.metadata, n_vocab=n_vocab, powerinfer=gguf.powerinfer)
     except JaxinferError as e:
         raise JaxinferError(f"{gguf.path}: {e}") from None
+    if "rope_freqs.weight" not in gguf.tensors:
+        return cfg
+    return dataclasses.replace(cfg, rope_freq_factors=blocks.rope_freq_factors(gguf, cfg))

@@ -18,8 +18,8 @@ import struct
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import (activation_profile, config, hybrid, metadata, placement, quant, repack, sidecar, sparsity,
-                      ternary, validate)
+from jaxinfer import (activation_profile, blocks, config, hybrid, metadata, placement, quant, repack, sidecar,
+                      sparsity, ternary, validate)
 from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_io import GGUFFile, open_gguf
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
@@ -337,6 +337,7 @@ class Inspection:
             else:
                 try:
                     validate.check_tensors(self.gguf, self.cfg)
+                    blocks.check_block_tensors(self.gguf, self.cfg)
                 except JaxinferError as e:
                     self.problems.append(str(e))
         try:

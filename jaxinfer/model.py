@@ -3,8 +3,14 @@
     tokens -> embed -> n_layer x [ rms_norm -> attention (RoPE, GQA, KV cache) -> +residual
                                    rms_norm -> gated FFN (sparse_ffn.py)        -> +residual ] -> rms_norm -> logits
 
-BitNet's block (cfg.sub_norms) adds an RMSNorm of the attention's heads before attn_output and one of the FFN's
-hidden values before ffn_down; its per-projection scales are the weights' own (QuantArray.scale).
+Every architecture (config.ARCHITECTURES) is this one forward with options, each read where it applies:
+  * QKV biases (Qwen2) where the file holds them; per-head RMSNorm of q and k before RoPE (cfg.qk_norm: Qwen3,
+    Gemma 3); a query scale other than 1/sqrt(head_dim) (cfg.query_scale);
+  * BitNet's sub-norms (cfg.sub_norms): an RMSNorm of the attention's heads before attn_output and one of the FFN's
+    hidden values before ffn_down; its per-projection scales are the weights' own (QuantArray.scale);
+  * Gemma's embedding scale (cfg.embed_scale) and norms of the attention's and FFN's outputs (cfg.post_norms);
+  * sliding-window layers (cfg.window(i)) with their own RoPE base (blocks.py); RoPE frequency factors and linear
+    scaling (cfg.rope_freq_factors, cfg.rope_freq_scale); final logit soft-capping (cfg.final_softcap).
 
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
 How it runs here (which kernels, where a split's parts live) is `cfg.plan`, decided once at load (plan.py).
@@ -17,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, sharding, sparse_ffn
+from jaxinfer import attention, blocks, sharding, sparse_ffn
 from jaxinfer.config import CACHE_TYPES, Config
 from pallas_kernels import attention as flash_attention
 from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products
@@ -44,6 +50,13 @@ class Layer:
     ffn_parts: list | None = None
     attn_sub_norm: jax.Array | None = None  # [n_head * hd], BitNet (cfg.sub_norms)
     ffn_sub_norm: jax.Array | None = None  # [n_ff], BitNet
+    attn_q_bias: jax.Array | None = None  # [n_head * hd], where the file has one (Qwen2)
+    attn_k_bias: jax.Array | None = None  # [n_head_kv * hd]
+    attn_v_bias: jax.Array | None = None  # [n_head_kv * hd]
+    attn_q_norm: jax.Array | None = None  # [hd], each head of q (cfg.qk_norm)
+    attn_k_norm: jax.Array | None = None  # [hd]
+    attn_post_norm: jax.Array | None = None  # [d], the attention's output (cfg.post_norms)
+    ffn_post_norm: jax.Array | None = None  # [d], the FFN's output
 
 
 @jax.tree_util.register_dataclass
@@ -78,15 +91,22 @@ def rms_norm(x, gamma, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
 
 
-def rope_rotation(positions, cfg: Config):
-    """(cos, sin) [(B,) T, 1, rope_dim / 2] of the angles pos * theta^(-2i/rope_dim) at positions [T] (every row
-    alike) or [B, T], for every layer's q and k."""
+def rope_rotation(positions, cfg: Config, sliding: bool = False):
+    """(cos, sin) [(B,) T, 1, rope_dim / 2] of the angles pos * scale * theta^(-2i/rope_dim) / factor_i at positions
+    [T] (every row alike) or [B, T], for the q and k of every layer, or with `sliding` of the sliding-window layers
+    (their own base, no scaling, as llama.cpp)."""
     # Positions known when tracing (numpy: a window without a cache) give constants. Traced ones are computed in the
     # program, where XLA takes the sines again in each layer's q and k fusion (a perplexity batch of the default
     # model spent 2.7% of its time in sincosf so).
     xp = np if isinstance(positions, np.ndarray) else jnp
-    inv_freq = cfg.rope_theta ** (-xp.arange(0, cfg.rope_dim, 2, dtype=np.float32) / cfg.rope_dim)
-    angle = positions.astype(np.float32)[..., None] * inv_freq  # [(B,) T, rope_dim / 2]
+    theta = cfg.rope_theta_swa if sliding else cfg.rope_theta
+    inv_freq = theta ** (-xp.arange(0, cfg.rope_dim, 2, dtype=np.float32) / cfg.rope_dim)
+    scale = 1.0
+    if not sliding:
+        scale = cfg.rope_freq_scale
+        if cfg.rope_freq_factors is not None:
+            inv_freq = inv_freq / np.asarray(cfg.rope_freq_factors, np.float32)
+    angle = positions.astype(np.float32)[..., None] * np.float32(scale) * inv_freq  # [(B,) T, rope_dim / 2]
     return xp.cos(angle)[..., None, :], xp.sin(angle)[..., None, :]  # broadcast over the heads
 
 
@@ -116,11 +136,14 @@ def attend(q, k, v, q_pos, k_pos):
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)
 
 
-def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0):
+def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, window=None):
     """Attention as the plan says (Plan.attention); all give `attend`'s result. keys/values are the T new tokens' own
     [B, T, H_kv, hd] at positions q_pos [T] (no cache), or, with `layer`, the whole KV caches
     [n_layer, S, max_len, H_kv, hd] of which the batch is rows row .. row + B - 1, row row + b filled up to
-    q_pos[b, -1] (q_pos [B, T]: each row at its own depth)."""
+    q_pos[b, -1] (q_pos [B, T]: each row at its own depth). A sliding-window layer (`window`) whose keys can be
+    further apart than its window attends through blocks.sliding_attention."""
+    if window is not None and keys.shape[2 if layer is not None else 1] > window:
+        return blocks.sliding_attention(q, keys, values, q_pos, window, layer, row)
     plan = cfg.plan
     starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
     batch = q.shape[0]
@@ -149,12 +172,18 @@ def attention_block(x, layer: Layer, index: int, positions, rotation, cache: KVC
     given, says which tokens' K/V are written; the others are not (a row sitting out a prefill chunk, padding)."""
     b, t, _ = x.shape
     q, k, v = matmuls(x, (layer.attn_q, layer.attn_k, layer.attn_v))
+    q, k, v = (p if bias is None else p + bias for p, bias in ((q, layer.attn_q_bias), (k, layer.attn_k_bias),
+                                                              (v, layer.attn_v_bias)))
     # Heads counted from the products: all of them, or one device's share under tensor parallelism (sharding.py).
-    q = rope(q.reshape(b, t, -1, cfg.head_dim), rotation, cfg)
-    k = rope(k.reshape(b, t, -1, cfg.head_dim), rotation, cfg)
-    v = v.reshape(b, t, -1, cfg.head_dim)
+    q, k, v = (p.reshape(b, t, -1, cfg.head_dim) for p in (q, k, v))
+    if cfg.qk_norm:
+        q, k = rms_norm(q, layer.attn_q_norm, cfg.rms_eps), rms_norm(k, layer.attn_k_norm, cfg.rms_eps)
+    q, k = rope(q, rotation, cfg), rope(k, rotation, cfg)
+    if cfg.query_scale is not None:  # every attention kernel divides q·k by sqrt(head_dim)
+        q = q * np.float32(cfg.query_scale * np.sqrt(cfg.head_dim))
+    window = cfg.window(index)
     if cache is None:
-        out = attention_kernel(q, k, v, positions, cfg)
+        out = attention_kernel(q, k, v, positions, cfg, window=window)
     else:
         # Each token's K/V goes to its row's own position, written into the whole donated cache in place (slicing
         # out a layer and writing it back copies it). Tokens not written are sent past the cache, each to its own
@@ -166,7 +195,7 @@ def attention_block(x, layer: Layer, index: int, positions, rotation, cache: KVC
             k=cache.k.at[index, rows, at].set(k.astype(cache.k.dtype), mode="drop", unique_indices=True),
             v=cache.v.at[index, rows, at].set(v.astype(cache.v.dtype), mode="drop", unique_indices=True),
         )
-        out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index, row=row)
+        out = attention_kernel(q, cache.k, cache.v, positions, cfg, layer=index, row=row, window=window)
     out = out.reshape(b, t, -1)
     if layer.attn_sub_norm is not None:
         out = rms_norm(out, layer.attn_sub_norm, cfg.rms_eps)
@@ -199,27 +228,39 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             length = jnp.where(n_valid > 0, length, 0)
         positions = length[:, None] + steps
     x = sharding.embed(weights.token_embd, tokens, cfg.plan)
-    rotation = rope_rotation(positions, cfg)
+    if cfg.embed_scale != 1.0:
+        x = x * np.float32(cfg.embed_scale)
+    rotations = {False: rope_rotation(positions, cfg)}
+    if cfg.swa_layers:
+        rotations[True] = rope_rotation(positions, cfg, sliding=True)
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
             attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
-                                              rotation, cache, cfg, written, row)
-            x = x + attn_out
+                                              rotations[cfg.window(index) is not None], cache, cfg, written, row)
+            x = x + _post_norm(attn_out, layer.attn_post_norm, cfg)
             hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
                                                                           eps=cfg.rms_eps)
             ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
                                             trace=observe is not None, hidden_norm=hidden_norm)
-            x = x + sharding.all_reduce(ffn_out, cfg.plan)
+            x = x + _post_norm(sharding.all_reduce(ffn_out, cfg.plan), layer.ffn_post_norm, cfg)
             if observe is not None:
                 observed.append(observe(index, trace))
     return rms_norm(x, weights.output_norm, cfg.rms_eps), cache, observed
 
 
+def _post_norm(out, gamma, cfg: Config):
+    """A block's output as it joins the residual: RMS-normed where the layer has a post-norm (cfg.post_norms)."""
+    return out if gamma is None else rms_norm(out, gamma, cfg.rms_eps)
+
+
 def logits(hidden, weights: Weights, cfg: Config):
-    """Final-normed hidden [..., d] -> logits [..., n_vocab]."""
+    """Final-normed hidden [..., d] -> logits [..., n_vocab], soft-capped to (-c, c) where cfg.final_softcap is c."""
     with products(cfg.plan.products):
-        return sharding.head_on_shards(matmul, hidden, weights.output, cfg.plan)
+        out = sharding.head_on_shards(matmul, hidden, weights.output, cfg.plan)
+    if cfg.final_softcap:
+        out = cfg.final_softcap * jnp.tanh(out / cfg.final_softcap)
+    return out
 
 
 @partial(jax.jit, donate_argnames=("cache",))

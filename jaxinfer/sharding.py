@@ -51,7 +51,8 @@ ROWS, COLS = 0, 1  # the axis of a [rows, cols] weight that is cut over the devi
 # Layer fields cut over the devices (the others are replicated). Rows are a layer's output features (heads,
 # neurons); columns its input features, whose partial products are summed by `all_reduce`.
 LAYER_CUTS = {"attn_q": ROWS, "attn_k": ROWS, "attn_v": ROWS, "attn_output": COLS, "ffn_gate": ROWS, "ffn_up": ROWS,
-              "ffn_down": COLS, "ffn_down_t": ROWS, "fc2": ROWS}
+              "ffn_down": COLS, "ffn_down_t": ROWS, "fc2": ROWS,
+              "attn_q_bias": ROWS, "attn_k_bias": ROWS, "attn_v_bias": ROWS}  # a bias with its projection's rows
 NEURON_BLOCK = 32  # neurons per block of a neuron-major down projection (quant.pack_neuron_major)
 CACHE_SPEC = P(None, None, None, AXIS, None)  # KV caches [n_layer, B, max_len, n_head_kv, hd]: by KV heads
 
@@ -121,6 +122,8 @@ def _spec(name: str, value, axis: int | None, tp: int):
         raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split of the FFN (--vram-budget)")
     if axis is None:
         return jax.tree.map(lambda _: P(), value)
+    if not isinstance(value, QuantArray):  # a bias vector, cut as its projection's rows are
+        return P(AXIS)
     return _cut_spec(name, value, axis, tp)
 
 

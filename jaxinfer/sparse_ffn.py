@@ -34,7 +34,7 @@ from jaxinfer.quant import QuantArray, masked_axpy, masked_matmul, masked_matmul
 from pallas_kernels import sparse_ffn as pallas_ffn
 
 ACTIVATIONS = {"silu": jax.nn.silu, "relu": jax.nn.relu, "relu_sqr": lambda v: jnp.square(jax.nn.relu(v)),
-               "identity": lambda v: v}
+               "gelu_tanh": partial(jax.nn.gelu, approximate=True), "identity": lambda v: v}
 
 
 @jax.tree_util.register_dataclass

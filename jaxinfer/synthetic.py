@@ -7,7 +7,9 @@ up to `n_vocab`), so the tokenizer, chat template and CLI paths run exactly as w
 
 BitNet models (architecture "bitnet" or "bitnet-b1.58") have the sub-norms, and with a ternary weight type (TQ1_0,
 TQ2_0, I2_S) ternary weights: each matrix is a scale times values in {-1, 0, +1}, stored exactly; `projection_scales`
-adds llama.cpp's per-projection `*.scale` tensors.
+adds llama.cpp's per-projection `*.scale` tensors. The other architectures get the tensors and metadata their block
+reads (config.ARCHITECTURES): QKV biases (`qkv_bias`; Qwen2's by default), QK-norms, post-norms, a head size of its
+own (`head_dim`), sliding-window layers (`sliding_window`), llama's rope_freqs (`rope_freqs`: Llama 3's factors).
 
 Sparse models (`sparsity` set) are PowerInfer files of a ReLU-gated llama (ReluLLaMA-like) whose neuron firing
 frequencies follow a power law with a chosen mean, with exact predictors:
@@ -31,7 +33,7 @@ import numpy as np
 import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from jaxinfer import gguf_io, powerinfer, ternary, validate
+from jaxinfer import blocks, gguf_io, powerinfer, ternary, validate
 from jaxinfer.config import ARCHITECTURES, GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.powerinfer import PendingTensor, write_gguf
@@ -83,6 +85,11 @@ class SyntheticSpec:
     gate_rank: int = 0  # rank of the gates' random part (0: n_embd // 16, at least 4)
     predictor_type: GGMLQuantizationType = GGMLQuantizationType.F16  # fc1/fc2's type (a block type pads the rank)
     projection_scales: bool = False  # BitNet: a blk.N.PROJ.scale tensor beside each projection
+    head_dim: int = 0  # 0: n_embd // n_head; else written as attention.key_length (Qwen3, Gemma 3)
+    qkv_bias: bool | None = None  # blk.N.attn_{q,k,v}.bias; None: where the architecture's checkpoints have them
+    sliding_window: int = 0  # {arch}.attention.sliding_window (an architecture with sliding-window layers)
+    swa_pattern: int = 0  # {arch}.attention.sliding_window_pattern, the period of global layers; 0: unwritten
+    rope_freqs: bool = False  # rope_freqs.weight: Llama 3.1's RoPE frequency factors for head_dim / 2 pairs
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -176,6 +183,21 @@ def sparse_layer(spec: SyntheticSpec, rng: np.random.Generator) -> SparseLayer:
     )
 
 
+# Architectures whose checkpoints carry QKV biases.
+QKV_BIAS_ARCHITECTURES = ("qwen2",)
+
+
+def llama3_rope_factors(n: int, factor: float = 8.0, low: float = 1.0, high: float = 4.0, context: int = 64,
+                        rope_theta: float = 10000.0) -> np.ndarray:
+    """The factors Llama 3.1's converter writes to rope_freqs.weight for `n` rotated pairs (HF's "llama3" rope
+    scaling): 1 for short wavelengths, `factor` for long ones, smooth between; `context` stands for the original
+    8192 so that a tiny model's positions reach the scaled band."""
+    freqs = rope_theta ** (-np.arange(0, 2 * n, 2, dtype=np.float64) / (2 * n))
+    wavelength = 2 * np.pi / freqs
+    smooth = np.clip((context / wavelength - low) / (high - low), 0, 1)
+    return (1 / ((1 - smooth) / factor + smooth)).astype(np.float32)
+
+
 def _rng(spec: SyntheticSpec, name: str) -> np.random.Generator:
     """One generator per tensor, so any tensor can be made alone, in any order."""
     return np.random.default_rng([spec.seed, zlib.crc32(name.encode())])
@@ -206,12 +228,14 @@ def check_loadable(spec: SyntheticSpec) -> None:
     layout = types.SimpleNamespace(path="the model", metadata=meta, tensors={
         t.name: types.SimpleNamespace(shape=list(reversed(t.shape)), tensor_type=t.qtype) for t in tensors})
     validate.check_tensors(layout, cfg)
+    blocks.check_block_tensors(layout, cfg)
 
 
 def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     """The metadata fields (key, value, type, array element type) and the tensors, made when written, of `spec`."""
     sparse = spec.sparsity is not None
-    head_dim = spec.n_embd // spec.n_head
+    head_dim = spec.head_dim or spec.n_embd // spec.n_head
+    known = ARCHITECTURES.get(spec.architecture)  # other names: files for unsupported-architecture tests
     tokens, token_types, merges = vocabulary(spec.n_vocab)
     n_vocab = len(tokens)
     arch = spec.architecture
@@ -239,6 +263,13 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     ]
     if sparse:
         fields.append((SPARSE_THRESHOLD_KEY, 0.0, GGUFValueType.FLOAT32, None))
+    if spec.head_dim:
+        fields += [(f"{arch}.attention.key_length", head_dim, GGUFValueType.UINT32, None),
+                   (f"{arch}.attention.value_length", head_dim, GGUFValueType.UINT32, None)]
+    if spec.sliding_window:
+        fields.append((f"{arch}.attention.sliding_window", spec.sliding_window, GGUFValueType.UINT32, None))
+    if spec.swa_pattern:
+        fields.append((f"{arch}.attention.sliding_window_pattern", spec.swa_pattern, GGUFValueType.UINT32, None))
 
     def matrix(name, rows, cols, qtype, zero_row0=False, zero_col0=False, scale=1.0):
         def make():
@@ -276,6 +307,12 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
 
         return PendingTensor(name, (size,), GGMLQuantizationType.F32, make)
 
+    def bias(name, size):
+        def make():
+            return (0.5 * _rng(spec, name).normal(size=size)).astype(np.float32)
+
+        return PendingTensor(name, (size,), GGMLQuantizationType.F32, make)
+
     def projection_scale(name):
         def make():
             return np.array([0.5 + _rng(spec, name).random()], np.float32)
@@ -293,6 +330,10 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
 
     d, f, w = spec.n_embd, spec.n_ff, spec.weight_type
     tensors = [embedding("token_embd.weight")]
+    if spec.rope_freqs:
+        tensors.append(PendingTensor("rope_freqs.weight", (head_dim // 2,), GGMLQuantizationType.F32,
+                                     lambda: llama3_rope_factors(head_dim // 2, rope_theta=spec.rope_theta)))
+    qkv_bias = spec.architecture in QKV_BIAS_ARCHITECTURES if spec.qkv_bias is None else spec.qkv_bias
     for i in range(spec.n_layer):
         blk = f"blk.{i}"
         tensors += [
@@ -313,9 +354,18 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             ]
         else:
             tensors += [matrix(f"{blk}.ffn_gate.weight", f, d, w), matrix(f"{blk}.ffn_down.weight", d, f, w)]
-        if arch in ARCHITECTURES and ARCHITECTURES[arch].sub_norms:  # other names: files for unsupported-arch tests
+        if known and known.sub_norms:
             tensors += [norm(f"{blk}.attn_sub_norm.weight", size=spec.n_head * head_dim),
                         norm(f"{blk}.ffn_sub_norm.weight", size=f)]
+        if qkv_bias:
+            tensors += [bias(f"{blk}.attn_q.bias", spec.n_head * head_dim),
+                        bias(f"{blk}.attn_k.bias", spec.n_head_kv * head_dim),
+                        bias(f"{blk}.attn_v.bias", spec.n_head_kv * head_dim)]
+        if known and known.qk_norm:
+            tensors += [norm(f"{blk}.attn_q_norm.weight", size=head_dim), norm(f"{blk}.attn_k_norm.weight",
+                                                                                size=head_dim)]
+        if known and known.post_norms:
+            tensors += [norm(f"{blk}.post_attention_norm.weight"), norm(f"{blk}.post_ffw_norm.weight")]
         if spec.projection_scales:
             tensors += [projection_scale(f"{blk}.{proj}.scale") for proj in PROJECTIONS]
     tensors.append(norm("output_norm.weight"))

@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 Q8_0_BLOCK = 32
 # Written out rather than jax.nn.silu/relu: those are custom_jvp functions, which GPU lowering of a kernel rejects.
 ACTIVATIONS = {"silu": lambda v: v / (1.0 + jnp.exp(-v)), "relu": lambda v: jnp.maximum(v, 0.0),
-               "relu_sqr": lambda v: jnp.square(jnp.maximum(v, 0.0)), "identity": lambda v: v}
+               "relu_sqr": lambda v: jnp.square(jnp.maximum(v, 0.0)), "identity": lambda v: v,
+               "gelu_tanh": lambda v: 0.5 * v * (1.0 + jnp.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,12 @@ TQ2_0 or I2_S, each matrix a scale times values in {-1, 0, +1}), e.g. the 7B-sha
     python scripts/make_sparse_model.py --architecture bitnet --shape 7b --n_layer 4 --n_vocab 32000 --sparsity 0 \
         --weight_type TQ2_0 -o bitnet-7b4l-TQ2_0.gguf
 
+The other architectures jaxinfer runs (qwen2, qwen3, gemma3) are written plain too, with their blocks' tensors;
+--head_dim sets a head size of its own (Qwen3, Gemma 3), --sliding_window Gemma 3's window:
+
+    python scripts/make_sparse_model.py --architecture gemma3 --head_dim 64 --sliding_window 512 --sparsity 0 \
+        -o gemma3-tiny.gguf
+
 --dense_twin FILE writes the dense twin of the PowerInfer FILE instead (synthetic.write_dense_twin): the same weights
 as a plain GGUF that llama.cpp loads (no predictors, ffn_down [d, n_ff] quantized again along the neurons in place of
 ffn_down_t), for the dense baseline on the same weights (scripts/bench_sparse.py runs llama-bench on it):
@@ -34,6 +40,7 @@ from absl import app, flags
 from gguf import GGMLQuantizationType
 
 from jaxinfer.cli import check_range, parse_flags
+from jaxinfer.config import ARCHITECTURES
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import SyntheticSpec, check_loadable, write_dense_twin, write_model
 from jaxinfer.ternary import BitNetType
@@ -62,8 +69,13 @@ flags.DEFINE_enum("predictor_type", "q8_0", ["f16", "q8_0", "q4_0"], "how the ex
                   "stored; q8_0/q4_0 pad their rank (2 gate ranks + 2) with zeros to a multiple of 32. Mean recall "
                   "against the gate's firing, tiny and small shapes: f16 0.939, 0.943; q8_0 the same to 0.0002, at "
                   "0.56x f16's bytes at 7B shape (rank 514 padded to 544); q4_0 0.891, 0.919")
-flags.DEFINE_enum("architecture", "llama", ["llama", "bitnet", "bitnet-b1.58"], "the block: llama's, or BitNet's "
+flags.DEFINE_enum("architecture", "llama", sorted(ARCHITECTURES), "the block: llama's, or another architecture's "
                   "(plain files only: --sparsity 0)")
+flags.DEFINE_integer("head_dim", 0, "the attention's head size, written as attention.key_length (0: n_embd / n_head)")
+flags.DEFINE_integer("sliding_window", 0, "attention.sliding_window, for an architecture with sliding-window layers "
+                     "(gemma3)")
+check_range("head_dim", 0)
+check_range("sliding_window", 0)
 flags.DEFINE_integer("n_vocab", None, "vocabulary size (default: the shape's; the tiny one's is byte-level, 263)")
 flags.DEFINE_string("dense_twin", None, "write the dense twin of this PowerInfer file instead: its weights as a plain "
                     "GGUF that llama.cpp loads (no predictors, ffn_down in place of ffn_down_t)")
@@ -71,7 +83,7 @@ check_range("n_head", 1)
 check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
 MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
-               "seed", "architecture", "n_vocab",
+               "seed", "architecture", "n_vocab", "head_dim", "sliding_window",
                "predictor_type")  # what makes a synthetic model: not taken with --dense_twin
 SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
@@ -106,7 +118,8 @@ def main(argv):
         n_vocab=n_vocab if FLAGS.n_vocab is None else FLAGS.n_vocab, n_ctx=4096, weight_type=weight_type,
         embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
         architecture=FLAGS.architecture, sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed,
-        predictor_type=GGMLQuantizationType[FLAGS.predictor_type.upper()])
+        predictor_type=GGMLQuantizationType[FLAGS.predictor_type.upper()], head_dim=FLAGS.head_dim,
+        sliding_window=FLAGS.sliding_window)
     try:
         check_loadable(spec)  # a file that would not load is not written
     except JaxinferError as e:

@@ -65,7 +65,7 @@ def test_good_metadata():
     ("llama.rope.dimension_count", 32, "at most the head size 16, found 32"),
     ("llama.rope.scaling.type", ["linear"], "llama.rope.scaling.type must be a string"),
     ("powerinfer.sparse_threshold", math.nan, "powerinfer.sparse_threshold must be finite"),
-    (GATE_ACTIVATION_KEY, "gelu", f"{GATE_ACTIVATION_KEY} is 'gelu', expected one of: relu, relu_sqr, silu"),
+    (GATE_ACTIVATION_KEY, "gelu", f"{GATE_ACTIVATION_KEY} is 'gelu', expected one of: gelu_tanh, relu, relu_sqr, silu"),
     (GATE_ACTIVATION_KEY, 1, f"{GATE_ACTIVATION_KEY} must be a string"),
     ("general.architecture", ["llama"], "unsupported architecture ['llama']"),
     ("llama.attention.layer_norm_rms_epsilon", None, "GGUF metadata lacks llama.attention.layer_norm_rms_epsilon"),

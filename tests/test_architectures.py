@@ -1,0 +1,173 @@
+"""The architectures beyond llama (config.ARCHITECTURES: qwen2, qwen3, gemma3) and llama's rope_freqs, each against
+llama.cpp's logits for a synthetic file of the project's own writer (tests/data/README.md says how they were made),
+incremental decode against the full forward, --tp and the hot/cold split against the unsplit single-device run; and
+the refusals: tensors and metadata jaxinfer does not compute with."""
+
+import dataclasses
+import pathlib
+import re
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFValueType
+
+from jaxinfer import engine, evaluation, gguf_io, inspection, model, powerinfer
+from jaxinfer.errors import JaxinferError
+from jaxinfer.powerinfer import PendingTensor
+from jaxinfer.synthetic import SyntheticSpec, llama3_rope_factors, write_model
+from test_hybrid import prefill_then_decode, split_at
+from test_model import assert_incremental_decode_matches_full_forward
+from test_sharding import F32_ROUNDING, sharded_runs
+
+DATA = pathlib.Path(__file__).parent / "data"
+BASE = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2)
+# The files llama.cpp scored (tests/data/llama_cpp_NAME.kld) and its PPL over their 2 windows of 128 tokens. The
+# Gemma 3 file slides a window of 48 in layer 0 (RoPE base 10000) and attends globally in layer 1 (base 1e6); the
+# llama file has Llama 3.1's rope_freqs.
+LLAMA_CPP = {
+    "qwen2": (SyntheticSpec(architecture="qwen2", rope_theta=1e6, **BASE), 468.0038),
+    "qwen3": (SyntheticSpec(architecture="qwen3", head_dim=128, rope_theta=1e6, **BASE), 472.4058),
+    "gemma3": (SyntheticSpec(architecture="gemma3", head_dim=128, rope_theta=1e6, sliding_window=48, swa_pattern=2,
+                             **{**BASE, "n_head_kv": 1}), 1621.5738),
+    "llama3": (SyntheticSpec(architecture="llama", rope_freqs=True, rope_theta=500000.0, **BASE), 533.9578),
+}
+# Small ones for the self-consistency tests: Gemma 3's window of 8 is shorter than their prompts and caches.
+SMALL = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=2)
+SMALL_SPECS = {
+    "qwen2": SyntheticSpec(architecture="qwen2", **SMALL),
+    "qwen3": SyntheticSpec(architecture="qwen3", head_dim=32, **SMALL),
+    "gemma3": SyntheticSpec(architecture="gemma3", head_dim=32, rope_theta=1e6, sliding_window=8, swa_pattern=2,
+                            **SMALL),
+}
+
+
+def load(tmp_path, name: str, spec: SyntheticSpec, **kwargs):
+    return engine.load_model(write_model(str(tmp_path / f"{name}.gguf"), spec), **kwargs)
+
+
+@pytest.mark.parametrize("name", LLAMA_CPP)
+def test_each_architecture_gives_llama_cpp_s_logits(tmp_path, name):
+    """llama.cpp's logits for the same file: measured KL divergence 2e-8 or less and the same top token everywhere.
+    Each block option is visible at this tolerance: without the window 0.038, the sliding layers on the global
+    RoPE base 0.028, without QK-norm 0.0039, without rope_freqs 0.10, NORM RoPE for qwen2 0.045."""
+    spec, ppl = LLAMA_CPP[name]
+    m = load(tmp_path, name, spec)
+    base = evaluation.read_logits_file(str(DATA / f"llama_cpp_{name}.kld"))
+    windows = base.tokens.reshape(base.n_chunk, base.n_ctx)
+    result = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, base=base, progress=False)
+    assert result.kl.mean < 1e-5 and result.kl.same_top > 0.99
+    assert result.kl.base_ppl == pytest.approx(ppl, rel=1e-4)
+    assert result.ppl == pytest.approx(ppl, rel=1e-3)
+
+
+def test_the_blocks_read_their_options_from_the_file(tmp_path):
+    """What each file switches on, read from its metadata and tensors, not from its name."""
+    qwen2 = load(tmp_path, "qwen2", SMALL_SPECS["qwen2"])
+    assert qwen2.weights.layers[0].attn_q_bias is not None and not qwen2.config.qk_norm
+    qwen3 = load(tmp_path, "qwen3", SMALL_SPECS["qwen3"])
+    assert qwen3.config.head_dim == 32 and qwen3.config.n_head * qwen3.config.head_dim != qwen3.config.n_embd
+    assert qwen3.config.qk_norm and qwen3.weights.layers[0].attn_q_bias is None
+    gemma3 = load(tmp_path, "gemma3", SMALL_SPECS["gemma3"])
+    cfg = gemma3.config
+    assert (cfg.gate_activation, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, True)
+    assert cfg.swa_layers == (True, False) and [cfg.window(i) for i in range(2)] == [8, None]
+    assert (cfg.rope_theta, cfg.rope_theta_swa, cfg.query_scale) == (1e6, 10000.0, None)
+    biased = load(tmp_path, "llama-biased", SyntheticSpec(qkv_bias=True, rope_freqs=True, **SMALL))
+    assert biased.weights.layers[1].attn_v_bias is not None  # llama.cpp reads QKV biases for any architecture
+    np.testing.assert_array_equal(biased.config.rope_freq_factors, llama3_rope_factors(8))
+
+
+@pytest.mark.parametrize("name", SMALL_SPECS)
+def test_incremental_decode_matches_the_full_forward(tmp_path, name):
+    """For Gemma 3 the sliding layer reads its window from a cache longer than it (blocks.sliding_attention) and the
+    full forward masks 11 tokens to it; the global layer runs the plan's attention kernel."""
+    assert_incremental_decode_matches_full_forward(load(tmp_path, name, SMALL_SPECS[name]), n_prompt=5)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_a_split_model_equals_the_unsplit_one(tmp_path, name):
+    """The hot/cold split cuts the FFN only: biases, QK-norms, post-norms and GeGLU are the same on either side."""
+    m = load(tmp_path, name, SMALL_SPECS[name], exact=True)
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9, 30, 31]
+    expected = prefill_then_decode(m, prompt, steps)
+    np.testing.assert_allclose(prefill_then_decode(split_at(m, 0.5), prompt, steps), expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_tensor_parallel_runs_equal_one_device(tmp_path, name):
+    """--tp 2: Qwen2's biases are cut with their projections' rows; Gemma 3's norms are replicated."""
+    path = write_model(str(tmp_path / f"{name}.gguf"), dataclasses.replace(SMALL_SPECS[name], n_vocab=264))
+    runs = sharded_runs(tmp_path, path, exact=True, tps=(1, 2))
+    for what in ("prefill", "decode", "decode_active"):
+        np.testing.assert_allclose(runs[f"2/{what}"], runs[f"1/{what}"], atol=F32_ROUNDING, rtol=0, err_msg=what)
+    np.testing.assert_array_equal(runs["2/tokens"], runs["1/tokens"])
+
+
+def test_inspect_says_each_architecture_runs(tmp_path):
+    for name, spec in SMALL_SPECS.items():
+        report = inspection.inspect_model(write_model(str(tmp_path / f"{name}.gguf"), spec))
+        assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
+        assert report["architecture"]["config"]["arch"] == name
+
+
+def copy_with(tmp_path, source: str, name: str, tensors=(), fields=()) -> str:
+    """The GGUF at `source` written again with extra tensors and metadata fields."""
+    g = gguf_io.open_gguf(source)
+    path = str(tmp_path / name)
+    return powerinfer.write_gguf(path, g.metadata["general.architecture"],
+                                 [*powerinfer.metadata_fields(g), *fields], [*powerinfer.stored_tensors(g), *tensors])
+
+
+def vector(name: str, values) -> PendingTensor:
+    values = np.asarray(values, np.float32)
+    return PendingTensor(name, values.shape, GGMLQuantizationType.F32, lambda: values)
+
+
+def test_tensors_and_metadata_it_does_not_compute_with_are_refused(tmp_path):
+    """Every tensor a file holds is used or refused in one line, by a run and by inspect: a QK-norm in a llama file
+    (llama has none), a rope_freqs of the wrong length; metadata that changes the computation: Gemma 2's attention
+    soft-capping, YaRN RoPE scaling, a sliding window for llama, a value head size of its own."""
+    llama = write_model(str(tmp_path / "llama.gguf"), SyntheticSpec(**SMALL))
+    cases = [
+        ([vector("blk.0.attn_q_norm.weight", np.ones(16))], (), "has tensor blk.0.attn_q_norm.weight, which jaxinfer "
+                                                               "does not compute with for llama"),
+        ([vector("rope_freqs.weight", np.ones(5))], (), r"tensor rope_freqs.weight has shape \[5\], the model's "
+                                                        r"metadata implies \[8\]"),
+        ([], [("llama.attention.logit_softcapping", 50.0, GGUFValueType.FLOAT32, None)],
+         "attention logit soft-capping .* is not implemented"),
+        ([], [("llama.rope.scaling.type", "yarn", GGUFValueType.STRING, None)],
+         "unsupported RoPE scaling type 'yarn' \\(supported: none, linear\\)"),
+        ([], [("llama.attention.sliding_window", 4096, GGUFValueType.UINT32, None)],
+         "sliding-window attention is not implemented for llama"),
+        ([], [("llama.attention.value_length", 8, GGUFValueType.UINT32, None)],
+         "value_length 8 differs from the key length 16"),
+    ]
+    for i, (tensors, fields, message) in enumerate(cases):
+        path = copy_with(tmp_path, llama, f"bad-{i}.gguf", tensors, fields)
+        with pytest.raises(JaxinferError, match=message):
+            engine.load_model(path)
+        report = inspection.inspect_model(path)
+        assert report["verdict"]["status"] == inspection.DOES_NOT_RUN
+        assert any(re.search(message, problem) for problem in report["problems"]), report["problems"]
+
+
+def test_linear_rope_scaling_and_rope_freqs_divide_the_frequencies(tmp_path):
+    """llama.cpp's linear scaling (rope.scaling.factor f, type linear or absent) turns every rotation by 1/f; the
+    factors of rope_freqs divide each frequency by its own; the sliding layers take neither."""
+    llama = write_model(str(tmp_path / "llama.gguf"), SyntheticSpec(**SMALL))
+    scaled = copy_with(tmp_path, llama, "scaled.gguf",
+                       [vector("rope_freqs.weight", np.arange(1, 9))],
+                       [("llama.rope.scaling.factor", 4.0, GGUFValueType.FLOAT32, None)])
+    cfg = gguf_io.load_config(gguf_io.open_gguf(scaled))
+    plain = gguf_io.load_config(gguf_io.open_gguf(llama))
+    positions = np.arange(1, 4, dtype=np.int32)  # angles below pi: no wrap
+    cos, sin = model.rope_rotation(positions, cfg)
+    angle = np.arctan2(np.asarray(sin), np.asarray(cos))[:, 0]
+    plain_cos, plain_sin = model.rope_rotation(positions, plain)
+    plain_angle = np.arctan2(np.asarray(plain_sin), np.asarray(plain_cos))[:, 0]
+    np.testing.assert_allclose(angle[:, :3], plain_angle[:, :3] / 4 / np.arange(1, 4), rtol=1e-5)
+    sliding = dataclasses.replace(cfg, rope_theta_swa=cfg.rope_theta)
+    np.testing.assert_allclose(np.asarray(model.rope_rotation(positions, sliding, sliding=True)[1]),
+                               np.asarray(plain_sin), rtol=1e-6)
