@@ -106,6 +106,7 @@ class Event:
     finish_reason: str | None = None  # set on the last event of a request that ended well
     usage: dict | None = None
     error: str | None = None  # set on the last event of a request that failed
+    status: int = 500  # with `error`: the HTTP status it stands for
 
 
 class Job:
@@ -136,6 +137,7 @@ class Slot:
     key: jax.Array  # the request's PRNG key after the prefill's subkey was split off
     prefill_key: jax.Array  # [1]
     limit: int  # tokens it may generate: max_tokens, within the slot's context
+    deadline: float  # time.monotonic() past which it ends as if it had reached its limit (--request_timeout)
     produced: int = 0
 
     @property
@@ -144,16 +146,19 @@ class Slot:
 
 
 class Scheduler:
-    """`n_slots` slots of `slot_ctx` positions each; at most `max_waiting` requests wait for a free one."""
+    """`n_slots` slots of `slot_ctx` positions each; at most `max_waiting` requests wait for a free one; a request
+    holds its slot for at most `max_request_s` seconds (None: no limit), then ends with finish_reason "length"."""
 
     def __init__(self, m: engine.LoadedModel, n_slots: int, slot_ctx: int, max_waiting: int,
-                 on_lost_process=lambda error: None):
+                 on_lost_process=lambda error: None, max_request_s: float | None = None):
         """on_lost_process(error): over several processes, sharing a round failed (distributed.ProcessLost): the
         rounds cannot go on. Called from the scheduler's thread, which then ends."""
         self.model, self.n_slots, self.slot_ctx, self.max_waiting = m, n_slots, slot_ctx, max_waiting
+        self.max_request_s = max_request_s
         self.on_lost_process = on_lost_process
         self.replicated = jax.process_count() > 1  # every process runs this scheduler (process 0 leads)
         self.stopping = threading.Event()
+        self.ending = threading.Event()  # end_all(): every request ends now
         smallest = PREFILL_CHUNKS[0]
         self.cache_len = -(-slot_ctx // smallest) * smallest
         self.stop_ids = np.array(sorted(m.tokenizer.stop_ids) or [-1], np.int32)
@@ -229,9 +234,14 @@ class Scheduler:
         except queue.Full:
             raise RequestError(503, f"the server is busy: all {self.n_slots} slots are generating and "
                                     f"{self.max_waiting} requests are waiting (the queue's limit, --queue); try again "
-                                    f"later") from None
+                                    f"later", retry_after_s=1) from None
         with self._lock:
             self.counters["requests_total"] += 1
+
+    def end_all(self):
+        """End every request, generating or waiting, with a 503 error at the next round (a shutdown whose time for
+        letting them finish is up)."""
+        self.ending.set()
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -255,20 +265,28 @@ class Scheduler:
     def run_round(self, wait: bool):
         """Admit waiting requests into free slots (first waiting for one, with `wait`, when no slot is busy), then
         one round: over several processes, shared with the others first."""
+        if self.ending.is_set():
+            waiting = iter(lambda: self._next_job(block=False), None)
+            for job in [*(slot.job for slot in self.slots if slot is not None), *waiting]:
+                job.send(Event(error="the server is shutting down", status=503))
+                job.cancelled.set()  # freed below, as a client gone away
         admitted = self._admissions(block=wait and not any(self.slots))
         cancelled = [row for row, slot in enumerate(self.slots) if slot is not None and slot.job.cancelled.is_set()]
+        now = time.monotonic()
+        expired = [row for row, slot in enumerate(self.slots)
+                   if slot is not None and row not in cancelled and slot.deadline <= now]
         if self.replicated:
             distributed.share({"admit": [[row, dataclasses.asdict(job.request)] for row, job in admitted],
-                               "cancel": cancelled})
-        self._run_shared(admitted, cancelled)
+                               "cancel": cancelled, "expire": expired})
+        self._run_shared(admitted, cancelled, expired)
 
     def follow(self):
         """Run the rounds that process 0 shares, until it stops (over several processes, in every other process)."""
         while "stop" not in (shared := distributed.share(None)):
             admitted = [(row, Job(_request(fields), None)) for row, fields in shared["admit"]]
-            self._run_shared(admitted, shared["cancel"])
+            self._run_shared(admitted, shared["cancel"], shared["expire"])
 
-    def _run_shared(self, admitted: list[tuple[int, Job]], cancelled: list[int]):
+    def _run_shared(self, admitted: list[tuple[int, Job]], cancelled: list[int], expired: list[int]):
         """Start the admitted requests, then the round. A failure is a bug: logged with its traceback, and each
         request it cut short gets an error (every replica fails alike: they run the same programs)."""
         for row, job in admitted:
@@ -279,7 +297,7 @@ class Scheduler:
                 job.send(Event(error=f"internal error ({type(e).__name__})"))
         busy, started = any(self.slots), time.perf_counter()
         try:
-            self._round(cancelled)
+            self._round(cancelled, expired)
         except Exception as e:  # a bug: logged with its traceback, one line to each client it cut short
             traceback.print_exc(file=sys.stderr)
             jobs = [slot.job for slot in self.slots if slot is not None]
@@ -320,17 +338,20 @@ class Scheduler:
         key, prefill_key = engine.seed_keys(request.seed)
         slot = Slot(job, TextAssembler(self.model.tokenizer, request.stop),
                     prefill_pieces(len(ids), 0, self.cache_len), recent, key, prefill_key,
-                    limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1))
+                    limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1),
+                    deadline=time.monotonic() + (float("inf") if self.max_request_s is None else self.max_request_s))
         self.cache = dataclasses.replace(self.cache, length=_empty_row(self.cache.length, self._global(np.int32(row))))
         with self._lock:
             self.slots[row] = slot
             self.counters["prompt_tokens_total"] += len(ids)
 
-    def _round(self, cancelled: list[int]):
-        """Free the `cancelled` slots and move busy ones first; one prefill piece for each prefilling slot; one
-        decode chunk for the decoding."""
+    def _round(self, cancelled: list[int], expired: list[int] = ()):
+        """Free the `cancelled` slots, end the `expired` ones (their time is up) and move busy ones first; one
+        prefill piece for each prefilling slot; one decode chunk for the decoding."""
         for row in cancelled:
             self._free(row)
+        for row in expired:
+            self._finish(row, self._last_event(self.slots[row], "length"))
         self._compact()
         for row, slot in enumerate(self.slots):
             if slot is not None and not slot.decoding:

@@ -5,7 +5,13 @@ GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text
 The HTTP server starts first and the model loads in the background. Requests run together in -np slots, continuously
 batched (scheduler.py), each with -c / -np positions of context; more wait in arrival order in a bounded queue
 (--queue), and a full queue answers 503. The port is taken before the model loads (one in use is an error line at
-once). SIGTERM stops the server with status 0, Ctrl-C (SIGINT) with one line and status 130.
+once). SIGTERM stops the server with status 0, Ctrl-C (SIGINT) with one line and status 130, each after the requests
+in progress end or --shutdown_timeout passes.
+
+On a network: --api-key / --api-key-file (401 without `Authorization: Bearer KEY`; /health stays open), the Host
+header checked against the listen address (--allowed_hosts), CORS only for --cors-origin, JSON bodies only, bodies
+up to --max_body_mb read within --body_timeout, headers within --header_timeout, at most -n tokens and
+--request_timeout seconds a request (server_security.py).
 
 Over several processes (--num_processes, the model cut over all their devices) process 0 serves HTTP and the others
 run the same rounds with it (scheduler.py), printing nothing; a lost process ends them all with an error line.
@@ -43,6 +49,21 @@ flags.DEFINE_string("sparsity", "dense", "FFN activation sparsity: dense | predi
 flags.DEFINE_string("thresholds", None, THRESHOLDS_HELP)
 flags.DEFINE_string("down_t_type", "same", DOWN_T_TYPE_HELP)
 flags.DEFINE_string("cache_type", "f32", "KV cache element type: f32 or f16")
+flags.DEFINE_string("api_key", None, "API keys (comma-separated): requests must send 'Authorization: Bearer KEY' "
+                    "(all routes but /health)")
+flags.DEFINE_string("api_key_file", None, "a file of API keys, one a line (with --api-key: both are accepted)")
+flags.DEFINE_string("cors_origin", None, "origins (comma-separated, or *) whose web pages may call the server; none "
+                    "by default")
+flags.DEFINE_string("allowed_hosts", None, "Host header names answered (comma-separated, or *); default: those of "
+                    "--host (every loopback name for a loopback address; any for 0.0.0.0 or ::)")
+flags.DEFINE_float("max_body_mb", 8.0, "the largest request body, MiB (413 beyond)")
+flags.DEFINE_float("header_timeout", 10.0, "seconds a connection may take to send a request's headers (then 408)")
+flags.DEFINE_float("body_timeout", 60.0, "seconds a request may take to send its body (then 408)")
+flags.DEFINE_float("request_timeout", 600.0, "seconds a request may hold a slot, then it ends with finish_reason "
+                   "length (0: no limit)")
+flags.DEFINE_float("shutdown_timeout", 10.0, "seconds requests in progress may take to finish at SIGTERM or Ctrl-C")
+flags.DEFINE_integer("n_predict", -1, "the most tokens a request may generate (-1: as many as its slot holds)",
+                     short_name="n")
 define_split_flags()
 cli.define_tp_flag()
 cli.define_process_flags()
@@ -52,7 +73,15 @@ check_range("ctx_size", 1)
 check_range("parallel", 1, 256)
 check_range("queue", 1)
 check_range("attn_max_batch", 0)
+check_range("max_body_mb", 0.0, low_open=True)
+check_range("header_timeout", 0.0, low_open=True)
+check_range("body_timeout", 0.0, low_open=True)
+check_range("request_timeout", 0.0)
+check_range("shutdown_timeout", 0.0)
+check_range("n_predict", 1, sentinel=-1)
 FLAGS = flags.FLAGS
+LOADING_RETRY_S = 5  # a 503's Retry-After while the model loads
+SHUTDOWN_BACKSTOP_S = 5
 STOP_TIMEOUT_S = 10  # at shutdown, how long the scheduler (and over several processes, the others) may take to stop
 # How often a non-streaming request checks whether its client is still there (a streaming one learns it at once).
 DISCONNECT_POLL_SECONDS = 0.25
@@ -89,11 +118,12 @@ class Service:
             start = time.perf_counter()
             m, slot_ctx = load_model(tp)
             batcher = scheduler.Scheduler(m, FLAGS.parallel, slot_ctx, FLAGS.queue,
-                                          on_lost_process=cli.exit_lost_process)
+                                          on_lost_process=cli.exit_lost_process,
+                                          max_request_s=FLAGS.request_timeout or None)
             batcher.warm_up(on_compile=compile_notice(batcher))
             batcher.start()
             self.model, self.model_id = m, serving.model_id(m.path)
-            self.parser = serving.Parser(m, self.model_id, slot_ctx)
+            self.parser = serving.Parser(m, self.model_id, slot_ctx, FLAGS.n_predict if FLAGS.n_predict > 0 else None)
             self.scheduler = batcher
             print(f"serving {self.model_id} on {self.url}: {FLAGS.parallel} slots of "
                   f"{slot_ctx} positions, queue {FLAGS.queue}; ready {time.perf_counter() - start:.1f} s after "
@@ -146,31 +176,31 @@ def follow(tp: int):
     batcher.follow()
 
 
-def build_app(service: Service):
-    """The Starlette application serving `service`."""
+def build_app(service: Service, policy=None):
+    """The Starlette application serving `service`, behind server_security.Guard with `policy` (default: its
+    defaults, no key)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
-    from jaxinfer import scheduler, serving
+    from jaxinfer import scheduler, server_security, serving
 
-    def error(status: int, message: str) -> JSONResponse:
-        return JSONResponse(serving.error_body(status, message), status_code=status)
+    def error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+        return JSONResponse(serving.error_body(status, message), status_code=status, headers=headers)
 
     def require_ready():
         if not service.ready:
-            raise serving.RequestError(503, "the model is loading; try again once /health answers 200")
+            raise serving.RequestError(503, "the model is loading; try again once /health answers 200",
+                                       retry_after_s=LOADING_RETRY_S)
 
     async def read_json(request):
-        try:
-            return json.loads(await request.body())
-        except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: deep nesting
-            raise serving.RequestError(400, f"the request body is not valid JSON ({e})") from None
+        """The body's JSON, parsed off the event loop (a large one takes a while)."""
+        return await asyncio.to_thread(serving.parse_json, await request.body())
 
     async def health(request):
         if not service.ready:
-            return error(503, "loading model")
+            return error(503, "loading model", {"Retry-After": str(LOADING_RETRY_S)})
         return JSONResponse({"status": "ok"})
 
     async def models(request):
@@ -198,7 +228,9 @@ def build_app(service: Service):
         add_special = body.get("add_special", False)
         if not isinstance(add_special, bool):
             raise serving.RequestError(400, "'add_special' must be a boolean")
-        return JSONResponse({"tokens": service.model.tokenizer.encode(content, add_bos=add_special)})
+        service.parser.check_length(len(content), "'content'")
+        tokens = await asyncio.to_thread(service.model.tokenizer.encode, content, add_special)
+        return JSONResponse({"tokens": tokens})
 
     async def detokenize(request):
         require_ready()
@@ -212,7 +244,8 @@ def build_app(service: Service):
     async def generate(request, chat: bool):
         require_ready()
         body = await read_json(request)
-        parsed = service.parser.chat(body) if chat else service.parser.completion(body)
+        # Templates and the tokenizer run off the event loop: the other clients' streams go on meanwhile.
+        parsed = await asyncio.to_thread(service.parser.chat if chat else service.parser.completion, body)
         job = scheduler.Job(parsed, asyncio.get_running_loop())
         service.scheduler.submit(job)
         responder = serving.Responder(parsed, service.model_id)
@@ -227,7 +260,7 @@ def build_app(service: Service):
             return error(499, "the client disconnected")
         text, last = collected
         if last.error is not None:
-            return error(500, last.error)
+            return error(last.status, last.error)
         return JSONResponse(responder.complete(text, last.finish_reason, last.usage))
 
     async def collect(request, job) -> tuple[str, scheduler.Event] | None:
@@ -258,7 +291,7 @@ def build_app(service: Service):
             while True:
                 event = await job.events.get()
                 if event.error is not None:
-                    yield sse(serving.error_body(500, event.error))
+                    yield sse(serving.error_body(event.status, event.error))
                     break
                 if event.finish_reason is not None:
                     yield sse(responder.chunk(finish_reason=event.finish_reason))
@@ -277,7 +310,7 @@ def build_app(service: Service):
         return await generate(request, chat=False)
 
     async def request_error(request, exc: serving.RequestError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     async def http_error(request, exc: HTTPException):
         message = "not found" if exc.status_code == 404 else exc.detail
@@ -292,8 +325,9 @@ def build_app(service: Service):
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={serving.RequestError: request_error,
-                                                        HTTPException: http_error})
+    app = Starlette(routes=routes, exception_handlers={serving.RequestError: request_error,
+                                                       HTTPException: http_error})
+    return server_security.Guard(app, policy or server_security.Policy())
 
 
 def sse(payload: dict) -> str:
@@ -304,14 +338,16 @@ def sse(payload: dict) -> str:
 def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    # Process 0 takes its port first: one in use is an error line at once, not after the model has loaded.
+    # Process 0 takes its port first: one in use is an error line at once, not after the model has loaded; and reads
+    # its keys, whose file may be missing.
+    policy = network_policy() if FLAGS.process_id == 0 else None
     listener = listen(FLAGS.host, FLAGS.port) if FLAGS.process_id == 0 else None
     tp, _ = cli.join_processes()
     from jaxinfer import distributed
 
     with cli.leader_prints():
         if distributed.is_leader():
-            serve(tp, listener)
+            serve(tp, listener, policy)
         else:
             follow(tp)
 
@@ -335,15 +371,44 @@ def listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def serve(tp: int, listener: socket.socket):
-    """Process 0: HTTP on `listener`, with the model loading in the background. SIGTERM and SIGINT (Ctrl-C) stop it:
-    no new connections, the open ones finished, the rounds ended; SIGINT with INTERRUPTED_LINE and status
-    INTERRUPTED, SIGTERM (a service manager's stop) with status 0."""
+def network_policy():
+    """server_security.Policy of the flags; a warning on stderr when the server listens beyond this machine without
+    a key."""
+    from jaxinfer import server_security
+
+    keys = server_security.read_api_keys(FLAGS.api_key, FLAGS.api_key_file)
+    if not keys and not server_security.is_loopback(FLAGS.host):
+        print(f"warning: listening on {FLAGS.host} without --api-key: anyone who can reach port {FLAGS.port} can use "
+              f"the model", file=sys.stderr)
+    origins = tuple(o.strip() for o in (FLAGS.cors_origin or "").split(",") if o.strip())
+    return server_security.Policy(api_keys=keys, allowed_hosts=server_security.allowed_hosts(FLAGS.host,
+                                                                                              FLAGS.allowed_hosts),
+                                  cors_origins=origins, max_body_bytes=int(FLAGS.max_body_mb * 2**20),
+                                  body_timeout_s=FLAGS.body_timeout)
+
+
+def serve(tp: int, listener: socket.socket, policy):
+    """Process 0: HTTP on `listener`, behind `policy`, with the model loading in the background. SIGTERM and SIGINT
+    (Ctrl-C) stop it: no new connections, the open ones finished (cut after --shutdown_timeout), the rounds ended;
+    SIGINT with INTERRUPTED_LINE and status INTERRUPTED, SIGTERM (a service manager's stop) with status 0."""
     import uvicorn
+
+    from jaxinfer import server_security
 
     host, port = listener.getsockname()[:2]
     service = Service(f"http://{f'[{host}]' if ':' in host else host}:{port}")
-    server = uvicorn.Server(uvicorn.Config(build_app(service), log_level="warning", lifespan="off"))
+    guard = build_app(service, policy)
+
+    def time_is_up():  # --shutdown_timeout after SIGTERM or Ctrl-C: what is still running ends now
+        guard.closing = True
+        if service.ready:
+            service.scheduler.end_all()
+
+    # uvicorn cancels the handlers that are left SHUTDOWN_BACKSTOP_S later (a traceback each): only a stuck one.
+    server = server_security.ShutdownTimer(uvicorn.Config(
+        guard, log_level="warning", lifespan="off", access_log=False,
+        http=server_security.header_deadline_protocol(FLAGS.header_timeout),
+        timeout_graceful_shutdown=FLAGS.shutdown_timeout + SHUTDOWN_BACKSTOP_S), FLAGS.shutdown_timeout, time_is_up)
     failed = threading.Event()
 
     def stop_server():

@@ -3,6 +3,7 @@ stream chunks in OpenAI's shapes, and stop strings applied on the detokenized te
 python -m jaxinfer.server puts HTTP in front of both."""
 
 import dataclasses
+import json
 import os
 import time
 import uuid
@@ -14,16 +15,32 @@ from jaxinfer.sampling import SamplingParams
 UINT32_MAX = 2**32 - 1
 INT32_MAX = 2**31 - 1
 REPEAT_LAST_N = 64  # llama-server's default; fixed: the window's size shapes the compiled programs
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error", 500: "server_error",
+# Stop strings are matched on the thread that generates for every slot: their count and length are bounded (OpenAI
+# takes 4; lm-eval's generate_until sends a task's `until` list, rarely more than a handful).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+MAX_SAMPLING_VALUE = 1e6  # temperature and repeat_penalty: larger ones overflow nothing but mean nothing either
+MAX_MODEL_NAME = 256  # a `model` field longer than this is refused (and never echoed whole)
+# Fields of OpenAI's API this server does not implement: refused unless they ask for nothing (their value here).
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+               "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+               "suffix": (None, "")}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 499: "invalid_request_error", 500: "server_error",
                503: "unavailable_error"}
 
 
 class RequestError(Exception):
     """A request the server refuses, with its HTTP status; its message is one line for the client."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, retry_after_s: int | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after_s = status, retry_after_s  # a 503's Retry-After header
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict:
         return error_body(self.status, str(self))
@@ -51,6 +68,29 @@ class Request:
 
 # ---- reading request bodies ----
 
+def parse_json(raw: bytes):
+    """A request body's JSON, every string in it valid Unicode: JSON's escapes can spell a lone surrogate ("\\ud800")
+    that no text encoding takes (the tokenizer would fail on it)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError; RecursionError: deep nesting
+        raise RequestError(400, f"the request body is not valid JSON ({e})") from None
+    values = [body]
+    while values:
+        value = values.pop()
+        if isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError(400, "a string in the request body is not valid Unicode (it holds a lone "
+                                        "surrogate, such as \\ud800)") from None
+        elif isinstance(value, dict):
+            values += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            values += value
+    return body
+
+
 def _field(body: dict, name: str, kinds: tuple[type, ...], what: str, default=None, required: bool = False):
     """body[name] when it is one of `kinds` (bools are not numbers here), `default` when absent or null."""
     value = body.get(name)
@@ -77,7 +117,28 @@ def _stop_strings(body: dict) -> list[str]:
         raise RequestError(400, "'stop' must be a string or a list of strings")
     if any(s == "" for s in stop):
         raise RequestError(400, "'stop' strings must not be empty")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise RequestError(400, f"'stop' may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+    if (longest := max(map(len, stop), default=0)) > MAX_STOP_CHARS:
+        raise RequestError(400, f"'stop' strings may be at most {MAX_STOP_CHARS} characters long, got {longest}")
     return stop
+
+
+def _refuse_unsupported(body: dict):
+    """A field this server does not honour gets a 400 rather than a 200 that ignores it."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and body[name] not in harmless:
+            raise RequestError(400, f"'{name}' is not supported by this server")
+    stream_options = _field(body, "stream_options", (dict,), "an object", {})
+    if not isinstance(stream_options.get("include_usage", False), bool):
+        raise RequestError(400, "'stream_options.include_usage' must be a boolean")
+
+
+def _sampling_number(body: dict, name: str, default: float) -> float:
+    value = _field(body, name, (int, float), "a number", default)
+    if abs(value) > MAX_SAMPLING_VALUE:  # float32 would make an infinity of it; NaN passes to validate()
+        raise RequestError(400, f"'{name}' must be at most {MAX_SAMPLING_VALUE:g}, got {value:g}")
+    return value
 
 
 def _message_text(content, index: int) -> str:
@@ -106,14 +167,25 @@ def _messages(body: dict) -> list[dict]:
 
 
 class Parser:
-    """Turns request bodies into Requests for one loaded model served with a context of `ctx` positions."""
+    """Turns request bodies into Requests for one loaded model served with a context of `ctx` positions, each
+    generating at most `n_predict` tokens (None: as many as the context holds)."""
 
-    def __init__(self, m: engine.LoadedModel, model_id: str, ctx: int):
-        self.model, self.model_id, self.ctx = m, model_id, ctx
+    def __init__(self, m: engine.LoadedModel, model_id: str, ctx: int, n_predict: int | None = None):
+        self.model, self.model_id, self.ctx, self.n_predict = m, model_id, ctx, n_predict
+        # A token spells at most this many characters, so a text of more than ctx times as many cannot fit: it is
+        # refused before the tokenizer spends time and memory on it.
+        vocab = m.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
+        self.max_chars = ctx * max(map(len, vocab), default=1)
+
+    def check_length(self, text_chars: int, what: str):
+        if text_chars > self.max_chars:
+            raise RequestError(400, f"{what} is {text_chars} characters, more than a slot's context of {self.ctx} "
+                                    f"tokens can hold: give each slot more context (-c / -np) or shorten it")
 
     def chat(self, body) -> Request:
         body = self._object(body)
         messages = _messages(body)
+        self.check_length(sum(len(m["content"]) for m in messages), "the conversation")
         template = self.model.tokenizer.chat_template
         if not template:
             raise RequestError(400, "the model has no chat template (tokenizer.chat_template): use /v1/completions")
@@ -135,14 +207,21 @@ class Parser:
         if not isinstance(prompt, str):
             raise RequestError(400, "'prompt' is required and must be a string" if prompt is None else
                                "'prompt' must be a string (one prompt per request)")
+        self.check_length(len(prompt), "the prompt")
         return self._request(body, self.model.tokenizer.encode(prompt), chat=False, max_tokens_names=("max_tokens",))
 
     def _object(self, body) -> dict:
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError(400, f"'model' must be a string, got {type(model).__name__}")
+        if model is not None and len(model) > MAX_MODEL_NAME:
+            raise RequestError(400, f"'model' may be at most {MAX_MODEL_NAME} characters, got {len(model)}")
         if model is not None and model != self.model_id:
             raise RequestError(404, f"model {model!r} not found (this server serves {self.model_id!r})")
+        _refuse_unsupported(body)
+        _stop_strings(body)  # before the prompt is tokenized
         return body
 
     def _request(self, body: dict, ids: list[int], chat: bool, max_tokens_names: tuple[str, ...]) -> Request:
@@ -157,11 +236,11 @@ class Parser:
         if _integer(body, "n", 1, 1, 1) != 1:
             raise RequestError(400, "'n' must be 1")
         params = SamplingParams(
-            temperature=_field(body, "temperature", (int, float), "a number", 0.8),
+            temperature=_sampling_number(body, "temperature", 0.8),
             top_k=_field(body, "top_k", (int,), "an integer", 40),
             top_p=_field(body, "top_p", (int, float), "a number", 0.95),
             min_p=_field(body, "min_p", (int, float), "a number", 0.05),
-            repeat_penalty=_field(body, "repeat_penalty", (int, float), "a number", 1.0),
+            repeat_penalty=_sampling_number(body, "repeat_penalty", 1.0),
             repeat_last_n=REPEAT_LAST_N,
             frequency_penalty=_field(body, "frequency_penalty", (int, float), "a number", 0.0),
             presence_penalty=_field(body, "presence_penalty", (int, float), "a number", 0.0))
@@ -173,14 +252,60 @@ class Parser:
             raise RequestError(400, f"'repeat_last_n' must be {REPEAT_LAST_N} (the server's repeat-penalty window)")
         seed = _integer(body, "seed", -1, -1, UINT32_MAX)
         stream_options = _field(body, "stream_options", (dict,), "an object", {})
-        return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room), params=params,
-                       seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
+        return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room, self.n_predict or room),
+                       params=params, seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
                        stream=_field(body, "stream", (bool,), "a boolean", False),
-                       include_usage=bool(stream_options.get("include_usage")),
+                       include_usage=stream_options.get("include_usage", False),
                        ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False))
 
 
 # ---- text out of tokens ----
+
+class StopMatcher:
+    """Where stop strings occur in a text fed to it piece by piece, in time linear in the text: for each stop string,
+    Knuth-Morris-Pratt's state, the length of the longest end of the text so far that begins the string."""
+
+    def __init__(self, stop: list[str]):
+        self.stop, self.fed = stop, 0
+        self.partial = [0] * len(stop)
+        self.fallback = [_kmp_fallback(s) for s in stop]
+
+    def feed(self, text: str) -> int | None:
+        """Read text[self.fed:] -> the start of the earliest stop string that ends in it, or None."""
+        found = None
+        for i, (s, back) in enumerate(zip(self.stop, self.fallback)):
+            n = self.partial[i]
+            for position in range(self.fed, len(text)):
+                c = text[position]
+                while n and s[n] != c:
+                    n = back[n - 1]
+                if s[n] == c:
+                    n += 1
+                if n == len(s):
+                    start = position + 1 - n
+                    found = start if found is None else min(found, start)
+                    n = back[n - 1]
+            self.partial[i] = n
+        self.fed = len(text)
+        return found
+
+    @property
+    def held(self) -> int:
+        """Characters at the end of the text that could still begin a stop string."""
+        return max(self.partial, default=0)
+
+
+def _kmp_fallback(s: str) -> list[int]:
+    """fallback[i]: the length of the longest proper prefix of s[:i + 1] that is also its suffix."""
+    fallback, n = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while n and s[i] != s[n]:
+            n = fallback[n - 1]
+        if s[i] == s[n]:
+            n += 1
+        fallback[i] = n
+    return fallback
+
 
 class TextAssembler:
     """Detokenized text of a growing token list, released only where it is final: an incomplete UTF-8 sequence and
@@ -188,24 +313,24 @@ class TextAssembler:
 
     Each token decodes a short window (from the token before the last complete text): decoding the whole list each
     time would cost a long reply quadratic time. The window keeps a token of context because a tokenizer may decode
-    a token differently at the start (SentencePiece drops its leading space there)."""
+    a token differently at the start (SentencePiece drops its leading space there). Stop strings are looked for in the
+    new characters only (StopMatcher): this runs on the thread that generates for every slot."""
 
     def __init__(self, tokenizer, stop: list[str]):
-        self.tokenizer, self.stop, self.ids, self.text, self.sent, self.stopped = tokenizer, stop, [], "", 0, False
+        self.tokenizer, self.ids, self.text, self.sent, self.stopped = tokenizer, [], "", 0, False
         self.window_start = self.decoded = 0  # ids[window_start:decoded] are context; ids[:decoded] are in `text`
-        self.longest_stop = max(map(len, stop), default=0)
+        self.matcher = StopMatcher(stop)
 
     def add(self, token: int) -> str:
         """The newly final text after `token`; sets `stopped` when a stop string appeared."""
         self.ids.append(token)
         self._decode(complete_only=True)
-        found = [i for s in self.stop if (i := self.text.find(s, max(0, self.sent - self.longest_stop))) >= 0]
-        if found:
+        found = self.matcher.feed(self.text)
+        if found is not None:
             self.stopped = True
-            return self._release(min(found))
+            return self._release(found)
         # A stop string may be starting at the end: its first characters wait for the tokens that decide it.
-        held = max((n for s in self.stop for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
-        return self._release(max(len(self.text) - held, self.sent))
+        return self._release(max(len(self.text) - self.matcher.held, self.sent))
 
     def finish(self) -> str:
         """What was held back, once no token follows."""

@@ -92,3 +92,31 @@ def test_a_failing_round_ends_its_requests_with_an_error_and_the_scheduler_serve
     assert "".join(event.text for event in events) == tiny.tokenizer.decode(expected)
     assert events[-1].finish_reason == "length" and events[-1].usage["completion_tokens"] == 8
     loop.close()
+
+
+def test_a_request_past_its_time_limit_ends_with_length_and_end_all_answers_503(tiny):
+    """max_request_s (--request_timeout): a request that would generate for longer ends with finish_reason "length"
+    and the text so far; end_all (a shutdown's time up) ends what generates and what waits with a 503 error."""
+    scheduler = Scheduler(tiny, n_slots=1, slot_ctx=256, max_waiting=4, max_request_s=0.0)
+    scheduler.warm_up()
+    loop = asyncio.new_event_loop()
+    parser = Parser(tiny, "tiny.gguf", 256)
+    body = {"prompt": "abc", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    limited = Job(parser.completion(body), loop)
+    scheduler.submit(limited)
+    run_until_idle(scheduler)
+    events = drain(loop, limited)
+    assert events[-1].finish_reason == "length" and 0 < events[-1].usage["completion_tokens"] < 200
+
+    scheduler.max_request_s = None
+    generating, waiting = Job(parser.completion(body), loop), Job(parser.completion(body), loop)
+    scheduler.submit(generating)
+    scheduler.run_round(wait=False)
+    scheduler.submit(waiting)
+    scheduler.end_all()
+    run_until_idle(scheduler)
+    for job in (generating, waiting):
+        last = drain(loop, job)[-1]
+        assert (last.error, last.status) == ("the server is shutting down", 503)
+    assert scheduler.metrics()["busy_slots"] == 0
+    loop.close()

@@ -26,6 +26,7 @@ SLOTS = 4
 LONG = CTX // SLOTS - 24
 QUEUE = 8  # 8 concurrent clients always fit, even while the scheduler has not yet taken any from the queue
 PROMPTS = ["1 2 3", "hello the", "abc", "in the", "a b a b", "the the hall", "x", "2 3 4 5 6 7"]
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +187,17 @@ def test_tokenize_and_detokenize(server, local):
     ({"prompt": "hi", "repeat_last_n": 8}, 400, "'repeat_last_n' must be 64"),
     ({"prompt": "hi", "ignore_eos": 1}, 400, "'ignore_eos' must be a boolean"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' not found"),
+    # Fields this server does not honour: refused, not ignored.
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "'logit_bias' is not supported"),
+    ({"prompt": "hi", "logprobs": 1}, 400, "'logprobs' is not supported"),
+    ({"prompt": "hi", "echo": True}, 400, "'echo' is not supported"),
+    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
+    ({"prompt": "hi", "best_of": 2}, 400, "'best_of' is not supported"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
+     "'stream_options.include_usage'"),
+    ({"prompt": "hi", "stop": ["a"] * 17}, 400, "at most 16 strings"),
+    ({"prompt": "hi", "repeat_penalty": 1e300}, 400, "'repeat_penalty' must be at most"),
 ])
 def test_bad_completion_requests(server, body, status, fragment):
     assert_error(httpx.post(f"{server[0]}/v1/completions", json=body), status, fragment)
@@ -205,10 +217,10 @@ def test_bad_chat_requests(server, body, fragment):
 def test_malformed_json_unknown_routes_and_models(server, client):
     base = server[0]
     for route in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
-        assert_error(httpx.post(f"{base}{route}", content=b"{not json"), 400, "not valid JSON")
+        assert_error(httpx.post(f"{base}{route}", content=b"{not json", headers=JSON), 400, "not valid JSON")
     assert_error(httpx.post(f"{base}/v1/completions", json=["a list"]), 400, "JSON object")
-    assert_error(httpx.post(f"{base}/v1/completions", content=b"[" * 100_000), 400, "not valid JSON")
-    assert_error(httpx.post(f"{base}/v1/completions", content=b"\xff\xfe"), 400, "not valid JSON")
+    assert_error(httpx.post(f"{base}/v1/completions", content=b"[" * 100_000, headers=JSON), 400, "not valid JSON")
+    assert_error(httpx.post(f"{base}/v1/completions", content=b"\xff\xfe", headers=JSON), 400, "not valid JSON")
     assert_error(httpx.get(f"{base}/v2/nothing"), 404, "/v2/nothing")
     assert_error(httpx.get(f"{base}/v1/completions"), 405, "GET /v1/completions")
     with pytest.raises(openai.NotFoundError):
@@ -216,7 +228,7 @@ def test_malformed_json_unknown_routes_and_models(server, client):
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], top_p=1.5)
     # Python's json reads NaN and Infinity: they are numbers there, out of range here.
-    nan = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}')
+    nan = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi", "temperature": NaN}', headers=JSON)
     assert_error(nan, 400, "'temperature' must be a finite number")
 
 
@@ -246,7 +258,9 @@ def test_disconnects_free_their_slots_and_a_full_queue_answers_503(server, clien
         now = metrics(base)
         assert now["jaxinfer_busy_slots"] == SLOTS and now["jaxinfer_queue_length"] == QUEUE, now
         assert all(stream.status_code == 200 for stream in streams)
-        assert_error(httpx.post(f"{base}/v1/completions", json=body), 503, "busy", "queue")
+        refused = httpx.post(f"{base}/v1/completions", json=body)
+        assert_error(refused, 503, "busy", "queue")
+        assert refused.headers["retry-after"] == "1"
         for response in streams:  # every client goes away mid-stream
             response.close()
     now = wait_until_idle(base)
@@ -308,6 +322,16 @@ def test_concurrent_clients_each_get_what_they_get_alone(server, client):
     assert together == alone
     assert len({text for text, _ in alone}) == len(alone)  # different prompts and lengths: a mix-up would show
     assert wait_until_idle(server[0])["jaxinfer_busy_slots"] == 0
+
+
+def test_no_cors_and_no_key_by_default(server):
+    """Without --cors-origin a browser may not read replies across origins; without --api-key no key is asked."""
+    reply = httpx.post(f"{server[0]}/v1/completions", headers={"Origin": "http://page.example"},
+                       json={"prompt": "abc", "max_tokens": 1})
+    assert reply.status_code == 200 and "access-control-allow-origin" not in reply.headers
+    preflight = httpx.options(f"{server[0]}/v1/completions", headers={"Origin": "http://page.example",
+                                                                       "Access-Control-Request-Method": "POST"})
+    assert preflight.status_code == 405 and "access-control-allow-origin" not in preflight.headers
 
 
 def test_metrics_count_requests_and_tokens(server, client):
