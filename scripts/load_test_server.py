@@ -15,6 +15,13 @@ chunks, or a plain request abandoned after --cancel_after_s). It checks that
     python scripts/load_test_server.py [--url http://127.0.0.1:8080] [--requests 200] [--clients 16]
         [--cancel_every 7] [--rounds 2] [--max_tokens 64] [--pid PID] [--json]
 
+With --abuse (a server on this machine only) the first round runs while the server is probed as an attacker or a
+careless client would: malformed, mistyped, oversized and invalid-Unicode bodies, a 400,000-character stop string, a
+megabyte model name, a text/plain body, a foreign Host header, a path outside the routes, a missing API key (with
+--api_key), and faults: an idle connection, half-sent headers and body, clients gone during their upload or mid-stream,
+and another client's latency beside a request with the longest stop strings allowed. Each bad input must get its
+clean JSON refusal, each stalled connection be closed within --abuse_wait_s, and the load round still pass.
+
 Everything runs against the given URL and stops by itself. What /metrics does not report (no slots, no memory) is said
 in the report and not checked. The longest prompts are 160 words (~200 tokens of a real tokenizer, ~900 of the
 synthetic test models' characters), plus up to --max_tokens: each slot needs that much context. The exit status is 1
@@ -25,10 +32,13 @@ report as one JSON object.
 import json
 import pathlib
 import sys
+import threading
 import time
+import urllib.parse
 
 from absl import app, flags
 
+import abuse_probes
 import server_client
 from jaxinfer.cli import check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
@@ -48,6 +58,12 @@ flags.DEFINE_integer("pid", None, "the server's process id: its resident memory 
                      "has no process_resident_memory_bytes")
 flags.DEFINE_float("timeout", 300.0, "seconds a request may go without the server sending anything")
 flags.DEFINE_bool("json", False, "print the report as JSON on the last line")
+flags.DEFINE_string("api_key", None, "the server's API key, sent as 'Authorization: Bearer KEY' (with --abuse, a "
+                    "request without it must get 401)")
+flags.DEFINE_bool("abuse", False, "probe the server as an attacker would while the first round runs (loopback only)")
+flags.DEFINE_float("abuse_wait_s", 20.0, "seconds the server may take to answer a probe or to close a stalled "
+                   "connection")
+check_range("abuse_wait_s", 0.0, low_open=True)
 check_range("requests", 1)
 check_range("clients", 1)
 check_range("rounds", 1)
@@ -142,6 +158,15 @@ def run_round(number: int, specs: list[server_client.RequestSpec]) -> tuple[dict
     return report, failures
 
 
+def settle_failures(number: int) -> list[str]:
+    """After the abuse probes (which may outlast the round): no busy slot and nothing queued, as after a round."""
+    state = settle(FLAGS.url, FLAGS.settle_s)
+    if state["slots_reported"] and (state["busy_slots"] or state["queue_length"]):
+        return [f"round {number}: /metrics still shows {state['busy_slots']:g} busy slots and "
+                f"{state['queue_length']:g} queued {FLAGS.settle_s:g} s after the abuse probes"]
+    return []
+
+
 def memory_check(rounds: list[dict]) -> tuple[dict, list[str]]:
     first, last = rounds[0]["memory_bytes"], rounds[-1]["memory_bytes"]
     if first is None or last is None:
@@ -163,11 +188,24 @@ def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
     FLAGS.url = FLAGS.url.rstrip("/")
+    host = urllib.parse.urlsplit(FLAGS.url).hostname or ""
+    if FLAGS.abuse and not abuse_probes.is_loopback(host):
+        raise JaxinferError(f"--abuse probes only a server on this machine (127.0.0.1, ::1 or localhost), not {host}")
+    server_client.use_api_key(FLAGS.api_key)
     model = server_client.check_server(FLAGS.url)
     specs = request_mix(FLAGS.requests, FLAGS.max_tokens, FLAGS.cancel_every, FLAGS.cancel_after_s)
-    rounds, failures = [], []
+    rounds, failures, probes = [], [], []
     for number in range(1, FLAGS.rounds + 1):
+        prober = threading.Thread(target=lambda: probes.extend(abuse_probes.run_all(
+            FLAGS.url, FLAGS.api_key, FLAGS.abuse_wait_s)), name="abuse")
+        if FLAGS.abuse and number == 1:
+            prober.start()
         report, failed = run_round(number, specs)
+        if FLAGS.abuse and number == 1:
+            prober.join()
+            failures += [f"abuse: {p['probe']}: expected {p['expected']}, got {p['got']}" for p in probes
+                         if not p["ok"]]
+            report, failed = report | {"abused": True}, failed + settle_failures(number)
         rounds.append(report)
         failures += failed
         print(f"round {number}: {report['completed']} completed, {report['cancelled']} cancelled, "
@@ -181,10 +219,13 @@ def main(argv):
         print("note: /metrics reports no busy slots or queue length: slot leaks not checked", file=sys.stderr)
     if not memory["reported"]:
         print(f"note: {memory['note']}", file=sys.stderr)
+    abuse = abuse_probes.summary(probes, rounds[0]) if FLAGS.abuse else None
+    if abuse:
+        print(f"abuse: {abuse['line']}", file=sys.stderr)
     if FLAGS.json:
         print(json.dumps({"url": FLAGS.url, "model": model, "requests": FLAGS.requests, "clients": FLAGS.clients,
                           "cancel_every": FLAGS.cancel_every, "max_tokens": FLAGS.max_tokens, "rounds": rounds,
-                          "memory": memory, "failures": failures, "ok": not failures}))
+                          "memory": memory, "abuse": abuse, "failures": failures, "ok": not failures}))
     if failures:
         print("error: load test failed: " + "; ".join(failures), file=sys.stderr)
         sys.exit(1)

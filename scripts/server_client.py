@@ -26,6 +26,14 @@ TEXT = ("The history of computing is a story of machines that got smaller, faste
         "continue a text one token at a time, trained on a large part of everything people have written down. "
         "Serving them well means keeping many conversations going at once on hardware that is never quite enough.")
 PROMPT_WORDS = (4, 24, 64, 160)
+HEADERS: dict[str, str] = {}  # sent with every request (use_api_key)
+
+
+def use_api_key(key: str | None):
+    """Send `Authorization: Bearer KEY` with every request from now on (a server started with --api-key)."""
+    HEADERS.pop("Authorization", None)
+    if key:
+        HEADERS["Authorization"] = f"Bearer {key}"
 
 
 def prompt(index: int, words: int) -> str:
@@ -184,7 +192,7 @@ def run_concurrently(base: str, specs: list[RequestSpec], clients: int, read_tim
     lock = threading.Lock()
 
     def client_loop():
-        with httpx.Client() as client:
+        with httpx.Client(headers=HEADERS) as client:
             while True:
                 with lock:
                     i = next(next_index, None)
@@ -207,7 +215,10 @@ def check_server(base: str) -> str:
         health = httpx.get(base + "/health", timeout=CONNECT_TIMEOUT_S)
         if health.status_code != 200:
             raise JaxinferError(f"the server at {base} is not ready: /health answered {health.status_code}")
-        models = httpx.get(base + "/v1/models", timeout=CONNECT_TIMEOUT_S).json()
+        models = httpx.get(base + "/v1/models", headers=HEADERS, timeout=CONNECT_TIMEOUT_S)
+        if models.status_code == 401:
+            raise JaxinferError(f"the server at {base} asks for an API key: give it with --api_key")
+        models = models.json()
     except httpx.HTTPError as e:
         raise JaxinferError(f"cannot reach the server at {base} ({type(e).__name__}: {e})") from None
     except ValueError:
@@ -219,7 +230,7 @@ def metrics(base: str) -> dict[str, float]:
     """/metrics' samples by name (labels kept in the name); {} when the server has no /metrics (llama-server without
     --metrics)."""
     try:
-        response = httpx.get(base + "/metrics", timeout=CONNECT_TIMEOUT_S)
+        response = httpx.get(base + "/metrics", headers=HEADERS, timeout=CONNECT_TIMEOUT_S)
     except httpx.HTTPError as e:
         raise JaxinferError(f"cannot read {base}/metrics ({type(e).__name__}: {e})") from None
     if response.status_code != 200:

@@ -4,9 +4,12 @@ tokenizing (peak resident memory bounded), a long stop string that must not stal
 a SIGTERM that ends a busy server within --shutdown_timeout."""
 
 import json
+import os
 import pathlib
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,6 +20,7 @@ import server_process
 from jaxinfer.serving import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPEC = SyntheticSpec(n_ctx=16384, n_embd=256, n_ff=1024, n_layer=4)  # test_server.py's: its programs are cached
 KEYS = ("key-one", "key-two")  # the first given with --api-key, the second in --api-key-file
 N_PREDICT = 64
@@ -295,3 +299,27 @@ def test_bad_json_values_are_refused_in_one_line(server):
         route = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
         error = assert_error(httpx.post(f"{base}{route}", content=content, headers=headers), 400, fragment)
         assert len(error["message"]) < 300
+
+
+@pytest.mark.slow
+def test_load_test_abuse_mode_passes_and_probes_only_loopback(server):
+    """scripts/load_test_server.py --abuse: the load round held while the probes ran, every bad input refused
+    cleanly, every fault survived, nothing left busy; a server elsewhere is not probed."""
+    def run(*args):
+        return subprocess.run([sys.executable, "scripts/load_test_server.py", *args], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+    result = run("--url", server[0], "--abuse", "--api_key", KEYS[1], "--requests", "24", "--clients", "4",
+                 "--rounds", "2", "--max_tokens", "16", "--abuse_wait_s", "10", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    abuse = report["abuse"]
+    assert report["ok"] and abuse["ok"] and abuse["load_held"], abuse
+    assert abuse["bad_inputs"] >= 14 and abuse["bad_inputs_refused"] == abuse["bad_inputs"]
+    assert abuse["faults"] >= 5 and abuse["faults_survived"] == abuse["faults"]
+    assert all(r["busy_slots"] == 0 for r in report["rounds"])
+    line = next(line for line in result.stderr.splitlines() if line.startswith("abuse: "))
+    assert "load held" in line and "nothing lost" in line, line
+    elsewhere = run("--url", "http://192.0.2.1:8080", "--abuse")
+    assert elsewhere.returncode == 2 and elsewhere.stderr.strip().splitlines() == [
+        "error: --abuse probes only a server on this machine (127.0.0.1, ::1 or localhost), not 192.0.2.1"]
