@@ -22,6 +22,20 @@ LLAMA3_SPLIT = (
 )
 
 
+# The chat template of a vocabulary whose GGUF carries none, by the turn markers the vocabulary holds: llama.cpp's
+# built-in "gemma" format (llm_chat_apply_template; Gemma 3 270M's GGUF has no tokenizer.chat_template): system
+# messages are joined to the next user turn, "assistant" is "model". No BOS: encode adds it.
+GEMMA_TEMPLATE = (
+    "{% set ns = namespace(system='') %}{% for message in messages %}{% if message['role'] == 'system' %}"
+    "{% set ns.system = ns.system + message['content'] | trim %}{% else %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' }}{% if ns.system and role != 'model' %}{{ ns.system + '\n\n' }}"
+    "{% set ns.system = '' %}{% endif %}{{ message['content'] | trim + '<end_of_turn>\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+BUILTIN_TEMPLATES = {("<start_of_turn>", "<end_of_turn>"): GEMMA_TEMPLATE}
+
+
 def _byte_level(add_prefix_space=False, use_regex=True):
     return pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=use_regex)
 
@@ -42,7 +56,7 @@ class GGUFTokenizer:
     eos_id: int | None
     add_bos: bool
     stop_ids: frozenset[int]  # EOS and end-of-turn tokens
-    chat_template: str | None
+    chat_template: str | None  # the file's, else a built-in one for its turn markers (BUILTIN_TEMPLATES)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Special tokens written in the text (`<|im_start|>`) are parsed; BOS is prepended per the vocabulary."""
@@ -161,5 +175,7 @@ def _load_tokenizer(gguf: GGUFFile) -> GGUFTokenizer:
         eos_id=eos_id,
         add_bos=metadata.boolean(meta, "tokenizer.ggml.add_bos_token", default_add_bos),
         stop_ids=frozenset(stop_ids),
-        chat_template=metadata.string(meta, "tokenizer.chat_template", None),
+        chat_template=metadata.string(meta, "tokenizer.chat_template", None) or next(
+            (template for markers, template in BUILTIN_TEMPLATES.items()
+             if all(tok.token_to_id(marker) is not None for marker in markers)), None),
     )
