@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import distributed, engine, model, sharding
+from jaxinfer import distributed, engine, model, scoring, sharding
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
 
@@ -107,6 +107,7 @@ class Event:
     usage: dict | None = None
     error: str | None = None  # set on the last event of a request that failed
     status: int = 500  # with `error`: the HTTP status it stands for
+    scores: dict | None = None  # on the last event of an echo or logprobs request: Responder.complete's `scores`
 
 
 class Job:
@@ -430,7 +431,14 @@ class Scheduler:
     def _last_event(self, slot: Slot, finish_reason: str) -> Event:
         if tail := slot.assembler.finish():
             slot.job.send(Event(text=tail))
-        return Event(finish_reason=finish_reason, usage=usage(len(slot.job.request.prompt_ids), slot.produced))
+        request = slot.job.request
+        scores = None
+        if request.echo or request.logprobs is not None:
+            ids = request.prompt_ids + slot.assembler.ids
+            scores = {"ids": ids, "n_prompt": len(request.prompt_ids)}
+            if request.logprobs is not None:  # the whole sequence scored again, on this thread (its programs)
+                scores["token_logprobs"], scores["top"] = scoring.score(self.model, ids)
+        return Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), slot.produced), scores=scores)
 
     def _finish(self, row: int, last: Event) -> bool:
         """End the request in slot `row` with `last`, sent once the slot is free: a client that has its answer sees

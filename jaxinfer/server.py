@@ -220,14 +220,16 @@ def build_app(service: Service, policy=None):
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     async def tokenize(request):
+        """llama-server's {"content", "add_special"} and vLLM's (lm-eval's) {"prompt", "add_special_tokens"}."""
         require_ready()
         body = await read_json(request)
-        content = body.get("content") if isinstance(body, dict) else None
+        body = body if isinstance(body, dict) else {}
+        content = body.get("content", body.get("prompt"))
         if not isinstance(content, str):
-            raise serving.RequestError(400, "'content' is required and must be a string")
-        add_special = body.get("add_special", False)
+            raise serving.RequestError(400, "'content' (or 'prompt') is required and must be a string")
+        add_special = body.get("add_special", body.get("add_special_tokens", False))
         if not isinstance(add_special, bool):
-            raise serving.RequestError(400, "'add_special' must be a boolean")
+            raise serving.RequestError(400, "'add_special' (or 'add_special_tokens') must be a boolean")
         service.parser.check_length(len(content), "'content'")
         tokens = await asyncio.to_thread(service.model.tokenizer.encode, content, add_special)
         return JSONResponse({"tokens": tokens})
@@ -239,29 +241,54 @@ def build_app(service: Service, policy=None):
         n_vocab = service.model.config.n_vocab
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < n_vocab for t in tokens):
             raise serving.RequestError(400, f"'tokens' is required and must be a list of token ids in [0, {n_vocab})")
-        return JSONResponse({"content": service.model.tokenizer.decode(tokens)})
+        text = service.model.tokenizer.decode(tokens)
+        return JSONResponse({"content": text, "prompt": text})  # llama-server's name and vLLM's
+
+    async def tokenizer_info(request):
+        """vLLM's: what lm-eval's remote tokenizer backend asks for."""
+        require_ready()
+        tokenizer = service.model.tokenizer
+
+        def text(token_id):
+            return None if token_id is None else tokenizer.decode([token_id])
+
+        return JSONResponse({"eos_token": text(tokenizer.eos_id), "bos_token": text(tokenizer.bos_id),
+                             "pad_token": text(tokenizer.eos_id), "eos_token_id": tokenizer.eos_id,
+                             "bos_token_id": tokenizer.bos_id, "add_bos_token": tokenizer.add_bos,
+                             "chat_template": tokenizer.chat_template, "vocab_size": service.model.config.n_vocab,
+                             "model_max_length": service.parser.ctx})
 
     async def generate(request, chat: bool):
         require_ready()
         body = await read_json(request)
         # Templates and the tokenizer run off the event loop: the other clients' streams go on meanwhile.
-        parsed = await asyncio.to_thread(service.parser.chat if chat else service.parser.completion, body)
-        job = scheduler.Job(parsed, asyncio.get_running_loop())
-        service.scheduler.submit(job)
-        responder = serving.Responder(parsed, service.model_id)
-        if parsed.stream:
-            return StreamingResponse(stream(job, responder), media_type="text/event-stream",
+        parsed = await asyncio.to_thread(service.parser.chat if chat else service.parser.completions, body)
+        requests = [parsed] if chat else parsed  # completions: one request per prompt, each a choice
+        jobs = [scheduler.Job(r, asyncio.get_running_loop()) for r in requests]
+        try:
+            for job in jobs:
+                service.scheduler.submit(job)
+        except serving.RequestError:
+            for job in jobs:
+                job.cancelled.set()
+            raise
+        responder = serving.Responder(requests[0], service.model_id, service.model.tokenizer)
+        if requests[0].stream:
+            return StreamingResponse(stream(jobs[0], responder), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            collected = await collect(request, job)
+            collected = [await collect(request, job) for job in jobs]
         finally:
-            job.cancelled.set()  # finished, gone, or the handler was cancelled: nothing more is wanted
-        if collected is None:
+            for job in jobs:
+                job.cancelled.set()  # finished, gone, or the handler was cancelled: nothing more is wanted
+        if any(c is None for c in collected):
             return error(499, "the client disconnected")
-        text, last = collected
-        if last.error is not None:
-            return error(last.status, last.error)
-        return JSONResponse(responder.complete(text, last.finish_reason, last.usage))
+        if failed := next((last for _, last in collected if last.error is not None), None):
+            return error(failed.status, failed.error)
+        counts = serving.usage(sum(last.usage["prompt_tokens"] for _, last in collected),
+                               sum(last.usage["completion_tokens"] for _, last in collected))
+        return JSONResponse(responder.complete_all([(text, last.finish_reason, last.scores)
+                                                    for text, last in collected], counts))
 
     async def collect(request, job) -> tuple[str, scheduler.Event] | None:
         """A non-streaming job's text and last event; None when its client disconnects first (checked every
@@ -324,6 +351,7 @@ def build_app(service: Service, policy=None):
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={serving.RequestError: request_error,
                                                        HTTPException: http_error})

@@ -20,10 +20,12 @@ REPEAT_LAST_N = 64  # llama-server's default; fixed: the window's size shapes th
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
 MAX_SAMPLING_VALUE = 1e6  # temperature and repeat_penalty: larger ones overflow nothing but mean nothing either
-MAX_MODEL_NAME = 256  # a `model` field longer than this is refused (and never echoed whole)
+MAX_MODEL_NAME = 256  # a `model` field longer than this is refused
+MAX_LOGPROBS = 20  # alternatives per position (scoring.TOP): OpenAI's chat allows 20, its legacy completions 5
+MAX_PROMPTS = 64  # prompts in one completions request (each a choice)
 # Fields of OpenAI's API this server does not implement: refused unless they ask for nothing (their value here).
-UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
-               "logit_bias": (None, {}), "response_format": (None, {"type": "text"}), "tools": (None, []),
+UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
+               "tools": (None, []),
                "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
                "suffix": (None, "")}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -64,6 +66,8 @@ class Request:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carries the usage counts
     ignore_eos: bool = False  # llama-server's: stop tokens do not end the request (benchmarks of fixed lengths)
+    logprobs: int | None = None  # log-probabilities wanted, with this many alternatives per token (None: none)
+    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens) come back first
 
 
 # ---- reading request bodies ----
@@ -141,6 +145,11 @@ def _sampling_number(body: dict, name: str, default: float) -> float:
     return value
 
 
+def _is_id(value) -> bool:
+    """A token id (an int, not a bool)."""
+    return type(value) is int
+
+
 def _message_text(content, index: int) -> str:
     """A message's content: a string, or OpenAI's list of text parts (their texts joined)."""
     if isinstance(content, str):
@@ -200,15 +209,38 @@ class Parser:
         return self._request(body, ids, chat=True, max_tokens_names=("max_completion_tokens", "max_tokens"))
 
     def completion(self, body) -> Request:
+        """The one request of a completions body (the server takes several prompts through `completions`)."""
+        requests = self.completions(body)
+        if len(requests) != 1:
+            raise RequestError(400, "'prompt' must be one prompt here")
+        return requests[0]
+
+    def completions(self, body) -> list[Request]:
+        """A completions body's requests, one per prompt: `prompt` is a string, a list of token ids, or a list of
+        either (each a choice of the response)."""
         body = self._object(body)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]  # the openai client may send one prompt as a list
-        if not isinstance(prompt, str):
-            raise RequestError(400, "'prompt' is required and must be a string" if prompt is None else
-                               "'prompt' must be a string (one prompt per request)")
-        self.check_length(len(prompt), "the prompt")
-        return self._request(body, self.model.tokenizer.encode(prompt), chat=False, max_tokens_names=("max_tokens",))
+        prompts = body.get("prompt")
+        if prompts is None:
+            raise RequestError(400, "'prompt' is required and must be a string")
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and _is_id(prompts[0])):
+            prompts = [prompts]  # one prompt: text, or token ids
+        if not isinstance(prompts, list) or not prompts or len(prompts) > MAX_PROMPTS:
+            raise RequestError(400, f"'prompt' must be a string, a list of token ids, or a list of 1 to {MAX_PROMPTS} "
+                                    f"of either")
+        if len(prompts) > 1 and _field(body, "stream", (bool,), "a boolean", False):
+            raise RequestError(400, "a stream takes one prompt")
+        n_vocab = self.model.config.n_vocab
+        requests = []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                self.check_length(len(prompt), "the prompt")
+                ids = self.model.tokenizer.encode(prompt)
+            elif isinstance(prompt, list) and all(_is_id(t) and 0 <= t < n_vocab for t in prompt):
+                ids = list(prompt)
+            else:
+                raise RequestError(400, f"'prompt[{i}]' must be a string or a list of token ids in [0, {n_vocab})")
+            requests.append(self._request(body, ids, chat=False, max_tokens_names=("max_tokens",)))
+        return requests
 
     def _object(self, body) -> dict:
         if not isinstance(body, dict):
@@ -218,8 +250,7 @@ class Parser:
             raise RequestError(400, f"'model' must be a string, got {type(model).__name__}")
         if model is not None and len(model) > MAX_MODEL_NAME:
             raise RequestError(400, f"'model' may be at most {MAX_MODEL_NAME} characters, got {len(model)}")
-        if model is not None and model != self.model_id:
-            raise RequestError(404, f"model {model!r} not found (this server serves {self.model_id!r})")
+        # Any other name is served (one model is loaded, as llama-server does): responses name the real one.
         _refuse_unsupported(body)
         _stop_strings(body)  # before the prompt is tokenized
         return body
@@ -252,11 +283,20 @@ class Parser:
             raise RequestError(400, f"'repeat_last_n' must be {REPEAT_LAST_N} (the server's repeat-penalty window)")
         seed = _integer(body, "seed", -1, -1, UINT32_MAX)
         stream_options = _field(body, "stream_options", (dict,), "an object", {})
+        stream = _field(body, "stream", (bool,), "a boolean", False)
+        if chat:
+            wanted = _field(body, "logprobs", (bool,), "a boolean", False)
+            top = _integer(body, "top_logprobs", 0, 0, MAX_LOGPROBS)
+            logprobs, echo = (top if wanted else None), False
+        else:
+            logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+            echo = _field(body, "echo", (bool,), "a boolean", False)
+        if logprobs is not None and stream:
+            raise RequestError(400, "'logprobs' cannot be streamed by this server: ask without 'stream'")
         return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room, self.n_predict or room),
                        params=params, seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
-                       stream=_field(body, "stream", (bool,), "a boolean", False),
-                       include_usage=stream_options.get("include_usage", False),
-                       ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False))
+                       stream=stream, include_usage=stream_options.get("include_usage", False),
+                       ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False), logprobs=logprobs, echo=echo)
 
 
 # ---- text out of tokens ----
@@ -365,21 +405,64 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Responder:
     """The response bodies of one request, in chat or completion shapes."""
 
-    def __init__(self, request: Request, model_id: str):
+    def __init__(self, request: Request, model_id: str, tokenizer=None):
         self.request, self.model_id, self.created = request, model_id, int(time.time())
+        self.tokenizer = tokenizer  # for logprobs and echo: the tokens' text
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + uuid.uuid4().hex
 
     def _envelope(self, kind: str, choice: dict, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_id,
                 "choices": [choice], **extra}
 
-    def complete(self, text: str, finish_reason: str, counts: dict) -> dict:
-        if self.request.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason,
-                      "logprobs": None}
-            return self._envelope("chat.completion", choice, usage=counts)
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        return self._envelope("text_completion", choice, usage=counts)
+    def complete(self, text: str, finish_reason: str, counts: dict, scores: dict | None = None) -> dict:
+        """The whole response; `scores`: the request's tokens scored (scheduler: scoring.score of prompt and reply)."""
+        return self.complete_all([(text, finish_reason, scores)], counts)
+
+    def complete_all(self, replies: list[tuple[str, str, dict | None]], counts: dict) -> dict:
+        """The whole response of one or more prompts: (text, finish_reason, scores) each, a choice each."""
+        choices = []
+        for index, (text, finish_reason, scores) in enumerate(replies):
+            if self.request.chat:
+                logprobs = None if scores is None else {"content": self._chat_logprobs(scores)}
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "finish_reason": finish_reason, "logprobs": logprobs})
+            else:
+                prompt = self.tokenizer.decode(scores["ids"][:scores["n_prompt"]]) if scores else ""
+                logprobs = None if scores is None or self.request.logprobs is None else self._legacy_logprobs(
+                    scores, len(prompt))
+                choices.append({"index": index, "text": (prompt if self.request.echo else "") + text,
+                                "finish_reason": finish_reason, "logprobs": logprobs})
+        return {**self._envelope("chat.completion" if self.request.chat else "text_completion", {}),
+                "choices": choices, "usage": counts}
+
+    def _legacy_logprobs(self, scores: dict, prompt_chars: int) -> dict:
+        """OpenAI's legacy completions logprobs: tokens, token_logprobs (null for the first of an echoed prompt),
+        top_logprobs ({token: logprob}, null there too) and text_offset (into prompt + completion)."""
+        start = 0 if self.request.echo else scores["n_prompt"]
+        ids, top_n = scores["ids"][start:], self.request.logprobs
+        tokens = [self.tokenizer.decode([t]) for t in ids]
+        tops = []
+        for alternatives in scores["top"][start:]:
+            top = {}
+            for t, lp in alternatives[:top_n]:  # most likely first: two ids of the same text keep the likelier
+                top.setdefault(self.tokenizer.decode([t]), lp)
+            tops.append(top if alternatives else None)
+        offsets, offset = [], 0 if self.request.echo else prompt_chars
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": scores["token_logprobs"][start:], "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def _chat_logprobs(self, scores: dict) -> list[dict]:
+        """OpenAI's chat logprobs content: each generated token with its logprob, bytes and top_logprobs."""
+        def entry(token_id, logprob):
+            token = self.tokenizer.decode([token_id])
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", "replace"))}
+
+        start = scores["n_prompt"]
+        return [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in top[:self.request.logprobs]]}
+                for t, lp, top in zip(scores["ids"][start:], scores["token_logprobs"][start:], scores["top"][start:])]
 
     def chunk(self, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
         """A stream chunk: `role` marks a chat stream's first chunk, `finish_reason` its last."""

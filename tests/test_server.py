@@ -10,11 +10,12 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import server_process
 
-from jaxinfer import engine, errors
+from jaxinfer import engine, errors, model
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
@@ -163,7 +164,7 @@ def test_tokenize_and_detokenize(server, local):
     base, (m, _) = server[0], local
     tokens = httpx.post(f"{base}/tokenize", json={"content": "hello the"}).json()["tokens"]
     assert tokens == m.tokenizer.encode("hello the")
-    assert httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json() == {"content": "hello the"}
+    assert httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json()["content"] == "hello the"
     assert_error(httpx.post(f"{base}/detokenize", json={"tokens": [10**6]}), 400, "tokens")
     assert_error(httpx.post(f"{base}/tokenize", json={"text": "x"}), 400, "content")
 
@@ -186,11 +187,13 @@ def test_tokenize_and_detokenize(server, local):
     ({"prompt": "x " * (CTX // SLOTS)}, 400, "longer than the context"),
     ({"prompt": "hi", "repeat_last_n": 8}, 400, "'repeat_last_n' must be 64"),
     ({"prompt": "hi", "ignore_eos": 1}, 400, "'ignore_eos' must be a boolean"),
-    ({"prompt": "hi", "model": "gpt-4"}, 404, "'gpt-4' not found"),
     # Fields this server does not honour: refused, not ignored.
     ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "'logit_bias' is not supported"),
-    ({"prompt": "hi", "logprobs": 1}, 400, "'logprobs' is not supported"),
-    ({"prompt": "hi", "echo": True}, 400, "'echo' is not supported"),
+    ({"prompt": "hi", "logprobs": 1, "stream": True}, 400, "'logprobs' cannot be streamed"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "'logprobs' must be an integer in [0, 20]"),
+    ({"prompt": [1, 10**6]}, 400, "list of token ids in [0, "),
+    ({"prompt": ["a", "b"], "stream": True}, 400, "a stream takes one prompt"),
+    ({"prompt": "hi", "model": "m" * 300}, 400, "'model' may be at most 256 characters"),
     ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
     ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
     ({"prompt": "hi", "best_of": 2}, 400, "'best_of' is not supported"),
@@ -223,8 +226,8 @@ def test_malformed_json_unknown_routes_and_models(server, client):
     assert_error(httpx.post(f"{base}/v1/completions", content=b"\xff\xfe", headers=JSON), 400, "not valid JSON")
     assert_error(httpx.get(f"{base}/v2/nothing"), 404, "/v2/nothing")
     assert_error(httpx.get(f"{base}/v1/completions"), 405, "GET /v1/completions")
-    with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    # One model is served, whatever name a client was configured with: the reply names it.
+    assert client.completions.create(model="no-such-model", prompt="hi", max_tokens=2).model == "tiny.gguf"
     with pytest.raises(openai.BadRequestError, match="top_p"):
         client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], top_p=1.5)
     # Python's json reads NaN and Infinity: they are numbers there, out of range here.
@@ -421,3 +424,61 @@ def test_first_start_says_what_it_compiles_and_ctrl_c_stops_it_with_one_line(mak
     wait_health(cached, base, 200)
     lines = stopped(cached, log, signal.SIGTERM)
     assert lines[-1].startswith("serving tiny.gguf") and not any(line.startswith("compiling") for line in lines)
+
+
+def reference_logprobs(m, ids: list[int]) -> np.ndarray:
+    """log p(ids[i + 1] | ids[:i + 1]) from one plain forward over the sequence (no padding, no pieces)."""
+    hidden, _, _ = model.forward(np.array([ids], np.int32), m.weights, m.config)
+    logits = np.asarray(model.logits(hidden[0], m.weights, m.config), np.float64)
+    logprobs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(
+        -1, keepdims=True)
+    return logprobs[np.arange(len(ids) - 1), ids[1:]]
+
+
+def test_echo_and_logprobs_in_openais_legacy_shape_as_lm_eval_asks(server, local):
+    """lm-eval's loglikelihood request: token-id prompts in a list, max_tokens 1, logprobs 1, echo: each choice has
+    its prompt's tokens, their log-probabilities (null for the first) as one forward computes them, the top
+    alternative at each position, and offsets into the echoed text."""
+    base, (m, greedy) = server[0], local
+    prompts = [m.tokenizer.encode("hello the hall"), m.tokenizer.encode("1 2 3 4")]
+    body = {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0, "seed": 1234,
+            "model": "jaxinfer"}
+    reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+    assert reply["model"] == "tiny.gguf" and [c["index"] for c in reply["choices"]] == [0, 1]
+    for ids, choice in zip(prompts, reply["choices"]):
+        logprobs = choice["logprobs"]
+        generated, _ = greedy(ids, 1)
+        assert logprobs["tokens"] == [m.tokenizer.decode([t]) for t in ids] + [generated]
+        assert choice["text"] == m.tokenizer.decode(ids) + generated
+        assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+        assert np.allclose(logprobs["token_logprobs"][1:len(ids)], reference_logprobs(m, ids), atol=1e-4)
+        assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+        assert list(logprobs["top_logprobs"][-1]) == [generated]  # greedy: the top alternative was taken
+        assert logprobs["token_logprobs"][-1] == pytest.approx(logprobs["top_logprobs"][-1][generated])
+        offsets = logprobs["text_offset"]
+        assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], logprobs["tokens"]))
+    alone = httpx.post(f"{base}/v1/completions", json={**body, "prompt": prompts[1]}, timeout=60).json()
+    assert alone["choices"][0]["logprobs"] == reply["choices"][1]["logprobs"]
+    assert reply["usage"]["prompt_tokens"] == sum(map(len, prompts)) and reply["usage"]["completion_tokens"] == 2
+
+
+def test_chat_logprobs_as_openais_content_list(client):
+    reply = client.chat.completions.create(model="any-name", messages=[{"role": "user", "content": "hello the"}],
+                                           max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens and reply.model == "tiny.gguf"
+    assert "".join(entry.token for entry in content) == reply.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob) and entry.logprob <= 0
+
+
+def test_tokenizer_endpoints_for_remote_tokenizers(server, local):
+    """What lm-eval's tokenizer_backend=remote asks for: /tokenizer_info, /tokenize with 'prompt', /detokenize."""
+    base, (m, _) = server[0], local
+    info = httpx.get(f"{base}/tokenizer_info").json()
+    assert info["eos_token"] == m.tokenizer.decode([m.tokenizer.eos_id])
+    assert info["chat_template"] == m.tokenizer.chat_template
+    tokens = httpx.post(f"{base}/tokenize", json={"prompt": "hello the", "add_special_tokens": False}).json()
+    assert tokens["tokens"] == m.tokenizer.encode("hello the", add_bos=False)
+    assert httpx.post(f"{base}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "hello the"
