@@ -25,9 +25,8 @@ MAX_LOGPROBS = 20  # alternatives per position (scoring.TOP): OpenAI's chat allo
 MAX_PROMPTS = 64  # prompts in one completions request (each a choice)
 # Fields of OpenAI's API this server does not implement: refused unless they ask for nothing (their value here).
 UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
-               "tools": (None, []),
-               "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-               "suffix": (None, "")}
+               "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "suffix": (None, "")}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                415: "invalid_request_error", 499: "invalid_request_error", 500: "server_error",

@@ -63,7 +63,7 @@ def assert_error(response, status, *fragments):
 def test_api_keys_guard_every_route_but_health(server):
     base = server[0]
     assert httpx.get(f"{base}/health").status_code == 200
-    body = {"prompt": "abc", "max_tokens": 2}
+    body = {"prompt": "abc", "max_tokens": 2, "ignore_eos": True}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEYS[0]}):
         for method, route in (("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
             response = httpx.request(method, f"{base}{route}", headers=headers, json=body)
