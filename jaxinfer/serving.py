@@ -292,6 +292,9 @@ class Parser:
             echo = _field(body, "echo", (bool,), "a boolean", False)
         if logprobs is not None and stream:
             raise RequestError(400, "'logprobs' cannot be streamed by this server: ask without 'stream'")
+        if logprobs is not None and (self.model.split is not None or self.model.config.plan.tp > 1):
+            # scoring.py runs the plain forward of one device's weights
+            raise RequestError(400, "'logprobs' is not supported with a hot/cold split (--vram-budget) or --tp")
         return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room, self.n_predict or room),
                        params=params, seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
                        stream=stream, include_usage=stream_options.get("include_usage", False),
