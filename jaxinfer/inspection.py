@@ -201,6 +201,7 @@ class Inspection:
         fields.pop("plan")
         fields.pop("cache_type")
         section["config"] = fields
+        section["rope_freqs"] = self.info("rope_freqs.weight") is not None
         return section
 
     def info(self, name: str) -> TensorInfo | None:
@@ -405,7 +406,30 @@ def _architecture_lines(a: dict) -> list[str]:
                  f"of {c['head_dim']}, vocab={c['n_vocab']}, context {c['n_ctx_train']}, rope theta "
                  f"{c['rope_theta']:g} on {c['rope_dim']} dims, rms eps {c['rms_eps']:g}, FFN "
                  f"{c['gate_activation']}(gate) * {c['up_activation']}(up)")
+    options = _block_options(c, a.get("rope_freqs", False))
+    if options:
+        lines.append(f"  block: {', '.join(options)}")
     return lines
+
+
+def _block_options(c: dict, rope_freqs: bool) -> list[str]:
+    """What the architecture's block adds to the llama block, as the config (and the file's rope_freqs) say."""
+    options = [name for name, on in (("sub-norms", c["sub_norms"]), ("QK-norm", c["qk_norm"]),
+                                     ("post-attention and post-FFN norms", c["post_norms"])) if on]
+    if c["embed_scale"] != 1.0:
+        options.append(f"embeddings x {c['embed_scale']:g}")
+    if c["query_scale"] is not None:
+        options.append(f"query scale {c['query_scale']:g}")
+    if c["swa_layers"]:
+        options.append(f"sliding window {c['sliding_window']} in {sum(c['swa_layers'])} of {c['n_layer']} layers "
+                       f"(rope theta {c['rope_theta_swa']:g})")
+    if c["rope_freq_scale"] != 1.0:
+        options.append(f"linear RoPE scaling x {c['rope_freq_scale']:g}")
+    if rope_freqs:
+        options.append("RoPE frequency factors (rope_freqs.weight)")
+    if c["final_softcap"]:
+        options.append(f"final logit soft-cap {c['final_softcap']:g}")
+    return options
 
 
 def _type_lines(rows: list[dict], kernels: dict) -> list[str]:

@@ -108,11 +108,19 @@ def test_tensor_parallel_runs_equal_one_device(tmp_path, name):
     np.testing.assert_array_equal(runs["2/tokens"], runs["1/tokens"])
 
 
-def test_inspect_says_each_architecture_runs(tmp_path):
+def test_inspect_says_each_architecture_runs_and_names_its_block(tmp_path):
+    blocks = {"qwen2": None, "qwen3": "block: QK-norm",
+              "gemma3": "block: QK-norm, post-attention and post-FFN norms, embeddings x 8, sliding window 8 in 1 of 2 "
+                        "layers (rope theta 10000)"}
     for name, spec in SMALL_SPECS.items():
         report = inspection.inspect_model(write_model(str(tmp_path / f"{name}.gguf"), spec))
         assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
         assert report["architecture"]["config"]["arch"] == name
+        block = [line.strip() for line in inspection.format_report(report).splitlines() if "block:" in line]
+        assert block == ([blocks[name]] if blocks[name] else []), block
+    llama3 = inspection.inspect_model(write_model(str(tmp_path / "llama3.gguf"), SyntheticSpec(rope_freqs=True,
+                                                                                               **SMALL)))
+    assert "block: RoPE frequency factors (rope_freqs.weight)" in inspection.format_report(llama3)
 
 
 def copy_with(tmp_path, source: str, name: str, tensors=(), fields=()) -> str:
