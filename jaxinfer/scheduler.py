@@ -2,6 +2,7 @@
 compiled decode program, with requests joining and leaving between its chunks.
 
     queue (bounded) -> free slot -> prefill, one chunk per round, of its own cache row (prefill_and_sample, row = slot)
+                                    from the end of the prefix its row still holds (the prompt cache)
                                  -> decode: every decoding slot, 4 or 8 steps per round (decode_chunk)
                                  -> finished, cancelled or failed: the slot is free at once
 
@@ -10,6 +11,11 @@ wait for their Events. Per-slot sampling values, PRNG keys, step budgets and sto
 program's arrays, so a request never recompiles anything. A slot's tokens depend only on its own row: the decode
 program's rows are computed independently, a prefill runs one slot alone, and rows that sit out a step neither
 write nor advance. So a request gives the same tokens alone and in a full batch (tested at temperature 0).
+
+The prompt cache (prompt_cache.py): a freed slot's row keeps its keys and values, a request goes to the free row
+holding the longest prefix of its prompt, and its prefill starts after that prefix (the row's length set there). What
+it changes is rounding only: the prefix's keys and values were computed in other pieces (and the reply's one token at
+a time), which the products may round differently; greedy text with and without it is tested equal.
 
 Over several processes (jax.distributed, the model cut over all their devices) every process runs a replica of the
 scheduler, since each must issue the same programs in the same order: process 0, which serves HTTP, starts each
@@ -32,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import distributed, engine, model, scoring, sharding
+from jaxinfer.prompt_cache import PromptCache
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
 
@@ -52,18 +59,18 @@ IDLE_ROUND_S = 1.0
 # warm-up (as eager operations, a Python int here and a NumPy one there compiled anew in the first requests).
 
 @partial(jax.jit, donate_argnames=("cache",))
-def _move_row(cache: model.KVCache, state: engine.DecodeState, source, target):
-    """Row `source` of the cache (its K/V of every layer, and its length) and of the decode state copied into row
-    `target`."""
-    cache = model.KVCache(cache.k.at[:, target].set(cache.k[:, source]),
-                          cache.v.at[:, target].set(cache.v[:, source]),
-                          cache.length.at[target].set(cache.length[source]))
-    return cache, jax.tree.map(lambda a: a.at[target].set(a[source]), state)
+def _swap_rows(cache: model.KVCache, state: engine.DecodeState, a, b):
+    """Rows `a` and `b` of the cache (their K/V of every layer, and their lengths) and of the decode state swapped: a
+    free row's cached prompt moves with it (the prompt cache)."""
+    rows, swapped = jnp.stack([a, b]), jnp.stack([b, a])
+    cache = model.KVCache(cache.k.at[:, rows].set(cache.k[:, swapped]), cache.v.at[:, rows].set(cache.v[:, swapped]),
+                          cache.length.at[rows].set(cache.length[swapped]))
+    return cache, jax.tree.map(lambda x: x.at[rows].set(x[swapped]), state)
 
 
 @jax.jit
-def _empty_row(length, row):
-    return length.at[row].set(0)
+def _set_length(length, row, value):
+    return length.at[row].set(value)
 
 
 @jax.jit
@@ -89,6 +96,16 @@ def prefill_pieces(n_prompt: int, start: int, cache_len: int) -> list[tuple[int,
         pieces.append((offset, size))
         offset += min(size, n_prompt - offset)
     return pieces
+
+
+def cached_start(common: int, n_prompt: int, cache_len: int) -> int:
+    """Where the prefill of a prompt of n_prompt tokens starts when its row holds its first `common`: at its last token
+    at the latest (whose logits give the first new token), and where the pieces from there stay within the cache
+    (else at the multiple of the smallest piece below: pieces from there always do)."""
+    start = min(common, n_prompt - 1)
+    if any(offset + size > cache_len for offset, size in prefill_pieces(n_prompt, start, cache_len)):
+        start -= start % PREFILL_CHUNKS[0]
+    return start
 
 
 def steps_per_chunk(rows: int) -> int:
@@ -139,11 +156,21 @@ class Slot:
     prefill_key: jax.Array  # [1]
     limit: int  # tokens it may generate: max_tokens, within the slot's context
     deadline: float  # time.monotonic() past which it ends as if it had reached its limit (--request_timeout)
+    cached: int  # prompt tokens its row held already (the prompt cache): not prefilled
+    prefilled: int  # prompt tokens in its row so far
     produced: int = 0
 
     @property
     def decoding(self) -> bool:
         return not self.pieces
+
+    def filled(self) -> list[int]:
+        """The tokens whose K/V fill its row's first positions: the prompt as far as prefilled, then each token fed
+        back (every reply token but the last, which no decode step has read yet; the device may have fed more)."""
+        request = self.job.request
+        if not self.decoding:
+            return request.prompt_ids[:self.prefilled]
+        return request.prompt_ids + self.assembler.ids[:max(self.produced - 1, 0)]
 
 
 class Scheduler:
@@ -168,7 +195,9 @@ class Scheduler:
         self.buckets = sorted({min(2**i, n_slots) for i in range(n_slots.bit_length() + 1)})
         self.waiting: queue.Queue[Job] = queue.Queue(max_waiting)
         self.slots: list[Slot | None] = [None] * n_slots
-        self.counters = dict.fromkeys(("requests_total", "prompt_tokens_total", "tokens_generated_total"), 0)
+        self.prompts = PromptCache(n_slots)  # what each free row holds
+        self.counters = dict.fromkeys(("requests_total", "prompt_tokens_total", "prompt_tokens_cached_total",
+                                       "tokens_generated_total"), 0)
         self.busy_seconds = 0.0  # time spent in rounds with a slot busy
         self._lock = threading.Lock()  # counters and slots are read by the HTTP side while the scheduler writes them
         self.thread = threading.Thread(target=self._run, name="jaxinfer-scheduler", daemon=True)
@@ -200,13 +229,15 @@ class Scheduler:
                 repeat_last_n=REPEAT_LAST_N), seed=0, stop=[], stream=False, include_usage=False), None))
             while self.slots[0] is not None:
                 self._round(cancelled=[])
-            self._move(0, 0)
+            self._swap(0, 0)
         self.counters = dict.fromkeys(self.counters, 0)
+        self.prompts.clear()
 
     def _reset(self):
         """An empty cache and every slot's decode row stopped."""
         n = self.n_slots
         self.cache = model.init_cache(self.model.config, n, self.cache_len)
+        self.prompts = PromptCache(n)
         self.params = dataclasses.replace(ROW_PARAMS, **{name: np.full(n, getattr(ROW_PARAMS, name))
                                                          for name in SAMPLING_VALUES})
         self.state = self._global(engine.DecodeState(
@@ -313,14 +344,16 @@ class Scheduler:
     def _admissions(self, block: bool) -> list[tuple[int, Job]]:
         """Waiting jobs for the free slots, each with its row (waiting up to IDLE_ROUND_S for one when `block`:
         nothing else to do)."""
-        admitted = []
-        for row in range(self.n_slots):
-            if self.slots[row] is None:
-                job = self._next_job(block)
-                if job is None:
-                    break
-                admitted.append((row, job))
-                block = False
+        admitted, free = [], [row for row, slot in enumerate(self.slots) if slot is None]
+        while free:
+            job = self._next_job(block)
+            if job is None:
+                break
+            request = job.request
+            row = self.prompts.choose(free, request.prompt_ids if request.cache_prompt else [])
+            free.remove(row)
+            admitted.append((row, job))
+            block = False
         return admitted
 
     def _next_job(self, block: bool) -> Job | None:
@@ -337,14 +370,19 @@ class Scheduler:
         ids = request.prompt_ids
         recent = engine.recent_window(ids, REPEAT_LAST_N)
         key, prefill_key = engine.seed_keys(request.seed)
+        start = cached_start(self.prompts.common(row, ids), len(ids), self.cache_len) if request.cache_prompt else 0
         slot = Slot(job, TextAssembler(self.model.tokenizer, request.stop),
-                    prefill_pieces(len(ids), 0, self.cache_len), recent, key, prefill_key,
+                    prefill_pieces(len(ids), start, self.cache_len), recent, key, prefill_key,
                     limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1),
-                    deadline=time.monotonic() + (float("inf") if self.max_request_s is None else self.max_request_s))
-        self.cache = dataclasses.replace(self.cache, length=_empty_row(self.cache.length, self._global(np.int32(row))))
+                    deadline=time.monotonic() + (float("inf") if self.max_request_s is None else self.max_request_s),
+                    cached=start, prefilled=start)
+        self.prompts.forget(row)  # its request writes the row from `start` on: the books are kept again when it ends
+        self.cache = dataclasses.replace(self.cache, length=_set_length(self.cache.length, *self._global(
+            (np.int32(row), np.int32(start)))))
         with self._lock:
             self.slots[row] = slot
             self.counters["prompt_tokens_total"] += len(ids)
+            self.counters["prompt_tokens_cached_total"] += start
 
     def _round(self, cancelled: list[int], expired: list[int] = ()):
         """Free the `cancelled` slots, end the `expired` ones (their time is up) and move busy ones first; one
@@ -368,6 +406,7 @@ class Scheduler:
         tokens[0, :len(piece)] = piece
         token, self.cache = self.prefill[size](tokens, jnp.int32(len(piece)), jnp.int32(row), slot.recent,
                                                slot.prefill_key, request.params.as_arrays(), self.cache)
+        slot.prefilled = offset + len(piece)
         if slot.pieces:
             return
         first = int(np.asarray(token)[0])
@@ -379,20 +418,20 @@ class Scheduler:
         self._take(row, first)
 
     def _compact(self):
-        """Move the last busy slots into free rows before them, so that the busy rows are the first."""
+        """Swap the last busy slots with free rows before them, so that the busy rows are the first."""
         while (busy := [row for row, slot in enumerate(self.slots) if slot is not None]) and busy[-1] >= len(busy):
             source, target = busy[-1], self.slots.index(None)
-            self._move(source, target)
+            self._swap(source, target)
             with self._lock:
                 self.slots[target], self.slots[source] = self.slots[source], None
             self.state = _stop_row(self.state, self._global(np.int32(source)))
 
-    def _move(self, source: int, target: int):
-        """Row `source` of the cache, decode state and sampling values copied into row `target`."""
-        self.cache, self.state = _move_row(self.cache, self.state, *self._global((np.int32(source), np.int32(target))))
+    def _swap(self, a: int, b: int):
+        """Rows `a` and `b` of the cache, decode state, sampling values and prompt cache's books swapped."""
+        self.cache, self.state = _swap_rows(self.cache, self.state, *self._global((np.int32(a), np.int32(b))))
         self.params = dataclasses.replace(self.params, **{
-            name: _with(getattr(self.params, name), target, getattr(self.params, name)[source])
-            for name in SAMPLING_VALUES})
+            name: _swapped(getattr(self.params, name), a, b) for name in SAMPLING_VALUES})
+        self.prompts.swap(a, b)
 
     def _decode(self):
         rows = next(b for b in self.buckets if all(slot is None for slot in self.slots[b:]))
@@ -438,17 +477,21 @@ class Scheduler:
             scores = {"ids": ids, "n_prompt": len(request.prompt_ids)}
             if request.logprobs is not None:  # the whole sequence scored again, on this thread (its programs)
                 scores["token_logprobs"], scores["top"] = scoring.score(self.model, ids)
-        return Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), slot.produced), scores=scores)
+        return Event(finish_reason=finish_reason, usage=usage(len(request.prompt_ids), slot.produced, slot.cached),
+                     scores=scores)
 
     def _finish(self, row: int, last: Event) -> bool:
         """End the request in slot `row` with `last`, sent once the slot is free: a client that has its answer sees
         /metrics without it."""
         job = self.slots[row].job
-        self._free(row)
+        self._free(row, keep=last.error is None)
         job.send(last)
         return True
 
-    def _free(self, row: int):
+    def _free(self, row: int, keep: bool = True):
+        """Slot `row` free, its row's tokens kept in the prompt cache's books (`keep`: it did not fail)."""
+        if keep:
+            self.prompts.keep(row, self.slots[row].filled())
         self.state = _stop_row(self.state, self._global(np.int32(row)))
         with self._lock:
             self.slots[row] = None
@@ -464,6 +507,13 @@ def _with(values: np.ndarray, row: int, value) -> np.ndarray:
     program may read them in place while it runs)."""
     values = values.copy()
     values[row] = value
+    return values
+
+
+def _swapped(values: np.ndarray, a: int, b: int) -> np.ndarray:
+    """A copy of `values` with rows a and b swapped (see _with)."""
+    values = values.copy()
+    values[[a, b]] = values[[b, a]]
     return values
 
 

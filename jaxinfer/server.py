@@ -87,7 +87,9 @@ STOP_TIMEOUT_S = 10  # at shutdown, how long the scheduler (and over several pro
 DISCONNECT_POLL_SECONDS = 0.25
 METRICS = (  # name (after jaxinfer_), Prometheus type, help: the scheduler's metrics() values
     ("requests_total", "counter", "generation requests accepted"),
-    ("prompt_tokens_total", "counter", "prompt tokens prefilled"),
+    ("prompt_tokens_total", "counter", "prompt tokens of the requests started"),
+    ("prompt_tokens_cached_total", "counter", "prompt tokens a slot's cache held already (the prompt cache): not "
+     "prefilled"),
     ("tokens_generated_total", "counter", "tokens generated"),
     ("busy_seconds_total", "counter", "seconds the scheduler spent with a slot busy"),
     ("tokens_per_second", "gauge", "tokens generated per busy second, all slots together"),
@@ -285,8 +287,9 @@ def build_app(service: Service, policy=None):
             return error(499, "the client disconnected")
         if failed := next((last for _, last in collected if last.error is not None), None):
             return error(failed.status, failed.error)
-        counts = serving.usage(sum(last.usage["prompt_tokens"] for _, last in collected),
-                               sum(last.usage["completion_tokens"] for _, last in collected))
+        counts = serving.usage(*(sum(last.usage[name] for _, last in collected)
+                                 for name in ("prompt_tokens", "completion_tokens")),
+                               sum(last.usage["prompt_tokens_details"]["cached_tokens"] for _, last in collected))
         return JSONResponse(responder.complete_all([(text, last.finish_reason, last.scores)
                                                     for text, last in collected], counts))
 

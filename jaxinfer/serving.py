@@ -67,6 +67,7 @@ class Request:
     ignore_eos: bool = False  # llama-server's: stop tokens do not end the request (benchmarks of fixed lengths)
     logprobs: int | None = None  # log-probabilities wanted, with this many alternatives per token (None: none)
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens) come back first
+    cache_prompt: bool = True  # llama-server's: the prefill starts after the prefix a free slot still holds
 
 
 # ---- reading request bodies ----
@@ -298,7 +299,8 @@ class Parser:
         return Request(chat=chat, prompt_ids=ids, max_tokens=min(max_tokens, room, self.n_predict or room),
                        params=params, seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
                        stream=stream, include_usage=stream_options.get("include_usage", False),
-                       ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False), logprobs=logprobs, echo=echo)
+                       ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False), logprobs=logprobs, echo=echo,
+                       cache_prompt=_field(body, "cache_prompt", (bool,), "a boolean", True))
 
 
 # ---- text out of tokens ----
@@ -399,9 +401,11 @@ class TextAssembler:
 
 # ---- responses ----
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens taken from the prompt cache, not prefilled."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class Responder:

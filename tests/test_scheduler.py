@@ -7,7 +7,8 @@ import pytest
 
 from jaxinfer import engine
 from jaxinfer.sampling import SamplingParams
-from jaxinfer.scheduler import PREFILL_CHUNKS, Event, Job, Scheduler, prefill_pieces
+from jaxinfer.prompt_cache import MIN_REUSE, PromptCache
+from jaxinfer.scheduler import PREFILL_CHUNKS, Event, Job, Scheduler, cached_start, prefill_pieces
 from jaxinfer.serving import Parser
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
@@ -31,6 +32,33 @@ def test_a_prompt_near_the_end_of_the_cache_takes_smaller_pieces():
     assert prefill_pieces(1000, 0, 1008) == [(0, 256), (256, 256), (512, 256), (768, 128), (896, 64), (960, 32),
                                              (992, 16)]
     assert prefill_pieces(70, 0, 1024) == [(0, 64), (64, 16)]  # not one 128-token piece, 58 of them padding
+
+
+@pytest.mark.parametrize("common", [0, 1, 5, 16, 37, 299, 300, 996, 997, 1000])
+@pytest.mark.parametrize("n_prompt", [300, 1000])
+def test_a_cached_prefix_starts_the_prefill_where_its_pieces_fit(common, n_prompt):
+    cache_len = 1008
+    start = cached_start(common, n_prompt, cache_len)
+    assert start <= min(common, n_prompt - 1) and start > min(common, n_prompt - 1) - PREFILL_CHUNKS[0]
+    pieces = prefill_pieces(n_prompt, start, cache_len)
+    assert pieces[0][0] == start and pieces[-1][0] + pieces[-1][1] <= cache_len
+    if start % PREFILL_CHUNKS[0]:  # the whole prefix was reused: only where its pieces fit
+        assert start == min(common, n_prompt - 1)
+
+
+def test_a_request_goes_to_the_row_holding_its_longest_prefix_else_to_the_least_recently_used():
+    cache = PromptCache(4)
+    prompt = list(range(100, 100 + 2 * MIN_REUSE))
+    cache.keep(2, prompt[:MIN_REUSE + 3] + [7, 7])
+    cache.keep(0, [1] * 40)
+    cache.keep(3, prompt[:MIN_REUSE - 1])  # too short a prefix to be worth its row
+    assert cache.choose([0, 1, 2, 3], prompt) == 2 and cache.common(2, prompt) == MIN_REUSE + 3
+    assert cache.choose([0, 1, 3], prompt) == 1  # never used
+    assert cache.choose([0, 3], prompt) == 0  # used before row 3
+    cache.swap(2, 1)
+    assert cache.choose([0, 1, 2, 3], prompt) == 1 and cache.common(2, prompt) == 0
+    cache.clear()
+    assert cache.common(1, prompt) == 0
 
 
 @pytest.fixture(scope="module")
@@ -119,4 +147,53 @@ def test_a_request_past_its_time_limit_ends_with_length_and_end_all_answers_503(
         last = drain(loop, job)[-1]
         assert (last.error, last.status) == ("the server is shutting down", 503)
     assert scheduler.metrics()["busy_slots"] == 0
+    loop.close()
+
+
+def test_the_prompt_cache_prefills_only_what_a_slot_does_not_hold_and_greedy_text_is_unchanged(tiny):
+    """A slot keeps its row after a request: a prompt that continues one (its reply included) prefills only the
+    rest, even when the row was swapped to make room for a busy one (compaction) and after an unrelated request took
+    the other slot; each greedy text is generate's alone, with the cache and without it (cache_prompt false)."""
+    scheduler = Scheduler(tiny, n_slots=2, slot_ctx=256, max_waiting=4)
+    scheduler.warm_up()
+    loop = asyncio.new_event_loop()
+    parser = Parser(tiny, "tiny.gguf", 256)
+    encode = tiny.tokenizer.encode
+
+    def run(*bodies) -> list[tuple[list[int], int]]:
+        """Each body's reply (checked against generate's alone) and cached prompt tokens."""
+        jobs = [Job(parser.completion({"max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}), loop)
+                for body in bodies]
+        for job in jobs:
+            scheduler.submit(job)
+        run_until_idle(scheduler)
+        results = []
+        for job in jobs:
+            events = drain(loop, job)
+            expected = list(engine.generate_tokens(tiny, job.request.prompt_ids, job.request.max_tokens, 256,
+                                                   SamplingParams(temperature=0), seed=0, stop_ids=frozenset()))
+            assert "".join(event.text for event in events) == tiny.tokenizer.decode(expected)
+            assert events[-1].usage["completion_tokens"] == len(expected) == job.request.max_tokens
+            results.append((expected, events[-1].usage["prompt_tokens_details"]["cached_tokens"]))
+        return results
+
+    first = encode(" ".join(["the hall of 1 2 3"] * 4))  # ~70 tokens
+    (reply, cached), (_, cached_other) = run({"prompt": first, "max_tokens": 2},
+                                             {"prompt": encode("abc in the"), "max_tokens": 30})
+    assert cached == cached_other == 0
+    # `first` ended in row 0, and the other request, still decoding, was swapped into it: row 1 holds `first` now.
+    follow_up = first + reply + encode(" and the next turn")
+    [(reply, cached)] = run({"prompt": follow_up})
+    assert cached == len(first) + 2 - 1  # the reply's last token was never fed back
+    [(_, cached)] = run({"prompt": encode("x y z w")})  # the least recently used row: the other request's
+    assert cached == 0
+    again = follow_up + reply + encode(" more")
+    [(_, cached)] = run({"prompt": again})
+    assert cached == len(follow_up) + len(reply) - 1
+    [(_, cached)] = run({"prompt": again, "cache_prompt": False})
+    assert cached == 0
+    [(_, cached)] = run({"prompt": again})
+    assert cached == len(again) - 1  # all of it held: its last token is prefilled again for its logits
+    expected = len(first) + 1 + len(follow_up) + len(reply) - 1 + len(again) - 1
+    assert scheduler.metrics()["prompt_tokens_cached_total"] == expected
     loop.close()

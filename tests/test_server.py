@@ -482,3 +482,29 @@ def test_tokenizer_endpoints_for_remote_tokenizers(server, local):
     tokens = httpx.post(f"{base}/tokenize", json={"prompt": "hello the", "add_special_tokens": False}).json()
     assert tokens["tokens"] == m.tokenizer.encode("hello the", add_bos=False)
     assert httpx.post(f"{base}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"] == "hello the"
+
+
+def test_a_conversations_next_turn_prefills_only_what_its_slot_does_not_hold(server, client, local):
+    """The prompt cache: the second turn of a chat goes to the slot that served the first and prefills only the new
+    messages (usage.prompt_tokens_details.cached_tokens, /metrics), with the greedy text generate gives alone."""
+    base, (m, greedy) = server[0], local
+    messages = [{"role": "system", "content": " ".join(["be brief and the hall"] * 8)},
+                {"role": "user", "content": "hello the"}]
+
+    def ask(messages, **extra):
+        ids = m.tokenizer.encode(engine.apply_chat_template(m.tokenizer.chat_template, messages, m.tokenizer))
+        reply = client.chat.completions.create(model="tiny.gguf", messages=messages, max_tokens=8, temperature=0,
+                                               **extra)
+        assert reply.choices[0].message.content == greedy(ids, 8)[0]
+        return ids, reply
+
+    first_ids, first = ask(messages)
+    before = metrics(base)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and then?"}]
+    ids, second = ask(messages)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert len(first_ids) <= cached < len(ids) == second.usage.prompt_tokens
+    assert metrics(base)["jaxinfer_prompt_tokens_cached_total"] == before["jaxinfer_prompt_tokens_cached_total"] + cached
+    _, uncached = ask(messages, extra_body={"cache_prompt": False})
+    assert uncached.usage.prompt_tokens_details.cached_tokens == 0
