@@ -71,6 +71,10 @@ LLAMA_LAYER_TENSORS = {f"{name}.weight" for name in (
     "ffn_down_t", "fc1", "fc2", "attn_sub_norm", "ffn_sub_norm")} | {f"{name}.scale" for name in (
         "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+# A mixture of experts' layer holds these in place of the llama FFN's (moe.py).
+DENSE_FFN_TENSORS = {f"{name}.weight" for name in ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1", "fc2")} | {
+    "ffn_gate.scale", "ffn_up.scale", "ffn_down.scale"}
+EXPERT_TENSORS = {f"{name}.weight" for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
 
 
 def _check_vector(gguf, name: str, length: int) -> None:
@@ -105,6 +109,8 @@ def check_block_tensors(gguf, cfg) -> None:
     if "rope_freqs.weight" in gguf.tensors:
         _check_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
     known = LLAMA_LAYER_TENSORS | set(vectors)
+    if cfg.n_expert:
+        known = (known - DENSE_FFN_TENSORS) | EXPERT_TENSORS
     for name in gguf.tensors:
         layer = LAYER_NAME.match(name)
         if (name[layer.end():] not in known) if layer else name not in GLOBAL_TENSORS:

@@ -39,6 +39,9 @@ class Architecture:
     # Layer counts at which llama.cpp scales queries by 1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim)
     # (Gemma 3 27B: its query_pre_attn_scalar).
     query_scale_by_width: tuple[int, ...] = ()
+    # The FFN is a mixture of experts in every layer (moe.py): `{arch}.expert_count` must be given. Any architecture
+    # whose file gives one runs its FFN so (a llama file with experts is Mixtral's layout).
+    experts: bool = False
 
 
 # GGUF `general.architecture` -> block variant. QKV biases (blk.N.attn_q.bias, ...) and llama's rope_freqs.weight
@@ -58,6 +61,8 @@ ARCHITECTURES = {
     # GeGLU with tanh-approximated GELU, five sliding-window layers to one global one.
     "gemma3": Architecture(gate_activation="gelu_tanh", rope_type="neox", qk_norm=True, post_norms=True,
                            embed_scale=True, swa_period=6, query_scale_by_width=(62,)),
+    # Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, a mixture of SwiGLU experts in place of the FFN.
+    "qwen3moe": Architecture(gate_activation="silu", rope_type="neox", qk_norm=True, experts=True),
 }
 # RoPE scaling types (`{arch}.rope.scaling.type`) jaxinfer computes: llama.cpp's default "linear" divides positions
 # by `{arch}.rope.scaling.factor` (none when absent).
@@ -104,6 +109,13 @@ class Config:
     rope_theta_swa: float = 10000.0  # the RoPE base of the sliding-window layers
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) when > 0 ({arch}.final_logit_softcapping)
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
+    # A mixture of experts (moe.py) when n_expert > 0: each token runs the n_expert_used experts (of n_ff_exp neurons)
+    # its router rates highest, their outputs weighted by the router's softmax, renormalized over those chosen when
+    # expert_weights_norm.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    expert_weights_norm: bool = True
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
     # The KV cache's element type, one of CACHE_TYPES: "f16" halves its memory and the bytes a decode step reads
@@ -200,7 +212,39 @@ class Config:
             rope_theta_swa=metadata.number(meta, f"{arch}.rope.freq_base_swa", 10000.0, positive=True),
             final_softcap=metadata.number(meta, f"{arch}.final_logit_softcapping", 0.0),
             sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
+            **_experts(meta, arch, spec.experts, count("feed_forward_length")),
         )
+
+
+# How llama.cpp's build_moe_ffn turns router logits into expert weights ({arch}.expert_gating_func): jaxinfer computes
+# the softmax only, which llama.cpp's llama and qwen3moe graphs use whatever the file says.
+EXPERT_GATING_SOFTMAX = 1
+
+
+def _experts(meta: dict, arch: str, required: bool, n_ff: int) -> dict:
+    """Config's mixture-of-experts fields from `{arch}.expert_*` (none when the file has no expert_count), checked:
+    what jaxinfer does not compute (shared experts, another gating function, a weight scale) is refused."""
+    n_expert = metadata.integer(meta, f"{arch}.expert_count", 0, minimum=0)
+    if not n_expert:
+        if required:
+            raise JaxinferError(f"GGUF metadata lacks {arch}.expert_count (a {arch} model is a mixture of experts)")
+        return {}
+    used = metadata.integer(meta, f"{arch}.expert_used_count", minimum=1)
+    if used > n_expert:
+        raise JaxinferError(f"{arch}.expert_used_count {used} exceeds {arch}.expert_count {n_expert}")
+    if metadata.integer(meta, f"{arch}.expert_shared_count", 0, minimum=0):
+        raise JaxinferError(f"{arch}.expert_shared_count: shared experts are not implemented")
+    gating = metadata.integer(meta, f"{arch}.expert_gating_func", EXPERT_GATING_SOFTMAX, minimum=0)
+    if gating != EXPERT_GATING_SOFTMAX:
+        raise JaxinferError(f"{arch}.expert_gating_func {gating}: only the softmax ({EXPERT_GATING_SOFTMAX}) is "
+                            f"implemented")
+    if metadata.number(meta, f"{arch}.expert_weights_scale", 1.0) not in (0.0, 1.0):
+        raise JaxinferError(f"{arch}.expert_weights_scale: scaled expert weights are not implemented")
+    # llama.cpp's qwen3moe: the experts' width, or the FFN's shared among those used; its llama: the FFN's.
+    width = metadata.integer(meta, f"{arch}.expert_feed_forward_length", n_ff // used if required else n_ff,
+                             minimum=1)
+    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=width,
+                expert_weights_norm=metadata.boolean(meta, f"{arch}.expert_weights_norm", True))
 
 
 def _swa_layers(meta: dict, key: str, period: int, n_layer: int) -> tuple[bool, ...]:

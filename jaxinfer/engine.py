@@ -143,6 +143,9 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
                     repack_ffn=repack.DENSE_FFN[sparsity_spec.mode] if vram_budget_gib is None else ())
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
+    if m.config.n_expert and sparsity_spec.mode != "dense":
+        raise JaxinferError(f"--sparsity {sparsity_spec}: a mixture of experts ({m.config.arch}, {m.config.n_expert} "
+                            f"experts) runs dense for now: its sparsity is the routing")
     m = sparsity.apply(m, sparsity_spec, down_t_type, thresholds_file)
     if hot_first and vram_budget_gib is None and tp == 1 and dp == 1:
         m = _hottest_first(m, activation_dir)
@@ -525,6 +528,9 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
     if m.config.sub_norms:
         raise JaxinferError(f"{m.config.arch}: a hot/cold split (--vram-budget) does not apply to BitNet's block yet "
                             f"(its ffn_sub_norm normalizes over all the FFN's neurons at once)")
+    if m.config.n_expert:
+        raise JaxinferError(f"{m.config.arch}: a hot/cold split (--vram-budget) does not place a mixture of experts' "
+                            f"experts yet: run it without --vram-budget")
     directory = activation_dir or activation_profile.default_directory(m.path)
     if not os.path.isdir(directory):
         raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "

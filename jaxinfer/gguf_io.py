@@ -16,7 +16,7 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from jaxinfer import blocks, distributed, quant, repack, ternary
+from jaxinfer import blocks, distributed, moe, quant, repack, ternary
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_length, shown
@@ -153,7 +153,20 @@ LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "at
                  "attn_post_norm": "post_attention_norm.weight", "ffn_post_norm": "post_ffw_norm.weight"}
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, sub_norms: bool) -> Layer:
+def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> moe.Experts:
+    """Layer i's mixture of experts: its router, and its stacked projections each as one QuantArray (moe.stacked)."""
+    def stacked(tensor):
+        name = f"blk.{i}.{tensor}.weight"
+        t = gguf.tensors[name]
+        w = moe.stacked(np.asarray(t.data), quant_type(t.tensor_type), tensor_shape(gguf, name, 3))
+        return dataclasses.replace(w, exact=exact, data=w.data if on_host else place(w.data))
+
+    return moe.Experts(load_matrix(gguf, f"blk.{i}.ffn_gate_inp.weight", exact, on_host),
+                       *(stacked(t) for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")))
+
+
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, sub_norms: bool,
+                experts: bool = False) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
@@ -163,10 +176,13 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
     def optional(tensor, field=None):
         return matrix(tensor, field) if name(tensor) in gguf.tensors else None
 
+    skipped = moe.DENSE_FFN if experts else ("ffn_down",)  # a mixture of experts has none of the FFN's
     tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor, field)
-               for field, tensor in LAYER_TENSORS.items() if field != "ffn_down"}
+               for field, tensor in LAYER_TENSORS.items() if field not in skipped}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
-    down = None if down_t is not None else matrix("ffn_down", "ffn_down")
+    down = None if down_t is not None or experts else matrix("ffn_down", "ffn_down")
+    if experts:
+        tensors |= dict(ffn_gate=None, ffn_up=None, experts=_load_experts(gguf, i, exact, on_host))
     norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
              if sub_norms}
     norms |= {field: load_vector(gguf, f"blk.{i}.{tensor}", on_host) for field, tensor in LAYER_VECTORS.items()
@@ -193,7 +209,8 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     tied = "output.weight" not in gguf.tensors
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w),
                              widens)
-    layers = [_load_layer(gguf, i, exact, on_host, packs, widens, cfg.sub_norms) for i in range(cfg.n_layer)]
+    layers = [_load_layer(gguf, i, exact, on_host, packs, widens, cfg.sub_norms, cfg.n_expert > 0)
+              for i in range(cfg.n_layer)]
     output = token_embd if tied else load_matrix(gguf, "output.weight", exact, on_host,
                                                  lambda w: packs(repack.OUTPUT, w), widens)
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)

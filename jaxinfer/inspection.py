@@ -301,6 +301,8 @@ class Inspection:
         section["applies"] = bool(section["profile_present"] and section.get("profile_valid") and present)
         if self.cfg is not None and self.cfg.sub_norms:  # engine.split_model refuses them
             section["applies"], section["not_applicable"] = False, "BitNet's ffn_sub_norm needs all neurons in one part"
+        if self.cfg is not None and self.cfg.n_expert:
+            section["applies"], section["not_applicable"] = False, "a mixture of experts is not split yet"
         return section
 
     def gpu_section(self) -> dict:
@@ -429,6 +431,9 @@ def _block_options(c: dict, rope_freqs: bool) -> list[str]:
         options.append("RoPE frequency factors (rope_freqs.weight)")
     if c["final_softcap"]:
         options.append(f"final logit soft-cap {c['final_softcap']:g}")
+    if c["n_expert"]:
+        options.append(f"mixture of {c['n_expert']} experts of {c['n_ff_exp']} neurons, {c['n_expert_used']} per token"
+                       f"{'' if c['expert_weights_norm'] else ' (weights not renormalized)'}")
     return options
 
 

@@ -10,7 +10,8 @@ Every architecture (config.ARCHITECTURES) is this one forward with options, each
     hidden values before ffn_down; its per-projection scales are the weights' own (QuantArray.scale);
   * Gemma's embedding scale (cfg.embed_scale) and norms of the attention's and FFN's outputs (cfg.post_norms);
   * sliding-window layers (cfg.window(i)) with their own RoPE base (blocks.py); RoPE frequency factors and linear
-    scaling (cfg.rope_freq_factors, cfg.rope_freq_scale); final logit soft-capping (cfg.final_softcap).
+    scaling (cfg.rope_freq_factors, cfg.rope_freq_scale); final logit soft-capping (cfg.final_softcap);
+  * a mixture of experts in place of the FFN (cfg.n_expert: Qwen3-MoE, Mixtral), routed inside the step (moe.py).
 
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
 How it runs here (which kernels, where a split's parts live) is `cfg.plan`, decided once at load (plan.py).
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import attention, blocks, sharding, sparse_ffn
+from jaxinfer import attention, blocks, moe, sharding, sparse_ffn
 from jaxinfer.config import CACHE_TYPES, Config
 from pallas_kernels import attention as flash_attention
 from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products
@@ -38,7 +39,7 @@ class Layer:
     attn_v: QuantArray  # [n_head_kv * hd, d]
     attn_output: QuantArray  # [d, n_head * hd]
     ffn_norm: jax.Array  # [d]
-    ffn_gate: QuantArray  # [n_ff, d]
+    ffn_gate: QuantArray | None  # [n_ff, d]; None in a mixture of experts (`experts` instead)
     ffn_up: QuantArray  # [n_ff, d]
     ffn_down: QuantArray | None  # [d, n_ff]; PowerInfer files store ffn_down_t instead
     ffn_down_t: QuantArray | None = None  # [n_ff, d], one row per neuron
@@ -57,6 +58,7 @@ class Layer:
     attn_k_norm: jax.Array | None = None  # [hd]
     attn_post_norm: jax.Array | None = None  # [d], the attention's output (cfg.post_norms)
     ffn_post_norm: jax.Array | None = None  # [d], the FFN's output
+    experts: moe.Experts | None = None  # the FFN as a mixture of experts (cfg.n_expert): router and experts
 
 
 @jax.tree_util.register_dataclass
@@ -241,8 +243,12 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             x = x + _post_norm(attn_out, layer.attn_post_norm, cfg)
             hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
                                                                           eps=cfg.rms_eps)
-            ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
-                                            trace=observe is not None, hidden_norm=hidden_norm)
+            if layer.experts is not None:
+                ffn_out, trace = moe.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), layer.experts, cfg,
+                                         trace=observe is not None), None
+            else:
+                ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
+                                                trace=observe is not None, hidden_norm=hidden_norm)
             x = x + _post_norm(sharding.all_reduce(ffn_out, cfg.plan), layer.ffn_post_norm, cfg)
             if observe is not None:
                 observed.append(observe(index, trace))

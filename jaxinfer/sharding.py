@@ -79,6 +79,9 @@ def check_model(cfg, tp: int) -> None:
     """The model's heads and vocabulary can be cut `tp` ways (each weight's blocks are checked as it is cut)."""
     if tp == 1:
         return
+    if cfg.n_expert:
+        raise JaxinferError(f"--tp {tp}: a mixture of experts ({cfg.arch}, {cfg.n_expert} experts) is not cut over "
+                            f"devices yet: run it on one device")
     if cfg.sub_norms:
         raise JaxinferError(f"--tp {tp}: {cfg.arch}'s sub-norms normalize over all heads and all neurons, which a cut "
                             f"over devices would need another all-reduce for: not supported yet")

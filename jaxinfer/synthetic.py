@@ -10,6 +10,9 @@ TQ2_0, I2_S) ternary weights: each matrix is a scale times values in {-1, 0, +1}
 adds llama.cpp's per-projection `*.scale` tensors. The other architectures get the tensors and metadata their block
 reads (config.ARCHITECTURES): QKV biases (`qkv_bias`; Qwen2's by default), QK-norms, post-norms, a head size of its
 own (`head_dim`), sliding-window layers (`sliding_window`), llama's rope_freqs (`rope_freqs`: Llama 3's factors).
+With `n_expert` the FFN is a mixture of experts (moe.py: qwen3moe's, or for llama Mixtral's layout): a router
+(ffn_gate_inp) and `n_expert` SwiGLU experts of `n_ff` neurons stacked in ffn_{gate,up,down}_exps, `n_expert_used`
+of them run per token.
 
 Sparse models (`sparsity` set) are PowerInfer files of a ReLU-gated llama (ReluLLaMA-like) whose neuron firing
 frequencies follow a power law with a chosen mean, with exact predictors:
@@ -90,6 +93,8 @@ class SyntheticSpec:
     sliding_window: int = 0  # {arch}.attention.sliding_window (an architecture with sliding-window layers)
     swa_pattern: int = 0  # {arch}.attention.sliding_window_pattern, the period of global layers; 0: unwritten
     rope_freqs: bool = False  # rope_freqs.weight: Llama 3.1's RoPE frequency factors for head_dim / 2 pairs
+    n_expert: int = 0  # a mixture of this many experts of n_ff neurons in place of the FFN (0: none)
+    n_expert_used: int = 2  # the experts run per token (with n_expert)
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -266,6 +271,11 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     if spec.head_dim:
         fields += [(f"{arch}.attention.key_length", head_dim, GGUFValueType.UINT32, None),
                    (f"{arch}.attention.value_length", head_dim, GGUFValueType.UINT32, None)]
+    if spec.n_expert:
+        fields += [(f"{arch}.expert_count", spec.n_expert, GGUFValueType.UINT32, None),
+                   (f"{arch}.expert_used_count", spec.n_expert_used, GGUFValueType.UINT32, None)]
+        if known and known.experts:  # llama.cpp's llama takes its experts' width from feed_forward_length
+            fields.append((f"{arch}.expert_feed_forward_length", spec.n_ff, GGUFValueType.UINT32, None))
     if spec.sliding_window:
         fields.append((f"{arch}.attention.sliding_window", spec.sliding_window, GGUFValueType.UINT32, None))
     if spec.swa_pattern:
@@ -286,6 +296,15 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             return encode_tensor(values, qtype, rng)
 
         return PendingTensor(name, (rows, cols), qtype, make)
+
+    def stacked(name, rows, cols, qtype):  # [n_expert, rows, cols]: each expert's matrix, as GGUF stacks them
+        def make():
+            rng = _rng(spec, name)
+            values = rng.normal(size=(spec.n_expert * rows, cols)).astype(np.float32) / np.float32(np.sqrt(cols))
+            encoded = encode_tensor(values, qtype, rng)
+            return encoded.reshape(spec.n_expert, rows, -1)
+
+        return PendingTensor(name, (spec.n_expert, rows, cols), qtype, make)
 
     def embedding(name):
         def make():
@@ -343,17 +362,22 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             matrix(f"{blk}.attn_v.weight", spec.n_head_kv * head_dim, d, w),
             matrix(f"{blk}.attn_output.weight", d, spec.n_head * head_dim, w, zero_row0=sparse),
             norm(f"{blk}.ffn_norm.weight", ones=sparse),
-            matrix(f"{blk}.ffn_up.weight", f, d, w),
         ]
-        if sparse:
+        if spec.n_expert:
+            tensors += [matrix(f"{blk}.ffn_gate_inp.weight", spec.n_expert, d, w),
+                        *(stacked(f"{blk}.ffn_{proj}_exps.weight", f, d, w) for proj in ("gate", "up")),
+                        stacked(f"{blk}.ffn_down_exps.weight", d, f, w)]
+        elif sparse:
             tensors += [
+                matrix(f"{blk}.ffn_up.weight", f, d, w),
                 from_sparse_layer(f"{blk}.ffn_gate.weight", i, "gate", w),
                 matrix(f"{blk}.ffn_down_t.weight", f, d, w, zero_col0=True, scale=np.sqrt(d / f)),
                 from_sparse_layer(f"{blk}.fc1.weight", i, "fc1", spec.predictor_type),
                 from_sparse_layer(f"{blk}.fc2.weight", i, "fc2", spec.predictor_type),
             ]
         else:
-            tensors += [matrix(f"{blk}.ffn_gate.weight", f, d, w), matrix(f"{blk}.ffn_down.weight", d, f, w)]
+            tensors += [matrix(f"{blk}.ffn_up.weight", f, d, w), matrix(f"{blk}.ffn_gate.weight", f, d, w),
+                        matrix(f"{blk}.ffn_down.weight", d, f, w)]
         if known and known.sub_norms:
             tensors += [norm(f"{blk}.attn_sub_norm.weight", size=spec.n_head * head_dim),
                         norm(f"{blk}.ffn_sub_norm.weight", size=f)]

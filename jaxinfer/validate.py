@@ -61,12 +61,16 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
     if cfg.sub_norms:
         _check(gguf, name("attn_sub_norm"), (q_rows,), {GGMLQuantizationType.F32})
         _check(gguf, name("ffn_sub_norm"), (cfg.n_ff,), {GGMLQuantizationType.F32})
+    # A mixture of experts: the router, and each FFN projection stacked over the experts [n_expert, rows, cols].
+    e, f = cfg.n_expert, cfg.n_ff_exp
+    ffn = ((("ffn_gate_inp", (e, d)), ("ffn_gate_exps", (e, f, d)), ("ffn_up_exps", (e, f, d)),
+            ("ffn_down_exps", (e, d, f))) if e else (("ffn_gate", (cfg.n_ff, d)), ("ffn_up", (cfg.n_ff, d))))
     for tensor, shape in (("attn_q", (q_rows, d)), ("attn_k", (kv_rows, d)), ("attn_v", (kv_rows, d)),
-                          ("attn_output", (d, q_rows)), ("ffn_gate", (cfg.n_ff, d)), ("ffn_up", (cfg.n_ff, d))):
+                          ("attn_output", (d, q_rows)), *ffn):
         _check(gguf, name(tensor), shape)
-    if name("ffn_down_t") in gguf.tensors:  # PowerInfer: the down projection transposed, one row per neuron
+    if not e and name("ffn_down_t") in gguf.tensors:  # PowerInfer: the down projection transposed, one per neuron
         _check(gguf, name("ffn_down_t"), (cfg.n_ff, d))
-    else:
+    elif not e:
         _check(gguf, name("ffn_down"), (d, cfg.n_ff))
     has_fc1, has_fc2 = name("fc1") in gguf.tensors, name("fc2") in gguf.tensors
     if has_fc1 != has_fc2:

@@ -25,6 +25,12 @@ The other architectures jaxinfer runs (qwen2, qwen3, gemma3) are written plain t
     python scripts/make_sparse_model.py --architecture gemma3 --head_dim 64 --sliding_window 512 --sparsity 0 \
         -o gemma3-tiny.gguf
 
+--n_expert makes the FFN a mixture of that many experts of --n_ff neurons, --n_expert_used (2) of them per token:
+qwen3moe's (it needs them), or Mixtral's in a llama file; e.g. Qwen3-30B-A3B's width and experts in 2 layers:
+
+    python scripts/make_sparse_model.py --architecture qwen3moe --n_layer 2 --n_embd 2048 --n_ff 768 --n_head 32 \
+        --n_head_kv 4 --head_dim 128 --n_expert 128 --n_expert_used 8 --n_vocab 151936 --sparsity 0 -o qwen3moe.gguf
+
 --dense_twin FILE writes the dense twin of the PowerInfer FILE instead (synthetic.write_dense_twin): the same weights
 as a plain GGUF that llama.cpp loads (no predictors, ffn_down [d, n_ff] quantized again along the neurons in place of
 ffn_down_t), for the dense baseline on the same weights (scripts/bench_sparse.py runs llama-bench on it):
@@ -74,7 +80,11 @@ flags.DEFINE_enum("architecture", "llama", sorted(ARCHITECTURES), "the block: ll
 flags.DEFINE_integer("head_dim", 0, "the attention's head size, written as attention.key_length (0: n_embd / n_head)")
 flags.DEFINE_integer("sliding_window", 0, "attention.sliding_window, for an architecture with sliding-window layers "
                      "(gemma3)")
+flags.DEFINE_integer("n_expert", 0, "a mixture of this many experts of --n_ff neurons in place of the FFN (0: none)")
+flags.DEFINE_integer("n_expert_used", 2, "the experts each token runs, with --n_expert")
 check_range("head_dim", 0)
+check_range("n_expert", 0)
+check_range("n_expert_used", 1)
 check_range("sliding_window", 0)
 flags.DEFINE_integer("n_vocab", None, "vocabulary size (default: the shape's; the tiny one's is byte-level, 263)")
 flags.DEFINE_string("dense_twin", None, "write the dense twin of this PowerInfer file instead: its weights as a plain "
@@ -83,7 +93,7 @@ check_range("n_head", 1)
 check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
 MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
-               "seed", "architecture", "n_vocab", "head_dim", "sliding_window",
+               "seed", "architecture", "n_vocab", "head_dim", "sliding_window", "n_expert", "n_expert_used",
                "predictor_type")  # what makes a synthetic model: not taken with --dense_twin
 SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
@@ -106,6 +116,8 @@ def main(argv):
         raise JaxinferError(f"--sparsity must be in [0, 1), got {FLAGS.sparsity}")
     if FLAGS.architecture != "llama" and FLAGS.sparsity:
         raise JaxinferError(f"a {FLAGS.architecture} model is written plain: give --sparsity 0")
+    if FLAGS.n_expert and FLAGS.sparsity:
+        raise JaxinferError("a mixture of experts (--n_expert) is written plain: give --sparsity 0")
     weight_type = WEIGHT_TYPES.get(FLAGS.weight_type.upper())
     if weight_type is None:
         raise JaxinferError(f"unknown --weight_type {FLAGS.weight_type!r}")
@@ -119,7 +131,7 @@ def main(argv):
         embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
         architecture=FLAGS.architecture, sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed,
         predictor_type=GGMLQuantizationType[FLAGS.predictor_type.upper()], head_dim=FLAGS.head_dim,
-        sliding_window=FLAGS.sliding_window)
+        sliding_window=FLAGS.sliding_window, n_expert=FLAGS.n_expert, n_expert_used=FLAGS.n_expert_used)
     try:
         check_loadable(spec)  # a file that would not load is not written
     except JaxinferError as e:
