@@ -12,10 +12,13 @@ program's arrays, so a request never recompiles anything. A slot's tokens depend
 program's rows are computed independently, a prefill runs one slot alone, and rows that sit out a step neither
 write nor advance. So a request gives the same tokens alone and in a full batch (tested at temperature 0).
 
-The prompt cache (prompt_cache.py): a freed slot's row keeps its keys and values, a request goes to the free row
-holding the longest prefix of its prompt, and its prefill starts after that prefix (the row's length set there). What
-it changes is rounding only: the prefix's keys and values were computed in other pieces (and the reply's one token at
-a time), which the products may round differently; greedy text with and without it is tested equal.
+The prompt cache (prompt_cache.py): a freed slot's row keeps the keys and values of its prompt, a request goes to the
+free row holding the longest prefix of its prompt, and its prefill starts after that prefix (the row's length set
+there). Only prefilled positions are reused, not the reply's: the logits are then those of the whole prompt
+prefilled, to float rounding where the pieces fall elsewhere (1e-6; on the default model, a 1,000-token
+conversation's next turn bit for bit), bit for bit where they fall alike (tested); the K/V that decode steps wrote
+differ more (other kernels: a reply fed back that way moved the default model's next logits by up to 0.46), and a
+reply is short next to the conversation before it.
 
 Over several processes (jax.distributed, the model cut over all their devices) every process runs a replica of the
 scheduler, since each must issue the same programs in the same order: process 0, which serves HTTP, starts each
@@ -164,13 +167,10 @@ class Slot:
     def decoding(self) -> bool:
         return not self.pieces
 
-    def filled(self) -> list[int]:
-        """The tokens whose K/V fill its row's first positions: the prompt as far as prefilled, then each token fed
-        back (every reply token but the last, which no decode step has read yet; the device may have fed more)."""
-        request = self.job.request
-        if not self.decoding:
-            return request.prompt_ids[:self.prefilled]
-        return request.prompt_ids + self.assembler.ids[:max(self.produced - 1, 0)]
+    def prefix(self) -> list[int]:
+        """The tokens whose prefilled K/V fill its row's first positions (the reply's, written by decode steps, are
+        not reused: see the module's docstring)."""
+        return self.job.request.prompt_ids[:self.prefilled]
 
 
 class Scheduler:
@@ -491,7 +491,7 @@ class Scheduler:
     def _free(self, row: int, keep: bool = True):
         """Slot `row` free, its row's tokens kept in the prompt cache's books (`keep`: it did not fail)."""
         if keep:
-            self.prompts.keep(row, self.slots[row].filled())
+            self.prompts.keep(row, self.slots[row].prefix())
         self.state = _stop_row(self.state, self._global(np.int32(row)))
         with self._lock:
             self.slots[row] = None

@@ -3,9 +3,11 @@ test_server.py, drive it end to end: slots, queue, cancellation, batched against
 
 import asyncio
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxinfer import engine
+from jaxinfer import engine, model
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.prompt_cache import MIN_REUSE, PromptCache
 from jaxinfer.scheduler import PREFILL_CHUNKS, Event, Job, Scheduler, cached_start, prefill_pieces
@@ -59,6 +61,31 @@ def test_a_request_goes_to_the_row_holding_its_longest_prefix_else_to_the_least_
     assert cache.choose([0, 1, 2, 3], prompt) == 1 and cache.common(2, prompt) == 0
     cache.clear()
     assert cache.common(1, prompt) == 0
+
+
+def test_a_prefill_from_a_cached_prefix_gives_the_logits_of_the_whole_prompt(tiny):
+    """What keeps the prompt cache exact: a row holding a prompt's first tokens (prefilled in pieces of their own),
+    prefilled from there, gives the logits that prefilling the whole prompt gives: to float rounding where the pieces
+    fall elsewhere, bit for bit where they fall where the whole prompt's do."""
+    ids = tiny.tokenizer.encode(" ".join(["the hall of 1 2 3"] * 6))
+    cache_len = 256
+
+    def prefill(ids, cache, start):
+        cache = model.KVCache(cache.k, cache.v, jnp.array([start], jnp.int32))
+        for offset, size in prefill_pieces(len(ids), start, cache_len):
+            piece = np.zeros((1, size), np.int32)
+            piece[0, :len(ids[offset:offset + size])] = ids[offset:offset + size]
+            logits, cache = model.prefill(piece, len(ids[offset:offset + size]), tiny.weights, cache, tiny.config)
+        return np.asarray(logits), cache
+
+    whole, _ = prefill(ids, model.init_cache(tiny.config, 1, cache_len), 0)
+    assert prefill_pieces(len(ids), 0, cache_len)[1][0] == 64
+    for prefix in (20, 37, 64):
+        _, cache = prefill(ids[:prefix], model.init_cache(tiny.config, 1, cache_len), 0)
+        start = cached_start(prefix, len(ids), cache_len)
+        assert start == prefix
+        cached, _ = prefill(ids, cache, start)
+        assert np.allclose(cached, whole, rtol=0, atol=1e-5) and (prefix != 64 or np.array_equal(cached, whole))
 
 
 @pytest.fixture(scope="module")
@@ -151,9 +178,10 @@ def test_a_request_past_its_time_limit_ends_with_length_and_end_all_answers_503(
 
 
 def test_the_prompt_cache_prefills_only_what_a_slot_does_not_hold_and_greedy_text_is_unchanged(tiny):
-    """A slot keeps its row after a request: a prompt that continues one (its reply included) prefills only the
-    rest, even when the row was swapped to make room for a busy one (compaction) and after an unrelated request took
-    the other slot; each greedy text is generate's alone, with the cache and without it (cache_prompt false)."""
+    """A slot keeps its row after a request: a prompt that continues one prefills only what follows its prompt (the
+    reply's K/V, from decode steps, are not reused), even when the row was swapped to make room for a busy one
+    (compaction) and after an unrelated request took the other slot; each greedy text is generate's alone, with the
+    cache and without it (cache_prompt false)."""
     scheduler = Scheduler(tiny, n_slots=2, slot_ctx=256, max_waiting=4)
     scheduler.warm_up()
     loop = asyncio.new_event_loop()
@@ -184,16 +212,16 @@ def test_the_prompt_cache_prefills_only_what_a_slot_does_not_hold_and_greedy_tex
     # `first` ended in row 0, and the other request, still decoding, was swapped into it: row 1 holds `first` now.
     follow_up = first + reply + encode(" and the next turn")
     [(reply, cached)] = run({"prompt": follow_up})
-    assert cached == len(first) + 2 - 1  # the reply's last token was never fed back
+    assert cached == len(first)
     [(_, cached)] = run({"prompt": encode("x y z w")})  # the least recently used row: the other request's
     assert cached == 0
     again = follow_up + reply + encode(" more")
     [(_, cached)] = run({"prompt": again})
-    assert cached == len(follow_up) + len(reply) - 1
+    assert cached == len(follow_up)
     [(_, cached)] = run({"prompt": again, "cache_prompt": False})
     assert cached == 0
     [(_, cached)] = run({"prompt": again})
     assert cached == len(again) - 1  # all of it held: its last token is prefilled again for its logits
-    expected = len(first) + 1 + len(follow_up) + len(reply) - 1 + len(again) - 1
+    expected = len(first) + len(follow_up) + len(again) - 1
     assert scheduler.metrics()["prompt_tokens_cached_total"] == expected
     loop.close()
