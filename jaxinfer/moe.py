@@ -94,9 +94,3 @@ def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
     out, _ = jax.lax.scan(add_expert, jnp.zeros_like(flat), jnp.arange(cfg.n_expert))
     return out.reshape(x.shape)
 
-
-def routed_bytes(experts: Experts, cfg: Config) -> int:
-    """The bytes of one layer's mixture a decode step of one token reads: the router and k experts' three
-    projections."""
-    per_expert = (experts.gate.nbytes + experts.up.nbytes + experts.down.nbytes) // cfg.n_expert
-    return experts.router.nbytes + cfg.n_expert_used * per_expert
