@@ -62,7 +62,17 @@ def _layer_vectors(cfg) -> dict[str, tuple[bool, int]]:
             **({"attn_q_norm.weight": (True, cfg.head_dim), "attn_k_norm.weight": (True, cfg.head_dim)}
                if cfg.qk_norm else {}),
             **({"post_attention_norm.weight": (True, cfg.n_embd), "post_ffw_norm.weight": (True, cfg.n_embd)}
-               if cfg.post_norms else {})}
+               if cfg.post_norms else {}),
+            **({"attn_norm.bias": (True, cfg.n_embd)} if cfg.layer_norm else {})}
+
+
+def _layer_matrices(cfg) -> set[str]:
+    """The llama block's tensors (within blk.N) with those of the architecture's own layout (Config.fused_parts): a
+    fused attn_qkv anywhere; Phi-3's and Falcon's FFN have no ffn_gate, Falcon's parallel block no ffn_norm."""
+    known = LLAMA_LAYER_TENSORS | {"attn_qkv.weight"}
+    if cfg.ffn_layout != "gated":
+        known -= {"ffn_gate.weight", "ffn_gate.scale"}
+    return known - {"ffn_norm.weight"} if cfg.parallel_block else known
 
 
 # Every other tensor a layer may hold, checked by validate.check_tensors (the llama block, PowerInfer's, BitNet's).
@@ -71,6 +81,8 @@ LLAMA_LAYER_TENSORS = {f"{name}.weight" for name in (
     "ffn_down_t", "fc1", "fc2", "attn_sub_norm", "ffn_sub_norm")} | {f"{name}.scale" for name in (
         "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
 GLOBAL_TENSORS = {"token_embd.weight", "output_norm.weight", "output.weight", "rope_freqs.weight"}
+# Phi-3.5/Phi-4 mini's LongRoPE: frequency factors llama.cpp picks by the context's length, with an attention factor.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # A mixture of experts' layer holds these in place of the llama FFN's (moe.py).
 DENSE_FFN_TENSORS = {f"{name}.weight" for name in ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1", "fc2")} | {
     "ffn_gate.scale", "ffn_up.scale", "ffn_down.scale"}
@@ -108,11 +120,22 @@ def check_block_tensors(gguf, cfg) -> None:
                 _check_vector(gguf, f"blk.{i}.{name}", length)
     if "rope_freqs.weight" in gguf.tensors:
         _check_vector(gguf, "rope_freqs.weight", cfg.rope_dim // 2)
-    known = LLAMA_LAYER_TENSORS | set(vectors)
+    if any(name in gguf.tensors for name in LONGROPE_TENSORS):
+        raise JaxinferError(f"{gguf.path} has LongRoPE factors (rope_factors_long/short.weight: Phi-3.5/Phi-4 mini's "
+                            f"long-context RoPE scaling), which jaxinfer does not implement")
+    global_tensors = GLOBAL_TENSORS
+    if cfg.layer_norm:
+        _check_vector(gguf, "output_norm.bias", cfg.n_embd)
+        global_tensors = GLOBAL_TENSORS | {"output_norm.bias"}
+    for i in range(cfg.n_layer):
+        if f"blk.{i}.attn_qkv.weight" in gguf.tensors and f"blk.{i}.attn_q.weight" in gguf.tensors:
+            raise JaxinferError(f"{gguf.path}: blk.{i} has both attn_qkv and attn_q (llama.cpp reads only the fused "
+                                f"one): refused as ambiguous")
+    known = _layer_matrices(cfg) | set(vectors)
     if cfg.n_expert:
         known = (known - DENSE_FFN_TENSORS) | EXPERT_TENSORS
     for name in gguf.tensors:
         layer = LAYER_NAME.match(name)
-        if (name[layer.end():] not in known) if layer else name not in GLOBAL_TENSORS:
+        if (name[layer.end():] not in known) if layer else name not in global_tensors:
             raise JaxinferError(f"{gguf.path} has tensor {shown(name)}, which jaxinfer does not compute with for "
                                 f"{cfg.arch}: refused rather than run without it")

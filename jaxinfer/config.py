@@ -39,6 +39,15 @@ class Architecture:
     # Layer counts at which llama.cpp scales queries by 1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim)
     # (Gemma 3 27B: its query_pre_attn_scalar).
     query_scale_by_width: tuple[int, ...] = ()
+    # How the file stores the FFN's input projections (as llama.cpp's graphs read them): "gated" ffn_gate and ffn_up;
+    # "fused" (Phi-3) one ffn_up of 2 n_ff rows, the gate's then the up's; "ungated" (Falcon) ffn_up alone, the FFN
+    # then being down(gate_act(up(x))). Attention's may be one fused attn_qkv (q's rows, k's, v's) in any file.
+    ffn_layout: str = "gated"
+    layer_norm: bool = False  # LayerNorm with a bias (blk.N.attn_norm.bias, output_norm.bias) instead of RMSNorm
+    # Attention and FFN both read the layer's normed input and join the residual together (Falcon; no ffn_norm).
+    parallel_block: bool = False
+    # `{arch}.attention.sliding_window` is read and ignored, as llama.cpp does (Phi-3: its SWA is disabled there).
+    ignores_sliding_window: bool = False
     # The FFN is a mixture of experts in every layer (moe.py): `{arch}.expert_count` must be given. Any architecture
     # whose file gives one runs its FFN so (a llama file with experts is Mixtral's layout).
     experts: bool = False
@@ -63,6 +72,12 @@ ARCHITECTURES = {
                            embed_scale=True, swa_period=6, query_scale_by_width=(62,)),
     # Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, a mixture of SwiGLU experts in place of the FFN.
     "qwen3moe": Architecture(gate_activation="silu", rope_type="neox", qk_norm=True, experts=True),
+    # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
+    "phi3": Architecture(gate_activation="silu", rope_type="neox", ffn_layout="fused", ignores_sliding_window=True),
+    # Falcon 7B/40B: parallel attention and FFN, LayerNorm with bias, fused QKV (multi-query for 7B), GELU FFN
+    # without a gate (ggml's tanh-approximated GELU).
+    "falcon": Architecture(gate_activation="gelu_tanh", rope_type="neox", ffn_layout="ungated", layer_norm=True,
+                           parallel_block=True),
 }
 # RoPE scaling types (`{arch}.rope.scaling.type`) jaxinfer computes: llama.cpp's default "linear" divides positions
 # by `{arch}.rope.scaling.factor` (none when absent).
@@ -109,6 +124,9 @@ class Config:
     rope_theta_swa: float = 10000.0  # the RoPE base of the sliding-window layers
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) when > 0 ({arch}.final_logit_softcapping)
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
+    ffn_layout: str = "gated"  # Architecture.ffn_layout
+    layer_norm: bool = False  # Architecture.layer_norm: rms_eps is then LayerNorm's epsilon
+    parallel_block: bool = False  # Architecture.parallel_block
     # A mixture of experts (moe.py) when n_expert > 0: each token runs the n_expert_used experts (of n_ff_exp neurons)
     # its router rates highest, their outputs weighted by the router's softmax, renormalized over those chosen when
     # expert_weights_norm.
@@ -134,6 +152,25 @@ class Config:
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None when it attends to every position before it."""
         return self.sliding_window if self.swa_layers and self.swa_layers[layer] else None
+
+    def fused_parts(self, fused_qkv: bool) -> dict[str, tuple[str, slice | None] | None]:
+        """Layer fields a layer holds otherwise than the llama block's tensors, as {field: (tensor within blk.N,
+        its rows: None for all)} or {field: None} where it has none: q, k and v from a fused attn_qkv [q; k; v]
+        (where a layer has one: llama.cpp's build_qkv), Phi-3's gate and up from its ffn_up [gate; up] (ggml_swiglu's
+        halves), Falcon's ungated FFN from its ffn_up held as ffn_gate (what the activation reads, the sparsity
+        modes' gate), and no ffn_norm in a parallel block."""
+        q, kv, f = self.n_head * self.head_dim, self.n_head_kv * self.head_dim, self.n_ff
+        parts = {}
+        if fused_qkv:
+            parts |= {"attn_q": ("attn_qkv", slice(0, q)), "attn_k": ("attn_qkv", slice(q, q + kv)),
+                      "attn_v": ("attn_qkv", slice(q + kv, q + 2 * kv))}
+        if self.ffn_layout == "fused":
+            parts |= {"ffn_gate": ("ffn_up", slice(0, f)), "ffn_up": ("ffn_up", slice(f, 2 * f))}
+        elif self.ffn_layout == "ungated":
+            parts |= {"ffn_gate": ("ffn_up", None), "ffn_up": None}
+        if self.parallel_block:
+            parts["ffn_norm"] = None
+        return parts
 
     @classmethod
     def from_metadata(cls, meta: dict, n_vocab: int, powerinfer: bool = False) -> "Config":
@@ -178,7 +215,8 @@ class Config:
         gate_activation = metadata.string(meta, GATE_ACTIVATION_KEY, None, choices=GATE_ACTIVATIONS) \
             or (spec.powerinfer_gate_activation if powerinfer else None) or spec.gate_activation
         n_layer = count("block_count")
-        window = metadata.integer(meta, f"{arch}.attention.sliding_window", 0, minimum=0)
+        window = 0 if spec.ignores_sliding_window else metadata.integer(meta, f"{arch}.attention.sliding_window", 0,
+                                                                        minimum=0)
         if window and not spec.swa_period:
             raise JaxinferError(f"{arch}.attention.sliding_window is {window}: sliding-window attention is not "
                                 f"implemented for {arch}")
@@ -195,7 +233,8 @@ class Config:
             head_dim=head_dim,
             n_vocab=n_vocab,
             n_ctx_train=count("context_length"),
-            rms_eps=metadata.number(meta, f"{arch}.attention.layer_norm_rms_epsilon", positive=True),
+            rms_eps=metadata.number(meta, f"{arch}.attention.layer_norm_{'' if spec.layer_norm else 'rms_'}epsilon",
+                                    positive=True),
             rope_theta=metadata.number(meta, f"{arch}.rope.freq_base", 10000.0, positive=True),
             rope_dim=rope_dim,
             gate_activation=gate_activation,
@@ -212,6 +251,9 @@ class Config:
             rope_theta_swa=metadata.number(meta, f"{arch}.rope.freq_base_swa", 10000.0, positive=True),
             final_softcap=metadata.number(meta, f"{arch}.final_logit_softcapping", 0.0),
             sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
+            ffn_layout=spec.ffn_layout,
+            layer_norm=spec.layer_norm,
+            parallel_block=spec.parallel_block,
             **_experts(meta, arch, spec.experts, count("feed_forward_length")),
         )
 

@@ -122,14 +122,18 @@ def place(view: np.ndarray) -> jax.Array:
 
 
 def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False,
-                packs=lambda w: False, widens=lambda w: False) -> QuantArray:
+                packs=lambda w: False, widens=lambda w: False, rows: slice | None = None) -> QuantArray:
     """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
     view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs), TQ1_0 held as TQ2_0 where `widens(w)`
     says (repack.widens_tq1_0). A `NAME.scale` tensor beside `NAME.weight` (llama.cpp's bitnet: one f32 multiplying
-    the projection's result) becomes part of its scale."""
+    the projection's result) becomes part of its scale. `rows`: only those rows, a part of a fused tensor
+    (Config.fused_parts)."""
     t = gguf.tensors[name]
     view = np.asarray(t.data)
     w = from_gguf_data(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 2))
+    if rows is not None:  # blocks run along rows: a part's rows are still a view of the file, its pages its own
+        view = w.data[rows]
+        w = dataclasses.replace(w, data=view, shape=(view.shape[0], w.shape[1]))
     scale_name = name.removesuffix(".weight") + ".scale"
     scale = w.scale * float(gguf.tensors[scale_name].data[0]) if scale_name in gguf.tensors else w.scale
     w = dataclasses.replace(w, exact=exact, scale=scale)
@@ -150,7 +154,8 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
 # Layer field -> F32 vector within blk.N, loaded where the file has it (blocks.check_block_tensors says when it must).
 LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "attn_v_bias": "attn_v.bias",
                  "attn_q_norm": "attn_q_norm.weight", "attn_k_norm": "attn_k_norm.weight",
-                 "attn_post_norm": "post_attention_norm.weight", "ffn_post_norm": "post_ffw_norm.weight"}
+                 "attn_post_norm": "post_attention_norm.weight", "ffn_post_norm": "post_ffw_norm.weight",
+                 "attn_norm_b": "attn_norm.bias"}
 
 
 def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> moe.Experts:
@@ -165,26 +170,27 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> moe.Exp
                        *(stacked(t) for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")))
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, sub_norms: bool,
-                experts: bool = False) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, cfg: Config) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
-    def matrix(tensor, field=None):
-        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w), widens)
+    def matrix(tensor, field=None, rows=None):
+        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w), widens, rows)
 
     def optional(tensor, field=None):
         return matrix(tensor, field) if name(tensor) in gguf.tensors else None
 
-    skipped = moe.DENSE_FFN if experts else ("ffn_down",)  # a mixture of experts has none of the FFN's
+    skipped = moe.DENSE_FFN if cfg.n_expert else ("ffn_down",)  # a mixture of experts has none of the FFN's
+    fused = cfg.fused_parts(name("attn_qkv") in gguf.tensors)
     tensors = {field: load_vector(gguf, name(tensor), on_host) if field.endswith("_norm") else matrix(tensor, field)
-               for field, tensor in LAYER_TENSORS.items() if field not in skipped}
+               for field, tensor in LAYER_TENSORS.items() if field not in fused and field not in skipped}
+    tensors |= {field: None if part is None else matrix(part[0], field, part[1]) for field, part in fused.items()}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
-    down = None if down_t is not None or experts else matrix("ffn_down", "ffn_down")
-    if experts:
+    down = None if down_t is not None or cfg.n_expert else matrix("ffn_down", "ffn_down")
+    if cfg.n_expert:
         tensors |= dict(ffn_gate=None, ffn_up=None, experts=_load_experts(gguf, i, exact, on_host))
     norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
-             if sub_norms}
+             if cfg.sub_norms}
     norms |= {field: load_vector(gguf, f"blk.{i}.{tensor}", on_host) for field, tensor in LAYER_VECTORS.items()
               if f"blk.{i}.{tensor}" in gguf.tensors}
     return Layer(**tensors, ffn_down=down, ffn_down_t=down_t, fc1=optional("fc1", "fc1"), fc2=optional("fc2", "fc2"),
@@ -209,11 +215,11 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     tied = "output.weight" not in gguf.tensors
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w),
                              widens)
-    layers = [_load_layer(gguf, i, exact, on_host, packs, widens, cfg.sub_norms, cfg.n_expert > 0)
-              for i in range(cfg.n_layer)]
+    layers = [_load_layer(gguf, i, exact, on_host, packs, widens, cfg) for i in range(cfg.n_layer)]
     output = token_embd if tied else load_matrix(gguf, "output.weight", exact, on_host,
                                                  lambda w: packs(repack.OUTPUT, w), widens)
-    return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output)
+    norm_bias = load_vector(gguf, "output_norm.bias", on_host) if cfg.layer_norm else None
+    return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output, norm_bias)
 
 
 def load_config(gguf: GGUFFile) -> Config:

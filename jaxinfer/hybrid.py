@@ -87,7 +87,8 @@ def unit_bytes(layer: model.Layer, kernel: bool = False) -> int:
     if kernel and kernel_takes(layer.ffn_gate, layer.ffn_up, layer.ffn_down_t) == "q8_0":
         d = layer.ffn_gate.shape[1]
         return 3 * (d + 4 * (d // pallas_ffn.Q8_0_BLOCK))  # int8 values and an f32 scale per block
-    return unit * (_row_bytes(layer.ffn_gate) + _row_bytes(layer.ffn_up)) + _down_unit_bytes(layer)
+    inputs = (layer.ffn_gate,) if layer.ffn_up is None else (layer.ffn_gate, layer.ffn_up)  # Falcon's: no up
+    return unit * sum(_row_bytes(w) for w in inputs) + _down_unit_bytes(layer)
 
 
 def _uses_kernel(cfg: Config) -> bool:
@@ -122,7 +123,7 @@ def ffn_part(layer: model.Layer, rows: np.ndarray, on_host: bool = False) -> FFN
 
 def kernel_takes(gate: QuantArray, up: QuantArray, down_t: QuantArray | None) -> str | None:
     """"q8_0" or "float" where the Pallas kernel takes these weights (rows per neuron, one kind of type), else None."""
-    if down_t is None or down_t.layout not in ROW_LAYOUTS:
+    if down_t is None or up is None or down_t.layout not in ROW_LAYOUTS:  # the kernel multiplies a gate by an up
         return None
     types = {w.qtype for w in (gate, up, down_t)}
     if types == {GGMLQuantizationType.Q8_0}:

@@ -202,6 +202,7 @@ class Inspection:
         fields.pop("cache_type")
         section["config"] = fields
         section["rope_freqs"] = self.info("rope_freqs.weight") is not None
+        section["fused_qkv"] = any(t.name.endswith(".attn_qkv.weight") for t in self.infos)
         return section
 
     def info(self, name: str) -> TensorInfo | None:
@@ -406,9 +407,15 @@ def _architecture_lines(a: dict) -> list[str]:
         return lines
     lines.append(f"  {c['n_layer']} layers, d={c['n_embd']}, ffn={c['n_ff']}, heads={c['n_head']}/{c['n_head_kv']} kv "
                  f"of {c['head_dim']}, vocab={c['n_vocab']}, context {c['n_ctx_train']}, rope theta "
-                 f"{c['rope_theta']:g} on {c['rope_dim']} dims, rms eps {c['rms_eps']:g}, FFN "
-                 f"{c['gate_activation']}(gate) * {c['up_activation']}(up)")
+                 f"{c['rope_theta']:g} on {c['rope_dim']} dims, {'layer norm' if c['layer_norm'] else 'rms'} eps "
+                 f"{c['rms_eps']:g}, FFN " + (f"{c['gate_activation']}(up)" if c["ffn_layout"] == "ungated" else
+                                              f"{c['gate_activation']}(gate) * {c['up_activation']}(up)"))
     options = _block_options(c, a.get("rope_freqs", False))
+    options += [name for name, on in (("fused QKV (attn_qkv)", a.get("fused_qkv")),
+                                      ("fused gate-up (ffn_up [gate; up])", c["ffn_layout"] == "fused"),
+                                      ("FFN without a gate", c["ffn_layout"] == "ungated"),
+                                      ("LayerNorm with bias", c["layer_norm"]),
+                                      ("parallel attention and FFN", c["parallel_block"])) if on]
     if options:
         lines.append(f"  block: {', '.join(options)}")
     return lines

@@ -11,6 +11,9 @@ Every architecture (config.ARCHITECTURES) is this one forward with options, each
   * Gemma's embedding scale (cfg.embed_scale) and norms of the attention's and FFN's outputs (cfg.post_norms);
   * sliding-window layers (cfg.window(i)) with their own RoPE base (blocks.py); RoPE frequency factors and linear
     scaling (cfg.rope_freq_factors, cfg.rope_freq_scale); final logit soft-capping (cfg.final_softcap);
+  * Falcon's parallel block (cfg.parallel_block: attention and FFN read one norm and join the residual together)
+    and LayerNorm with bias (cfg.layer_norm); fused tensors (attn_qkv, Phi-3's ffn_up) are cut into the fields at
+    load (Config.fused_parts), and an FFN without a gate (Falcon's) has no ffn_up;
   * a mixture of experts in place of the FFN (cfg.n_expert: Qwen3-MoE, Mixtral), routed inside the step (moe.py).
 
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
@@ -38,9 +41,9 @@ class Layer:
     attn_k: QuantArray  # [n_head_kv * hd, d]
     attn_v: QuantArray  # [n_head_kv * hd, d]
     attn_output: QuantArray  # [d, n_head * hd]
-    ffn_norm: jax.Array  # [d]
+    ffn_norm: jax.Array | None  # [d]; None in a parallel block (cfg.parallel_block: the FFN reads attn_norm's)
     ffn_gate: QuantArray | None  # [n_ff, d]; None in a mixture of experts (`experts` instead)
-    ffn_up: QuantArray  # [n_ff, d]
+    ffn_up: QuantArray | None  # [n_ff, d]; None for an FFN without a gate (Falcon): h = gate_act(ffn_gate x)
     ffn_down: QuantArray | None  # [d, n_ff]; PowerInfer files store ffn_down_t instead
     ffn_down_t: QuantArray | None = None  # [n_ff, d], one row per neuron
     fc1: QuantArray | None = None  # [rank, d] activation predictor (PowerInfer), when the file has one
@@ -51,6 +54,7 @@ class Layer:
     ffn_parts: list | None = None
     attn_sub_norm: jax.Array | None = None  # [n_head * hd], BitNet (cfg.sub_norms)
     ffn_sub_norm: jax.Array | None = None  # [n_ff], BitNet
+    attn_norm_b: jax.Array | None = None  # [d], LayerNorm's bias (cfg.layer_norm: Falcon)
     attn_q_bias: jax.Array | None = None  # [n_head * hd], where the file has one (Qwen2)
     attn_k_bias: jax.Array | None = None  # [n_head_kv * hd]
     attn_v_bias: jax.Array | None = None  # [n_head_kv * hd]
@@ -68,6 +72,7 @@ class Weights:
     layers: list[Layer]
     output_norm: jax.Array  # [d]
     output: QuantArray  # [n_vocab, d]; the embedding itself when the model ties them
+    output_norm_b: jax.Array | None = None  # [d], LayerNorm's bias (cfg.layer_norm)
 
 
 @jax.tree_util.register_dataclass
@@ -91,6 +96,15 @@ def init_cache(cfg: Config, batch: int, max_len: int) -> KVCache:
 
 def rms_norm(x, gamma, eps):
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
+
+
+def norm(x, gamma, beta, cfg: Config):
+    """A block's input norm and the final one: RMSNorm, or with cfg.layer_norm LayerNorm ((x - mean) / sqrt(var +
+    eps) * gamma + beta, llama.cpp's LLM_NORM)."""
+    if not cfg.layer_norm:
+        return rms_norm(x, gamma, cfg.rms_eps)
+    out = rms_norm(x - jnp.mean(x, axis=-1, keepdims=True), gamma, cfg.rms_eps)
+    return out if beta is None else out + beta
 
 
 def rope_rotation(positions, cfg: Config, sliding: bool = False):
@@ -238,21 +252,24 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
     observed = []
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
-            attn_out, cache = attention_block(rms_norm(x, layer.attn_norm, cfg.rms_eps), layer, index, positions,
+            normed = norm(x, layer.attn_norm, layer.attn_norm_b, cfg)
+            attn_out, cache = attention_block(normed, layer, index, positions,
                                               rotations[cfg.window(index) is not None], cache, cfg, written, row)
-            x = x + _post_norm(attn_out, layer.attn_post_norm, cfg)
+            if not cfg.parallel_block:  # Falcon's FFN reads the attention's input, both join the residual at once
+                x = x + _post_norm(attn_out, layer.attn_post_norm, cfg)
+                normed = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
             hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
                                                                           eps=cfg.rms_eps)
             if layer.experts is not None:
-                ffn_out, trace = moe.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), layer.experts, cfg,
-                                         trace=observe is not None), None
+                ffn_out, trace = moe.ffn(normed, layer.experts, cfg, trace=observe is not None), None
             else:
-                ffn_out, trace = sparse_ffn.ffn(rms_norm(x, layer.ffn_norm, cfg.rms_eps), x, layer, cfg,
-                                                trace=observe is not None, hidden_norm=hidden_norm)
-            x = x + _post_norm(sharding.all_reduce(ffn_out, cfg.plan), layer.ffn_post_norm, cfg)
+                ffn_out, trace = sparse_ffn.ffn(normed, x, layer, cfg, trace=observe is not None,
+                                                hidden_norm=hidden_norm)
+            ffn_out = _post_norm(sharding.all_reduce(ffn_out, cfg.plan), layer.ffn_post_norm, cfg)
+            x = x + (ffn_out + attn_out if cfg.parallel_block else ffn_out)
             if observe is not None:
                 observed.append(observe(index, trace))
-    return rms_norm(x, weights.output_norm, cfg.rms_eps), cache, observed
+    return norm(x, weights.output_norm, weights.output_norm_b, cfg), cache, observed
 
 
 def _post_norm(out, gamma, cfg: Config):

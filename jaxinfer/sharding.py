@@ -137,7 +137,8 @@ def weight_specs(weights, tp: int):
                                             for f in dataclasses.fields(layer)})
               for i, layer in enumerate(weights.layers)]
     return dataclasses.replace(weights, token_embd=_spec("token_embd", weights.token_embd, ROWS, tp), layers=layers,
-                               output_norm=P(), output=_spec("output", weights.output, ROWS, tp))
+                               output_norm=P(), output=_spec("output", weights.output, ROWS, tp),
+                               output_norm_b=_spec("output_norm_b", weights.output_norm_b, None, tp))
 
 
 def cache_specs(cache):

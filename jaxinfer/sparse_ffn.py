@@ -94,22 +94,29 @@ def _part_ffn(x, decider, part: FFNPart, cfg: Config, trace: bool, hidden_norm=N
     Each mode computes only what decides `active` densely, and the rest for active neurons only (masked kernels):
     in predictor mode gate and hidden are therefore 0 for inactive neurons."""
     gate_act, up_act = ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
+    projections = (part.ffn_gate,) if part.ffn_up is None else (part.ffn_gate, part.ffn_up)
     if cfg.plan.ffn_sparsity == "predictor":
         active = decider
-        gate, up = masked_matmuls(x, (part.ffn_gate, part.ffn_up), active)
+        gate, *up = masked_matmuls(x, projections, active)
         gate = gate_act(gate)
-        hidden = _normed(gate * up_act(up), hidden_norm)
+        hidden = _normed(_times_up(gate, up, up_act), hidden_norm)
     elif cfg.plan.ffn_sparsity == "gate":
         gate = gate_act(matmul(x, part.ffn_gate))
         active = jnp.abs(gate) > decider
-        hidden = _normed(gate * up_act(masked_matmul(x, part.ffn_up, active)), hidden_norm)
+        up = [masked_matmul(x, w, active) for w in projections[1:]]
+        hidden = _normed(_times_up(gate, up, up_act), hidden_norm)
     else:
-        gate, up = matmuls(x, (part.ffn_gate, part.ffn_up))
+        gate, *up = matmuls(x, projections)
         gate = gate_act(gate)
-        hidden = _normed(gate * up_act(up), hidden_norm)
+        hidden = _normed(_times_up(gate, up, up_act), hidden_norm)
         active = jnp.abs(hidden) > decider if cfg.plan.ffn_sparsity == "hidden" else hidden != 0
     out = down_projection(hidden, active, part)
     return (out, gate, hidden, active) if trace else (out,)
+
+
+def _times_up(gate, up: list, up_act):
+    """h: gate * up_act(up), or the gate alone in an FFN without an up projection (Falcon's; `up` is then [])."""
+    return gate * up_act(up[0]) if up else gate
 
 
 def _normed(hidden, hidden_norm):

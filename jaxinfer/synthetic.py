@@ -93,6 +93,7 @@ class SyntheticSpec:
     sliding_window: int = 0  # {arch}.attention.sliding_window (an architecture with sliding-window layers)
     swa_pattern: int = 0  # {arch}.attention.sliding_window_pattern, the period of global layers; 0: unwritten
     rope_freqs: bool = False  # rope_freqs.weight: Llama 3.1's RoPE frequency factors for head_dim / 2 pairs
+    rope_dim: int = 0  # {arch}.rope.dimension_count, the rotated dims of a head (Phi-4 mini: 3/4); 0: all of them
     n_expert: int = 0  # a mixture of this many experts of n_ff neurons in place of the FFN (0: none)
     n_expert_used: int = 2  # the experts run per token (with n_expert)
 
@@ -252,7 +253,7 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
         (f"{arch}.feed_forward_length", spec.n_ff, GGUFValueType.UINT32, None),
         (f"{arch}.attention.head_count", spec.n_head, GGUFValueType.UINT32, None),
         (f"{arch}.attention.head_count_kv", spec.n_head_kv, GGUFValueType.UINT32, None),
-        (f"{arch}.rope.dimension_count", head_dim, GGUFValueType.UINT32, None),
+        (f"{arch}.rope.dimension_count", spec.rope_dim or head_dim, GGUFValueType.UINT32, None),
         (f"{arch}.rope.freq_base", spec.rope_theta, GGUFValueType.FLOAT32, None),
         (f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, GGUFValueType.FLOAT32, None),
         (f"{arch}.vocab_size", n_vocab, GGUFValueType.UINT32, None),
@@ -395,7 +396,37 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     tensors.append(norm("output_norm.weight"))
     if not spec.tied_output or sparse:  # a sparse model's embedding is unit-variance: too large to tie
         tensors.append(matrix("output.weight", n_vocab, d, spec.embedding_type))
-    return fields, tensors
+    return _as_stored(known, fields, tensors, bias) if known else (fields, tensors)
+
+
+def _as_stored(known, fields: list, tensors: list[PendingTensor], bias) -> tuple[list, list[PendingTensor]]:
+    """The llama block's metadata and tensors as an architecture's file holds them (Config.fused_parts): q, k and v
+    fused into attn_qkv and gate and up into ffn_up [gate; up] (Phi-3), or the FFN without its gate and the block
+    without ffn_norm, with LayerNorm's biases and epsilon (Falcon). `bias(name, size)` makes a bias vector."""
+    if known.ffn_layout == "gated":
+        return fields, tensors
+    groups = {"attn_qkv": ("attn_q", "attn_k", "attn_v")}
+    if known.ffn_layout == "fused":
+        groups["ffn_up"] = ("ffn_gate", "ffn_up")
+    dropped = ({"ffn_gate"} if known.ffn_layout == "ungated" else set()) | ({"ffn_norm"} if known.parallel_block
+                                                                           else set())
+    by_name = {t.name: t for t in tensors}
+    stored, made = [], set()
+    for t in tensors:
+        layer, _, kind = t.name.removesuffix(".weight").rpartition(".")
+        group = next((g for g, parts in groups.items() if kind in parts), None)
+        if group is None and kind not in dropped:
+            stored.append(t)
+        elif group is not None and (layer, group) not in made:  # the parts' rows one after another
+            made.add((layer, group))
+            parts = [by_name[f"{layer}.{part}.weight"] for part in groups[group]]
+            stored.append(PendingTensor(f"{layer}.{group}.weight", (sum(p.shape[0] for p in parts), t.shape[1]),
+                                        t.qtype, lambda parts=parts: np.concatenate([p.make() for p in parts])))
+        if known.layer_norm and kind in ("attn_norm", "output_norm"):
+            stored.append(bias(t.name.replace(".weight", ".bias"), t.shape[0]))
+    if known.layer_norm:
+        fields = [(key.replace("layer_norm_rms_epsilon", "layer_norm_epsilon"), *rest) for key, *rest in fields]
+    return fields, stored
 
 
 # Types of a down projection that a dense twin quantizes again along its other axis (gguf-py quantizes them).

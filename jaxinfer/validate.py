@@ -52,8 +52,10 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
+    fused, fused_rows = cfg.fused_parts(name("attn_qkv") in gguf.tensors), {}
     for norm in ("attn_norm", "ffn_norm"):
-        _check(gguf, name(norm), (d,), {GGMLQuantizationType.F32})
+        if norm not in fused:
+            _check(gguf, name(norm), (d,), {GGMLQuantizationType.F32})
     for tensor in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
         scale = f"blk.{i}.{tensor}.scale"  # llama.cpp's bitnet: one f32 multiplying the projection's result
         if scale in gguf.tensors:
@@ -67,7 +69,12 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
             ("ffn_down_exps", (e, d, f))) if e else (("ffn_gate", (cfg.n_ff, d)), ("ffn_up", (cfg.n_ff, d))))
     for tensor, shape in (("attn_q", (q_rows, d)), ("attn_k", (kv_rows, d)), ("attn_v", (kv_rows, d)),
                           ("attn_output", (d, q_rows)), *ffn):
-        _check(gguf, name(tensor), shape)
+        if tensor not in fused:
+            _check(gguf, name(tensor), shape)
+        elif fused[tensor] is not None:  # a part of a fused tensor, which holds the parts' rows one after another
+            fused_rows[fused[tensor][0]] = fused_rows.get(fused[tensor][0], 0) + shape[0]
+    for tensor, rows in fused_rows.items():
+        _check(gguf, name(tensor), (rows, d))
     if not e and name("ffn_down_t") in gguf.tensors:  # PowerInfer: the down projection transposed, one per neuron
         _check(gguf, name("ffn_down_t"), (cfg.n_ff, d))
     elif not e:

@@ -19,7 +19,8 @@ TQ2_0 or I2_S, each matrix a scale times values in {-1, 0, +1}), e.g. the 7B-sha
     python scripts/make_sparse_model.py --architecture bitnet --shape 7b --n_layer 4 --n_vocab 32000 --sparsity 0 \
         --weight_type TQ2_0 -o bitnet-7b4l-TQ2_0.gguf
 
-The other architectures jaxinfer runs (qwen2, qwen3, gemma3) are written plain too, with their blocks' tensors;
+The other architectures jaxinfer runs (qwen2, qwen3, gemma3, phi3, falcon) are written plain too, with their blocks'
+tensors as llama.cpp reads them (phi3's and falcon's fused attn_qkv, phi3's ffn_up [gate; up], falcon's biases);
 --head_dim sets a head size of its own (Qwen3, Gemma 3), --sliding_window Gemma 3's window:
 
     python scripts/make_sparse_model.py --architecture gemma3 --head_dim 64 --sliding_window 512 --sparsity 0 \

@@ -1,4 +1,5 @@
-"""The architectures beyond llama (config.ARCHITECTURES: qwen2, qwen3, gemma3) and llama's rope_freqs, each against
+"""The architectures beyond llama (config.ARCHITECTURES: qwen2, qwen3, gemma3, phi3, falcon) and llama's rope_freqs,
+each against
 llama.cpp's logits for a synthetic file of the project's own writer (tests/data/README.md says how they were made),
 incremental decode against the full forward, --tp and the hot/cold split against the unsplit single-device run; and
 the refusals: tensors and metadata jaxinfer does not compute with."""
@@ -12,13 +13,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from jaxinfer import engine, evaluation, gguf_io, inspection, model, powerinfer
+from jaxinfer import calibrate, engine, evaluation, gguf_io, hybrid, inspection, model, placement, powerinfer, sparsity
 from jaxinfer.errors import JaxinferError
 from jaxinfer.powerinfer import PendingTensor
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.synthetic import SyntheticSpec, llama3_rope_factors, write_model
 from jaxinfer.tokenizer import load_tokenizer
-from test_hybrid import prefill_then_decode, split_at
+from test_hybrid import prefill_then_decode, split_at, write_profile
 from test_model import assert_incremental_decode_matches_full_forward
 from test_sharding import F32_ROUNDING, sharded_runs
 
@@ -26,13 +27,16 @@ DATA = pathlib.Path(__file__).parent / "data"
 BASE = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2)
 # The files llama.cpp scored (tests/data/llama_cpp_NAME.kld) and its PPL over their 2 windows of 128 tokens. The
 # Gemma 3 file slides a window of 48 in layer 0 (RoPE base 10000) and attends globally in layer 1 (base 1e6); the
-# llama file has Llama 3.1's rope_freqs.
+# llama file has Llama 3.1's rope_freqs; the Phi-3 file rotates 48 of its heads' 64 dims and has a sliding window of
+# 48 that llama.cpp ignores (so must we); the Falcon file has one KV head.
 LLAMA_CPP = {
     "qwen2": (SyntheticSpec(architecture="qwen2", rope_theta=1e6, **BASE), 468.0038),
     "qwen3": (SyntheticSpec(architecture="qwen3", head_dim=128, rope_theta=1e6, **BASE), 472.4058),
     "gemma3": (SyntheticSpec(architecture="gemma3", head_dim=128, rope_theta=1e6, sliding_window=48, swa_pattern=2,
                              **{**BASE, "n_head_kv": 1}), 1621.5738),
     "llama3": (SyntheticSpec(architecture="llama", rope_freqs=True, rope_theta=500000.0, **BASE), 533.9578),
+    "phi3": (SyntheticSpec(architecture="phi3", rope_dim=48, sliding_window=48, **BASE), 550.4490),
+    "falcon": (SyntheticSpec(architecture="falcon", **{**BASE, "n_head_kv": 1}), 490.8578),
 }
 # Small ones for the self-consistency tests: Gemma 3's window of 8 is shorter than their prompts and caches.
 SMALL = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_layer=2)
@@ -41,6 +45,8 @@ SMALL_SPECS = {
     "qwen3": SyntheticSpec(architecture="qwen3", head_dim=32, **SMALL),
     "gemma3": SyntheticSpec(architecture="gemma3", head_dim=32, rope_theta=1e6, sliding_window=8, swa_pattern=2,
                             **SMALL),
+    "phi3": SyntheticSpec(architecture="phi3", rope_dim=12, sliding_window=8, **SMALL),
+    "falcon": SyntheticSpec(architecture="falcon", **SMALL),
 }
 
 
@@ -50,9 +56,11 @@ def load(tmp_path, name: str, spec: SyntheticSpec, **kwargs):
 
 @pytest.mark.parametrize("name", LLAMA_CPP)
 def test_each_architecture_gives_llama_cpp_s_logits(tmp_path, name):
-    """llama.cpp's logits for the same file: measured KL divergence 2e-8 or less and the same top token everywhere.
-    Each block option is visible at this tolerance: without the window 0.038, the sliding layers on the global
-    RoPE base 0.028, without QK-norm 0.0039, without rope_freqs 0.10, NORM RoPE for qwen2 0.045."""
+    """llama.cpp's logits for the same file: measured KL divergence 2e-7 or less (Phi-3's and Falcon's 0 within
+    2e-7) and the same top token everywhere. Each block option is visible at this tolerance: without the window
+    0.038, the sliding layers on the global RoPE base 0.028, without QK-norm 0.0039, without rope_freqs 0.10, NORM
+    RoPE for qwen2 0.045; Phi-3 rotating whole heads 0.26, its gate and up halves swapped 0.28; Falcon's block
+    sequential 0.38, RMSNorm 0.41, without LayerNorm's biases 0.41, SiLU for its GELU 0.008."""
     spec, ppl = LLAMA_CPP[name]
     m = load(tmp_path, name, spec)
     base = evaluation.read_logits_file(str(DATA / f"llama_cpp_{name}.kld"))
@@ -75,6 +83,18 @@ def test_the_blocks_read_their_options_from_the_file(tmp_path):
     assert (cfg.gate_activation, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, True)
     assert cfg.swa_layers == (True, False) and [cfg.window(i) for i in range(2)] == [8, None]
     assert (cfg.rope_theta, cfg.rope_theta_swa, cfg.query_scale) == (1e6, 10000.0, None)
+    phi3 = load(tmp_path, "phi3", SMALL_SPECS["phi3"])
+    assert (phi3.config.ffn_layout, phi3.config.rope_dim, phi3.config.sliding_window) == ("fused", 12, 0)
+    layer = phi3.weights.layers[0]
+    assert (layer.attn_q.shape, layer.attn_k.shape, layer.ffn_gate.shape, layer.ffn_up.shape) == (
+        (64, 64), (32, 64), (128, 64), (128, 64))
+    falcon = load(tmp_path, "falcon", SMALL_SPECS["falcon"])
+    cfg = falcon.config
+    assert (cfg.ffn_layout, cfg.layer_norm, cfg.parallel_block, cfg.gate_activation) == ("ungated", True, True,
+                                                                                         "gelu_tanh")
+    layer = falcon.weights.layers[1]
+    assert layer.ffn_up is None and layer.ffn_norm is None and layer.ffn_gate.shape == (128, 64)
+    assert layer.attn_norm_b is not None and falcon.weights.output_norm_b is not None
     biased = load(tmp_path, "llama-biased", SyntheticSpec(qkv_bias=True, rope_freqs=True, **SMALL))
     assert biased.weights.layers[1].attn_v_bias is not None  # llama.cpp reads QKV biases for any architecture
     np.testing.assert_array_equal(biased.config.rope_freq_factors, llama3_rope_factors(8))
@@ -87,9 +107,10 @@ def test_incremental_decode_matches_the_full_forward(tmp_path, name):
     assert_incremental_decode_matches_full_forward(load(tmp_path, name, SMALL_SPECS[name]), n_prompt=5)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3", "falcon"])
 def test_a_split_model_equals_the_unsplit_one(tmp_path, name):
-    """The hot/cold split cuts the FFN only: biases, QK-norms, post-norms and GeGLU are the same on either side."""
+    """The hot/cold split cuts the FFN only: biases, QK-norms, post-norms and GeGLU are the same on either side;
+    Phi-3's gate and up are cut from its fused ffn_up, Falcon's FFN without a gate is cut by its up's rows."""
     m = load(tmp_path, name, SMALL_SPECS[name], exact=True)
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9, 30, 31]
     expected = prefill_then_decode(m, prompt, steps)
@@ -98,9 +119,35 @@ def test_a_split_model_equals_the_unsplit_one(tmp_path, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "gemma3"])
+def test_falcon_s_ffn_without_a_gate_calibrates_sparsifies_and_splits(tmp_path):
+    """Falcon's FFN has no gate: h = gelu(up x) is what gate:S and hidden:S both threshold (so they keep the same
+    neurons), and a --vram-budget split cuts its up's rows: placed from an activation profile, equal to unsplit."""
+    m = load(tmp_path, "falcon", SMALL_SPECS["falcon"], exact=True)
+    windows = evaluation.make_windows(np.random.default_rng(1).integers(3, 259, size=4 * 32), 32, -1, None)
+    dense = evaluation.evaluate_windows(m.weights, m.config, windows, n_seq=2, progress=False).ppl
+    ppl = {}
+    for method in ("gate", "hidden"):
+        sparsity.save_thresholds(m.path, method, calibrate.calibrate(m, windows, method, [0.5]), "test")
+        sparse = sparsity.apply(m, sparsity.SparsitySpec(method, 0.5))
+        ppl[method] = evaluation.evaluate_windows(sparse.weights, sparse.config, windows, n_seq=2, progress=False).ppl
+    assert ppl["gate"] == pytest.approx(ppl["hidden"], rel=1e-6) and ppl["gate"] != pytest.approx(dense, rel=1e-3)
+    write_profile(m)
+    costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, 32))
+    half = int((costs.unit_bytes * (m.config.n_ff // costs.neurons_per_unit())).sum()) // 2
+    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + half
+    split = engine.split_model(m, budget / placement.GIB, 32, None, reset=False)
+    assert 0 < hybrid.ffn_bytes(split.weights, on_host=False) <= half <= hybrid.ffn_bytes(split.weights, on_host=True)
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
+    expected = prefill_then_decode(m, prompt, steps)
+    np.testing.assert_allclose(prefill_then_decode(split, prompt, steps), expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3", "falcon"])
 def test_tensor_parallel_runs_equal_one_device(tmp_path, name):
-    """--tp 2: Qwen2's biases are cut with their projections' rows; Gemma 3's norms are replicated."""
+    """--tp 2: Qwen2's biases are cut with their projections' rows; Gemma 3's norms are replicated; Phi-3's fused
+    tensors are cut as their parts; Falcon's attention and FFN are summed over the devices each."""
     path = write_model(str(tmp_path / f"{name}.gguf"), dataclasses.replace(SMALL_SPECS[name], n_vocab=264))
     runs = sharded_runs(tmp_path, path, exact=True, tps=(1, 2))
     for what in ("prefill", "decode", "decode_active"):
@@ -111,7 +158,10 @@ def test_tensor_parallel_runs_equal_one_device(tmp_path, name):
 def test_inspect_says_each_architecture_runs_and_names_its_block(tmp_path):
     blocks = {"qwen2": None, "qwen3": "block: QK-norm",
               "gemma3": "block: QK-norm, post-attention and post-FFN norms, embeddings x 8, sliding window 8 in 1 of 2 "
-                        "layers (rope theta 10000)"}
+                        "layers (rope theta 10000)",
+              "phi3": "block: fused QKV (attn_qkv), fused gate-up (ffn_up [gate; up])",
+              "falcon": "block: fused QKV (attn_qkv), FFN without a gate, LayerNorm with bias, parallel attention and "
+                        "FFN"}
     for name, spec in SMALL_SPECS.items():
         report = inspection.inspect_model(write_model(str(tmp_path / f"{name}.gguf"), spec))
         assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
@@ -139,7 +189,8 @@ def vector(name: str, values) -> PendingTensor:
 def test_tensors_and_metadata_it_does_not_compute_with_are_refused(tmp_path):
     """Every tensor a file holds is used or refused in one line, by a run and by inspect: a QK-norm in a llama file
     (llama has none), a rope_freqs of the wrong length; metadata that changes the computation: Gemma 2's attention
-    soft-capping, YaRN RoPE scaling, a sliding window for llama, a value head size of its own."""
+    soft-capping, YaRN RoPE scaling, a sliding window for llama, a value head size of its own; Phi-3.5's LongRoPE
+    factors; a fused attn_qkv beside attn_q."""
     llama = write_model(str(tmp_path / "llama.gguf"), SyntheticSpec(**SMALL))
     cases = [
         ([vector("blk.0.attn_q_norm.weight", np.ones(16))], (), "has tensor blk.0.attn_q_norm.weight, which jaxinfer "
@@ -154,6 +205,11 @@ def test_tensors_and_metadata_it_does_not_compute_with_are_refused(tmp_path):
          "sliding-window attention is not implemented for llama"),
         ([], [("llama.attention.value_length", 8, GGUFValueType.UINT32, None)],
          "value_length 8 differs from the key length 16"),
+        ([vector("rope_factors_long.weight", np.ones(8)), vector("rope_factors_short.weight", np.ones(8))], (),
+         r"has LongRoPE factors \(rope_factors_long/short.weight: Phi-3.5/Phi-4 mini's long-context RoPE scaling\), "
+         "which jaxinfer does not implement"),
+        ([PendingTensor("blk.0.attn_qkv.weight", (128, 64), GGMLQuantizationType.F32,
+                        lambda: np.zeros((128, 64), np.float32))], (), "blk.0 has both attn_qkv and attn_q"),
     ]
     for i, (tensors, fields, message) in enumerate(cases):
         path = copy_with(tmp_path, llama, f"bad-{i}.gguf", tensors, fields)
