@@ -41,7 +41,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "scripts"
 GPU_TESTS = ["tests/test_pallas_sparse_ffn.py", "tests/test_pallas_attention.py", "tests/test_jax_compat.py",
-             "tests/test_hybrid.py", "tests/test_model.py", "tests/test_sparse_ffn.py", "tests/test_attention.py"]
+             "tests/test_hybrid.py", "tests/test_model.py", "tests/test_sparse_ffn.py", "tests/test_attention.py",
+             "tests/test_architectures.py", "tests/test_moe.py"]
 DEFAULT_SHAPE = ["--n_embd", "576", "--n_ff", "1536", "--n_head", "9", "--n_head_kv", "3", "--n_layer", "30",
                  "--n_vocab", "49152", "--weight_type", "Q4_1", "--sparsity", "0"]
 TINY_DEFAULT_SHAPE = ["--shape", "tiny", "--n_layer", "2", "--weight_type", "Q4_1", "--sparsity", "0"]
