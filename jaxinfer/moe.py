@@ -8,11 +8,12 @@ router picks the experts that run for it, inside the compiled step.
 For Mixtral the softmax over all experts renormalized over the chosen k is the softmax of their k logits, as its
 reference computes it. The experts' projections are stacked in the file ([n_expert, rows, cols]) and kept so, in
 their stored format, as one QuantArray of n_expert * rows rows: expert e's rows of a projection are one contiguous
-run, which a product reads through quant.dynamic_row_range without touching the others.
+run, which a product reads in place without touching the others (expert_products.py).
 
 Two ways to the same sum, chosen by the number of (token, expert) pairs a call has (static):
-  routed       fewer pairs than experts (decode): each pair's expert's three projections are read and multiplied
-               for its token alone: a decode step reads the router and k experts per layer, no other expert bytes;
+  routed       fewer pairs than experts (decode): each token's k experts' rows are multiplied for it alone, read
+               where they lie (expert_products.routed_ffn): a decode step reads the router and k experts per layer,
+               no other expert bytes, and copies none;
   all experts  otherwise (prompts): every expert runs over all the call's tokens, its output weighted by what the
                router gave it for each (0 where it was not chosen): n_expert / k times the products' work.
 """
@@ -25,7 +26,8 @@ import numpy as np
 
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
-from jaxinfer.quant import QuantArray, dynamic_row_range, from_gguf_data, matmul, matmuls
+from jaxinfer.expert_products import expert_ffn, routed_ffn
+from jaxinfer.quant import QuantArray, from_gguf_data, matmul
 from jaxinfer.sparse_ffn import ACTIVATIONS
 
 DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")  # the Layer fields a mixture of experts takes the place of
@@ -62,12 +64,9 @@ def route(x, router: QuantArray, cfg: Config):
     return weights, chosen
 
 
-def expert_ffn(x, e, experts: Experts, cfg: Config):
-    """Expert e's (traced) gated FFN of x [N, d] -> [N, d], reading only its rows of the stacked projections."""
-    f, d = cfg.n_ff_exp, x.shape[-1]
-    gate, up = matmuls(x, (dynamic_row_range(experts.gate, e * f, f), dynamic_row_range(experts.up, e * f, f)))
-    hidden = ACTIVATIONS[cfg.gate_activation](gate) * ACTIVATIONS[cfg.up_activation](up)
-    return matmul(hidden, dynamic_row_range(experts.down, e * d, d))
+def activations(cfg: Config):
+    """(gate_act, up_act) of the experts' gated FFN."""
+    return ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
 
 
 def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
@@ -80,16 +79,16 @@ def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
     weights, chosen = route(flat, experts.router, cfg)
     n_tokens, k = chosen.shape
     if n_tokens * k < cfg.n_expert:
-        rows = []
-        for t in range(n_tokens):
-            outs = [weights[t, j] * expert_ffn(flat[t:t + 1], chosen[t, j], experts, cfg) for j in range(k)]
-            rows.append(sum(outs[1:], outs[0]))
+        projections = (experts.gate, experts.up, experts.down)
+        rows = [routed_ffn(flat[t:t + 1], chosen[t], weights[t], *projections, activations(cfg))
+                for t in range(n_tokens)]
         return jnp.concatenate(rows).reshape(x.shape)
     # Each token's weight for every expert: 0 for those not chosen.
     share = jnp.zeros((n_tokens, cfg.n_expert), jnp.float32).at[jnp.arange(n_tokens)[:, None], chosen].add(weights)
 
     def add_expert(total, e):
-        return total + share[:, e, None] * expert_ffn(flat, e, experts, cfg), None
+        return total + share[:, e, None] * expert_ffn(flat, e, experts.gate, experts.up, experts.down,
+                                                      activations(cfg)), None
 
     out, _ = jax.lax.scan(add_expert, jnp.zeros_like(flat), jnp.arange(cfg.n_expert))
     return out.reshape(x.shape)

@@ -1,0 +1,58 @@
+"""Products with some experts' rows of a stacked expert weight (moe.py), read where they lie.
+
+Expert e's rows of a projection stacked over the experts are rows e * count .. (e + 1) * count - 1 of one
+QuantArray. Sliced out (quant.dynamic_row_range) they are a copy the step writes and then reads again: at
+Qwen3-30B-A3B's width a decode step copied 8 experts x 3 projections of 0.9 MB (Q4_0) per layer before its products
+read them.
+Where cpu_ext multiplies by the weight (quant's rules: products "cpu_ext", a block type or F16 in GGUF's rows, not
+exact), its gather_matmul reads the rows through an index, in the stacked weight itself, with the row kernels'
+arithmetic (8-bit activations, as quant.matmul's kernels on the sliced rows). Elsewhere (XLA; F32, BF16 or exact
+weights) the rows are sliced and multiplied as before.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import quant
+from jaxinfer.quant import QuantArray, dynamic_row_range
+
+
+def row_ranges(starts, count: int) -> jax.Array:
+    """int32 [len(starts) * count]: rows starts[i] .. starts[i] + count - 1, range after range."""
+    starts = jnp.asarray(starts, jnp.int32).reshape(-1)
+    return (starts[:, None] + jnp.arange(count, dtype=jnp.int32)).reshape(-1)
+
+
+def ranges_matmul(x: jax.Array, w: QuantArray, starts, count: int) -> jax.Array:
+    """x [..., cols] · w[rows]ᵀ -> f32 [..., len(starts) * count], rows = row_ranges(starts, count) (starts traced,
+    each range inside w). The kernel reads only those rows, in place; XLA multiplies by the slices."""
+    kernels = quant._kernels(x, w)
+    if kernels is not None:
+        y = kernels.gather_matmul(x, w.data, row_ranges(starts, count), qtype=w.qtype, rows=w.shape[0],
+                                  cols=w.shape[1])
+        return y if w.scale == 1.0 else y * w.scale
+    starts = jnp.asarray(starts, jnp.int32).reshape(-1)
+    parts = [quant.matmul(x, dynamic_row_range(w, starts[i], count)) for i in range(starts.shape[0])]
+    return jnp.concatenate(parts, axis=-1)
+
+
+def expert_ffn(x: jax.Array, e, gate: QuantArray, up: QuantArray, down: QuantArray, activations) -> jax.Array:
+    """Expert e's (traced) gated FFN of x [..., d] -> f32 [..., d]: down_e(gate_act(gate_e x) * up_act(up_e x)),
+    reading only its rows of the stacked projections ([n_expert * f, d], [n_expert * f, d], [n_expert * d, f])."""
+    gate_act, up_act = activations
+    f, d = down.shape[1], x.shape[-1]
+    hidden = gate_act(ranges_matmul(x, gate, e * f, f)) * up_act(ranges_matmul(x, up, e * f, f))
+    return ranges_matmul(hidden, down, e * d, d)
+
+
+def routed_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: QuantArray, up: QuantArray,
+               down: QuantArray, activations) -> jax.Array:
+    """One token's mixture: x [1, d], chosen int [k], weights f32 [k] -> Σ_j weights[j] expert_ffn(x, chosen[j]),
+    added in j's order. The k experts' gate and up rows are read in one call each; the down projection, whose input
+    differs by expert, in one call per expert."""
+    gate_act, up_act = activations
+    k, f, d = chosen.shape[0], down.shape[1], x.shape[-1]
+    hidden = (gate_act(ranges_matmul(x, gate, chosen * f, f)) * up_act(ranges_matmul(x, up, chosen * f, f)))
+    hidden = hidden.reshape(k, f)
+    outs = [weights[j] * ranges_matmul(hidden[j:j + 1], down, chosen[j] * d, d) for j in range(k)]
+    return sum(outs[1:], outs[0])
