@@ -159,7 +159,51 @@ def test_decode_reads_the_routed_experts_rows_in_place(tmp_path, qtype):
     assert ("jaxinfer_gather_matmul" in program) == in_place
 
 
+def every_expert_mixture(x, experts: moe.Experts, cfg):
+    """The mixture as the first version computed prompts: every expert over all the tokens, weighted by what the
+    router gave it for each (0 where not chosen), added expert after expert."""
+    weights, chosen = moe.route(x, experts.router, cfg)
+    share = jnp.zeros((x.shape[0], cfg.n_expert)).at[jnp.arange(x.shape[0])[:, None], chosen].add(weights)
+    gate_act, up_act = moe.activations(cfg)
+    f, d = cfg.n_ff_exp, x.shape[-1]
+    out = jnp.zeros_like(x)
+    for e in range(cfg.n_expert):
+        gate, up = (quant.matmul(x, dynamic_row_range(w, e * f, f)) for w in (experts.gate, experts.up))
+        out = out + share[:, e, None] * quant.matmul(gate_act(gate) * up_act(up),
+                                                     dynamic_row_range(experts.down, e * d, d))
+    return out
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.F32],
+                         ids=lambda t: t.name)
+def test_prompts_run_each_expert_on_its_own_tokens(tmp_path, qtype):
+    """A prompt-sized call (20 tokens, 4 distinct ones 5 times each, so that the experts chosen get 5 tokens or more
+    and some are not chosen) groups the pairs by expert, in tiles of any size (1: one pair a tile; 3: tiles cut inside an expert's pairs; 16; and the
+    size moe.ffn picks): the same output as every expert run over every token, to f32 rounding. An expert no token
+    chose is not read: poisoned with NaN, it changes nothing (every expert over every token, weighted by 0, gives
+    NaN)."""
+    cfg = load(tmp_path, "mixtral", SMALL_SPECS["mixtral"]).config  # 8 experts of 32, 2 per token, d = 64
+    experts = random_experts(qtype)
+    x = jnp.asarray(np.tile(np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32), (5, 1)))
+    with quant.products("cpu_ext"):
+        expected = jax.jit(lambda x, ex: every_expert_mixture(x, ex, cfg))(x, experts)
+        weights, chosen = moe.route(x, experts.router, cfg)
+        scale = float(jnp.abs(expected).max())
+        for tile in (1, 3, 16):
+            got = jax.jit(lambda x, ex: moe.grouped_ffn(x, weights, chosen, ex, cfg, tile))(x, experts)
+            np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * scale, err_msg=f"tile {tile}")
+        np.testing.assert_allclose(jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, experts), expected,
+                                   rtol=0, atol=1e-6 * scale)
+        unused = sorted(set(range(cfg.n_expert)) - set(np.asarray(chosen).reshape(-1).tolist()))
+        assert unused, "every expert chosen: pick another seed"
+        poisoned = dataclasses.replace(experts, gate=dataclasses.replace(
+            experts.gate, data=experts.gate.data.at[unused[0] * 32:(unused[0] + 1) * 32].set(POISON_ANY[qtype])))
+        np.testing.assert_array_equal(jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, poisoned),
+                                      jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, experts))
+
+
 POISON = {GGMLQuantizationType.F32: np.nan, GGMLQuantizationType.Q8_0: 0xFF}  # 0xFFFF: Q8_0's f16 scale as NaN
+POISON_ANY = {**POISON, GGMLQuantizationType.F16: np.nan}
 
 
 @pytest.mark.parametrize("qtype", POISON, ids=lambda t: t.name)
