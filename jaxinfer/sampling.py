@@ -101,8 +101,16 @@ def _draw(n_candidates: int, logits, keys, params: SamplingParams):
     return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
-def sample(logits, recent, keys, params: SamplingParams):
-    """logits [B, V], recent [B, N], keys [B] (one PRNG key per row) -> token ids [B] (int32). Each sampling value is
+def unpack_allowed(bits, vocab: int):
+    """llguidance's bitmask int32 [B, ceil(V / 32)] (bit t % 32 of word t // 32: token t allowed) -> bool [B, V]."""
+    unpacked = (bits[:, :, None] >> jnp.arange(32, dtype=bits.dtype)) & 1
+    return unpacked.reshape(bits.shape[0], -1)[:, :vocab].astype(bool)
+
+
+def sample(logits, recent, keys, params: SamplingParams, allowed=None):
+    """logits [B, V], recent [B, N], keys [B] (one PRNG key per row) -> token ids [B] (int32). `allowed` (bool [B, V],
+    optional): the tokens each row may take (a grammar's, structured_output.py); the others' logits are -inf after the
+    penalties, and a row allowing every token samples exactly as without it. Each sampling value is
     one for every row or one per row ([B]: a server's slots, each with its request's values); a row's token depends
     only on its own logits, window, key and values. Greedy or not, and how many candidates to rank, are decided by
     the traced values inside the program, for the whole batch (only the branch the rows need runs); a row's draw is
@@ -112,6 +120,8 @@ def sample(logits, recent, keys, params: SamplingParams):
     if params.repeat_last_n > 0:
         logits = apply_penalties(logits, recent, _rows(params.repeat_penalty, batch),
                                  _rows(params.frequency_penalty, batch), _rows(params.presence_penalty, batch))
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
     fast = min(FAST_TOP_K, vocab)
     greedy = _rows(params.temperature, batch)[:, 0] <= 0
     top_k = _rows(params.top_k, batch)[:, 0]

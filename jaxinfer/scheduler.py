@@ -20,6 +20,10 @@ conversation's next turn bit for bit), bit for bit where they fall alike (tested
 differ more (other kernels: a reply fed back that way moved the default model's next logits by up to 0.46), and a
 reply is short next to the conversation before it.
 
+Structured output (structured_output.py): a request's grammar is a matcher in its slot, advanced with each of its
+tokens here; its mask of allowed tokens is a row of an input of the prefill and decode programs (every token allowed
+in the other rows), valid for one step, so a slot with a grammar takes one decode step per round.
+
 Over several processes (jax.distributed, the model cut over all their devices) every process runs a replica of the
 scheduler, since each must issue the same programs in the same order: process 0, which serves HTTP, starts each
 round by sharing what only it knows (the requests it admits into which slots, and the slots whose clients went away;
@@ -40,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import distributed, engine, model, scoring, sharding
+from jaxinfer import distributed, engine, model, scoring, sharding, structured_output
 from jaxinfer.prompt_cache import PromptCache
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
@@ -161,6 +165,7 @@ class Slot:
     deadline: float  # time.monotonic() past which it ends as if it had reached its limit (--request_timeout)
     cached: int  # prompt tokens its row held already (the prompt cache): not prefilled
     prefilled: int  # prompt tokens in its row so far
+    matcher: structured_output.Matcher | None = None  # its grammar's state (structured output), advanced per token
     produced: int = 0
 
     @property
@@ -190,6 +195,8 @@ class Scheduler:
         smallest = PREFILL_CHUNKS[0]
         self.cache_len = -(-slot_ctx // smallest) * smallest
         self.stop_ids = np.array(sorted(m.tokenizer.stop_ids) or [-1], np.int32)
+        self.grammars = structured_output.Grammars(m.tokenizer, m.config.n_vocab)
+        self.one_row_allowed = structured_output.all_allowed(1, m.config.n_vocab)  # a prefill without a grammar
         # A decode step over the first b rows costs what b rows do (the quantized products cost per token); with busy
         # slots kept first (_compact), one program per power of two covers them, a lone request at one row's cost.
         self.buckets = sorted({min(2**i, n_slots) for i in range(n_slots.bit_length() + 1)})
@@ -215,12 +222,13 @@ class Scheduler:
             if size <= self.cache_len:
                 self.prefill[size], self.cache = engine.prefill_function(
                     m, np.zeros((1, size), np.int32), recent, engine.seed_keys(0)[1], self.cache, ROW_PARAMS,
-                    on_compile=on_compile)
+                    on_compile=on_compile, allowed_bits=self.one_row_allowed)
         self.decode = {}  # busy rows -> the decode program over the first that many rows
         for rows in self.buckets:
             self.decode[rows], self.cache = engine.decode_function(m, self.state, self.cache, self.params,
                                                                    self.stop_ids, rows, steps_per_chunk(rows),
-                                                                   on_compile=on_compile)
+                                                                   on_compile=on_compile,
+                                                                   allowed=(self.allowed, self.once))
         # Requests of two tokens, and a row moved onto itself: the small operations between the programs (a slot's
         # rows set, moved, freed) compile now too, not in the first requests (~0.2 s). Twice: the first run starts
         # from arrays that no program has returned yet, which a jit's cache tells apart.
@@ -240,6 +248,10 @@ class Scheduler:
         self.prompts = PromptCache(n)
         self.params = dataclasses.replace(ROW_PARAMS, **{name: np.full(n, getattr(ROW_PARAMS, name))
                                                          for name in SAMPLING_VALUES})
+        # Each row's allowed tokens (structured_output.py: every one, but in a slot with a grammar) and whether its
+        # row takes one step per round (a grammar's next mask needs the token before).
+        self.allowed = structured_output.all_allowed(n, self.model.config.n_vocab)
+        self.once = np.zeros(n, bool)
         self.state = self._global(engine.DecodeState(
             jnp.zeros(n, jnp.int32), jnp.full((n, REPEAT_LAST_N), -1, jnp.int32),
             jax.random.split(jax.random.key(0), n), jnp.zeros(n, jnp.int32), jnp.ones(n, bool), jnp.zeros(n, bool)))
@@ -375,7 +387,8 @@ class Scheduler:
                     prefill_pieces(len(ids), start, self.cache_len), recent, key, prefill_key,
                     limit=min(request.max_tokens, self.slot_ctx - len(ids) + 1),
                     deadline=time.monotonic() + (float("inf") if self.max_request_s is None else self.max_request_s),
-                    cached=start, prefilled=start)
+                    cached=start, prefilled=start,
+                    matcher=None if request.grammar is None else self.grammars.matcher(request.grammar))
         self.prompts.forget(row)  # its request writes the row from `start` on: the books are kept again when it ends
         self.cache = dataclasses.replace(self.cache, length=_set_length(self.cache.length, *self._global(
             (np.int32(row), np.int32(start)))))
@@ -404,8 +417,12 @@ class Scheduler:
         piece = request.prompt_ids[offset:offset + size]
         tokens = np.zeros((1, size), np.int32)
         tokens[0, :len(piece)] = piece
+        allowed = self.one_row_allowed
+        if slot.matcher is not None and not slot.pieces:  # the last piece samples the first token
+            allowed = allowed.copy()
+            slot.matcher.fill(allowed, 0)
         token, self.cache = self.prefill[size](tokens, jnp.int32(len(piece)), jnp.int32(row), slot.recent,
-                                               slot.prefill_key, request.params.as_arrays(), self.cache)
+                                               slot.prefill_key, request.params.as_arrays(), self.cache, allowed)
         slot.prefilled = offset + len(piece)
         if slot.pieces:
             return
@@ -415,6 +432,8 @@ class Scheduler:
         p = request.params
         self.params = dataclasses.replace(self.params, **{
             name: _with(getattr(self.params, name), row, getattr(p, name)) for name in SAMPLING_VALUES})
+        self.allowed = _with(self.allowed, row, -1)  # each round sets a grammar's (_decode)
+        self.once = _with(self.once, row, slot.matcher is not None)
         self._take(row, first)
 
     def _compact(self):
@@ -431,11 +450,19 @@ class Scheduler:
         self.cache, self.state = _swap_rows(self.cache, self.state, *self._global((np.int32(a), np.int32(b))))
         self.params = dataclasses.replace(self.params, **{
             name: _swapped(getattr(self.params, name), a, b) for name in SAMPLING_VALUES})
+        self.allowed, self.once = _swapped(self.allowed, a, b), _swapped(self.once, a, b)
         self.prompts.swap(a, b)
 
     def _decode(self):
         rows = next(b for b in self.buckets if all(slot is None for slot in self.slots[b:]))
-        tokens, self.state, self.cache = self.decode[rows](self.state, self.params, self.cache)
+        constrained = [(row, slot.matcher) for row, slot in enumerate(self.slots[:rows])
+                       if slot is not None and slot.decoding and slot.matcher is not None]
+        if constrained:
+            self.allowed = self.allowed.copy()  # see _with
+            for row, matcher in constrained:
+                matcher.fill(self.allowed, row)
+        tokens, self.state, self.cache = self.decode[rows](self.state, self.params, self.cache,
+                                                           *self._global((self.allowed, self.once)))
         tokens = np.asarray(tokens)
         for row, slot in enumerate(self.slots[:rows]):
             if slot is None or not slot.decoding:
@@ -456,12 +483,14 @@ class Scheduler:
                                                  f"(corrupt weights?)"))
         if token in self.stop_ids and not request.ignore_eos:
             return self._finish(row, self._last_event(slot, "stop"))
+        if slot.matcher is not None and (error := slot.matcher.advance(token)) is not None:
+            return self._finish(row, Event(error=f"the grammar refused token {token} ({error})"))
         slot.produced += 1
         with self._lock:
             self.counters["tokens_generated_total"] += 1
         if text := slot.assembler.add(token):
             slot.job.send(Event(text=text))
-        if slot.assembler.stopped:
+        if slot.assembler.stopped or (slot.matcher is not None and slot.matcher.done):
             return self._finish(row, self._last_event(slot, "stop"))
         if slot.produced >= slot.limit:
             return self._finish(row, self._last_event(slot, "length"))

@@ -8,7 +8,7 @@ import os
 import time
 import uuid
 
-from jaxinfer import engine
+from jaxinfer import engine, structured_output
 from jaxinfer.errors import JaxinferError
 from jaxinfer.sampling import SamplingParams
 
@@ -24,9 +24,8 @@ MAX_MODEL_NAME = 256  # a `model` field longer than this is refused
 MAX_LOGPROBS = 20  # alternatives per position (scoring.TOP): OpenAI's chat allows 20, its legacy completions 5
 MAX_PROMPTS = 64  # prompts in one completions request (each a choice)
 # Fields of OpenAI's API this server does not implement: refused unless they ask for nothing (their value here).
-UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "response_format": (None, {"type": "text"}),
-               "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "suffix": (None, "")}
+UNSUPPORTED = {"best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"),
+               "functions": (None, []), "function_call": (None, "none"), "suffix": (None, "")}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
                415: "invalid_request_error", 499: "invalid_request_error", 500: "server_error",
@@ -68,6 +67,7 @@ class Request:
     logprobs: int | None = None  # log-probabilities wanted, with this many alternatives per token (None: none)
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens) come back first
     cache_prompt: bool = True  # llama-server's: the prefill starts after the prefix a free slot still holds
+    grammar: str | None = None  # llguidance's grammar the reply follows (response_format or grammar), None: free text
 
 
 # ---- reading request bodies ----
@@ -185,6 +185,7 @@ class Parser:
         # refused before the tokenizer spends time and memory on it.
         vocab = m.tokenizer.tokenizer.get_vocab(with_added_tokens=True)
         self.max_chars = ctx * max(map(len, vocab), default=1)
+        self.grammars = structured_output.Grammars(m.tokenizer, m.config.n_vocab)
 
     def check_length(self, text_chars: int, what: str):
         if text_chars > self.max_chars:
@@ -206,7 +207,8 @@ class Parser:
         ids = self.model.tokenizer.encode(prompt)
         if len(ids) > 1 and ids[0] == ids[1] == self.model.tokenizer.bos_id:
             ids = ids[1:]
-        return self._request(body, ids, chat=True, max_tokens_names=("max_completion_tokens", "max_tokens"))
+        return self._request(body, ids, chat=True, max_tokens_names=("max_completion_tokens", "max_tokens"),
+                             grammar=self._grammar(body))
 
     def completion(self, body) -> Request:
         """The one request of a completions body (the server takes several prompts through `completions`)."""
@@ -230,6 +232,7 @@ class Parser:
         if len(prompts) > 1 and _field(body, "stream", (bool,), "a boolean", False):
             raise RequestError(400, "a stream takes one prompt")
         n_vocab = self.model.config.n_vocab
+        grammar = self._grammar(body)
         requests = []
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, str):
@@ -239,7 +242,7 @@ class Parser:
                 ids = list(prompt)
             else:
                 raise RequestError(400, f"'prompt[{i}]' must be a string or a list of token ids in [0, {n_vocab})")
-            requests.append(self._request(body, ids, chat=False, max_tokens_names=("max_tokens",)))
+            requests.append(self._request(body, ids, chat=False, max_tokens_names=("max_tokens",), grammar=grammar))
         return requests
 
     def _object(self, body) -> dict:
@@ -255,7 +258,17 @@ class Parser:
         _stop_strings(body)  # before the prompt is tokenized
         return body
 
-    def _request(self, body: dict, ids: list[int], chat: bool, max_tokens_names: tuple[str, ...]) -> Request:
+    def _grammar(self, body: dict) -> str | None:
+        """The grammar of the body's response_format or grammar (structured_output.py), checked: a 400 otherwise."""
+        try:
+            grammar = structured_output.grammar_of(body)
+            self.grammars.check(grammar, "'grammar'" if body.get("grammar") is not None else "'response_format'")
+        except JaxinferError as e:
+            raise RequestError(400, str(e)) from None
+        return grammar
+
+    def _request(self, body: dict, ids: list[int], chat: bool, max_tokens_names: tuple[str, ...],
+                 grammar: str | None = None) -> Request:
         try:
             engine.check_prompt(len(ids), self.ctx, self.model.config.n_ctx_train)
         except JaxinferError as e:
@@ -300,7 +313,7 @@ class Parser:
                        params=params, seed=seed if seed >= 0 else time.time_ns() % 2**31, stop=_stop_strings(body),
                        stream=stream, include_usage=stream_options.get("include_usage", False),
                        ignore_eos=_field(body, "ignore_eos", (bool,), "a boolean", False), logprobs=logprobs, echo=echo,
-                       cache_prompt=_field(body, "cache_prompt", (bool,), "a boolean", True))
+                       cache_prompt=_field(body, "cache_prompt", (bool,), "a boolean", True), grammar=grammar)
 
 
 # ---- text out of tokens ----

@@ -1,6 +1,7 @@
 """The real server process (python -m jaxinfer.server) on a tiny synthetic model, driven by the official `openai`
 client and, for what that client cannot send (malformed JSON, raw status codes), by httpx."""
 
+import json
 import pathlib
 import signal
 import socket
@@ -194,7 +195,8 @@ def test_tokenize_and_detokenize(server, local):
     ({"prompt": [1, 10**6]}, 400, "list of token ids in [0, "),
     ({"prompt": ["a", "b"], "stream": True}, 400, "a stream takes one prompt"),
     ({"prompt": "hi", "model": "m" * 300}, 400, "'model' may be at most 256 characters"),
-    ({"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "'response_format' is not supported"),
+    ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}}, 400,
+     "'response_format' is not a valid grammar"),
     ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "'tools' is not supported"),
     ({"prompt": "hi", "best_of": 2}, 400, "'best_of' is not supported"),
     ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": "no"}}, 400,
@@ -508,3 +510,26 @@ def test_a_conversations_next_turn_prefills_only_what_its_slot_does_not_hold(ser
     assert metrics(base)["jaxinfer_prompt_tokens_cached_total"] == before["jaxinfer_prompt_tokens_cached_total"] + cached
     _, uncached = ask(messages, extra_body={"cache_prompt": False})
     assert uncached.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_structured_output_through_openais_client(client):
+    """response_format over HTTP, chat (streamed too) and completions: each seed's reply parses and validates against
+    its schema (test_structured_output.py checks many more, json_object's too: on this model's random strings a
+    reply of any object may run for thousands of tokens)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "w": {"enum": ["the", "hall"]}}, "required": ["n", "w"],
+              "additionalProperties": False}
+    for seed in range(3):
+        reply = client.chat.completions.create(
+            model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], temperature=1.0, seed=seed,
+            max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+        answer = json.loads(reply.choices[0].message.content)
+        assert set(answer) == {"n", "w"} and 0 <= answer["n"] <= 99 and answer["w"] in ("the", "hall")
+        chunks = client.chat.completions.create(
+            model="tiny.gguf", messages=[{"role": "user", "content": "hi"}], temperature=1.0, seed=seed,
+            max_tokens=200, stream=True, response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply.choices[0].message.content
+        completion = client.completions.create(model="tiny.gguf", prompt="1 2 3", temperature=1.0, seed=seed,
+                                               max_tokens=200, extra_body={"response_format": {
+                                                   "type": "json_schema", "json_schema": {"schema": schema}}})
+        assert json.loads(completion.choices[0].text).keys() == {"n", "w"}
