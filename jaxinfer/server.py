@@ -1,14 +1,15 @@
 """python -m jaxinfer.server: an OpenAI-compatible HTTP server for a GGUF model (Starlette on uvicorn).
 
-POST /v1/chat/completions and /v1/completions (streamed as server-sent events with "stream": true), GET /v1/models,
-GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text), POST /tokenize and /detokenize.
+GET / (a chat page: chat.html), POST /v1/chat/completions and /v1/completions (streamed as server-sent events with
+"stream": true), GET /v1/models, GET /health (503 while the model loads, then 200), GET /metrics (Prometheus text),
+POST /tokenize and /detokenize.
 The HTTP server starts first and the model loads in the background. Requests run together in -np slots, continuously
 batched (scheduler.py), each with -c / -np positions of context; more wait in arrival order in a bounded queue
 (--queue), and a full queue answers 503. The port is taken before the model loads (one in use is an error line at
 once). SIGTERM stops the server with status 0, Ctrl-C (SIGINT) with one line and status 130, each after the requests
 in progress end or --shutdown_timeout passes.
 
-On a network: --api-key / --api-key-file (401 without `Authorization: Bearer KEY`; /health stays open), the Host
+On a network: --api-key / --api-key-file (401 without `Authorization: Bearer KEY`; /health and / stay open), the Host
 header checked against the listen address (--allowed_hosts), CORS only for --cors-origin, JSON bodies only, bodies
 up to --max_body_mb read within --body_timeout, headers within --header_timeout, at most -n tokens and
 --request_timeout seconds a request (server_security.py).
@@ -21,6 +22,7 @@ import asyncio
 import errno
 import json
 import os
+import pathlib
 import signal
 import socket
 import sys
@@ -82,6 +84,7 @@ check_range("n_predict", 1, sentinel=-1)
 FLAGS = flags.FLAGS
 LOADING_RETRY_S = 5  # a 503's Retry-After while the model loads
 SHUTDOWN_BACKSTOP_S = 5
+CHAT_PAGE = pathlib.Path(__file__).with_name("chat.html")  # GET /: a chat over /v1/chat/completions
 STOP_TIMEOUT_S = 10  # at shutdown, how long the scheduler (and over several processes, the others) may take to stop
 # How often a non-streaming request checks whether its client is still there (a streaming one learns it at once).
 DISCONNECT_POLL_SECONDS = 0.25
@@ -183,7 +186,7 @@ def build_app(service: Service, policy=None):
     defaults, no key)."""
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
 
     from jaxinfer import scheduler, server_security, serving
@@ -199,6 +202,13 @@ def build_app(service: Service, policy=None):
     async def read_json(request):
         """The body's JSON, parsed off the event loop (a large one takes a while)."""
         return await asyncio.to_thread(serving.parse_json, await request.body())
+
+    async def chat_page(request):
+        """The chat page (chat.html): its script may only call this server, and no other site may frame it."""
+        return HTMLResponse(CHAT_PAGE.read_text(encoding="utf-8"), headers={
+            "Content-Security-Policy": "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                                       "connect-src 'self'; frame-ancestors 'none'",
+            "X-Content-Type-Options": "nosniff", "Cache-Control": "no-cache"})
 
     async def health(request):
         if not service.ready:
@@ -347,6 +357,7 @@ def build_app(service: Service, policy=None):
         return error(exc.status_code, f"{message}: {request.method} {request.url.path}")
 
     routes = [
+        Route("/", chat_page, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),

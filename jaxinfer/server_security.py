@@ -17,7 +17,9 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.serving import error_body
 
 BODY_POLL_S = 0.25  # how often a body being read checks whether the server is shutting down
-OPEN_PATHS = frozenset({"/health"})  # answered without an API key (a load balancer's probe has none)
+# Answered without an API key: a load balancer's probe has none, and a browser loading the chat page sends none (the
+# page sends the key the user gives it with its API calls).
+OPEN_PATHS = frozenset({"/health", "/"})
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 

@@ -533,3 +533,28 @@ def test_structured_output_through_openais_client(client):
                                                max_tokens=200, extra_body={"response_format": {
                                                    "type": "json_schema", "json_schema": {"schema": schema}}})
         assert json.loads(completion.choices[0].text).keys() == {"n", "w"}
+
+
+def test_the_chat_page_is_served_at_the_root_and_streams_over_the_chat_api(server, client):
+    """GET /: one HTML page whose inline script streams /v1/chat/completions (with the usage chunk for tokens/s) and
+    sends the whole conversation each turn; its script may call only this server. The stream it reads is checked
+    here as the page parses it: 'data: ' events, the text in choices[0].delta.content, the usage last."""
+    page = httpx.get(f"{server[0]}/")
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    policy = page.headers["content-security-policy"]
+    assert "connect-src 'self'" in policy and "default-src 'none'" in policy
+    html = page.text
+    assert html.startswith("<!doctype html>") and "<script>" in html and "src=" not in html  # nothing to fetch
+    for reference in ('const API = "/v1/chat/completions"', "stream: true", "include_usage: true", "messages.push(",
+                      "delta.content", "completion_tokens", "tokens/s", ".textContent = text"):
+        assert reference in html, reference
+    assert "innerHTML" not in html  # replies are shown as text, never as markup
+    events = httpx.post(f"{server[0]}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "stream": True, "stream_options": {"include_usage": True},
+        "temperature": 0, "max_tokens": 6}).text.split("\n\n")
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e and e != "data: [DONE]"]
+    reply = client.chat.completions.create(model="tiny.gguf", messages=[{"role": "user", "content": "hi"}],
+                                           temperature=0, max_tokens=6)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == \
+        reply.choices[0].message.content
+    assert chunks[-1]["usage"]["completion_tokens"] == reply.usage.completion_tokens

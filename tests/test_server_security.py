@@ -60,9 +60,10 @@ def assert_error(response, status, *fragments):
     return error
 
 
-def test_api_keys_guard_every_route_but_health(server):
+def test_api_keys_guard_every_route_but_health_and_the_chat_page(server):
     base = server[0]
     assert httpx.get(f"{base}/health").status_code == 200
+    assert httpx.get(f"{base}/").status_code == 200  # a browser sends no key for it: the page sends the one it is given
     body = {"prompt": "abc", "max_tokens": 2, "ignore_eos": True}
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEYS[0]}):
         for method, route in (("GET", "/metrics"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
