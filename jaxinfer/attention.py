@@ -87,24 +87,31 @@ def default_max_batch_mib(n_head: int, n_head_kv: int, n_ctx: int, n_ubatch: int
     return max(IK_LLAMA_DEFAULT_MIB, one_group)
 
 
-def _attend_grouped(q, k, v, q_pos, k_pos):
-    """q [B, T, Hkv, G, hd]; k, v [B, S, Hkv, hd] -> [B, T, Hkv, G, hd]: model.attend on grouped query heads."""
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+def soft_cap(scores, cap: float):
+    """cap * tanh(scores / cap), llama.cpp's logit soft-capping (Gemma 2), where cap > 0; else scores unchanged."""
+    return cap * jnp.tanh(scores / cap) if cap else scores
+
+
+def _attend_grouped(q, k, v, q_pos, k_pos, softcap: float = 0.0):
+    """q [B, T, Hkv, G, hd]; k, v [B, S, Hkv, hd] -> [B, T, Hkv, G, hd]: model.attend on grouped query heads, the
+    scores soft-capped by `softcap`."""
+    scores = soft_cap(jnp.einsum("btkgd,bskd->bkgts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1])), softcap)
     scores = jnp.where(k_pos[None, :] <= q_pos[:, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v)
 
 
-def attention(q, k, v, q_pos, k_pos, *, max_batch_mib: float | None = None):
+def attention(q, k, v, q_pos, k_pos, *, max_batch_mib: float | None = None, softcap: float = 0.0):
     """Causal GQA softmax attention, as `model.attend`, with K·Q scores of at most `max_batch_mib` MiB per step
-    (None: no limit). q [B, T, H, hd]; k, v [B, S, H_kv, hd]; q_pos [T], k_pos [S] -> [B, T, H, hd]."""
+    (None: no limit), soft-capped by `softcap` (soft_cap). q [B, T, H, hd]; k, v [B, S, H_kv, hd]; q_pos [T],
+    k_pos [S] -> [B, T, H, hd]."""
     b, t, h, hd = q.shape
     s, n_kv = k.shape[1], k.shape[2]
     assert h % n_kv == 0, f"{h=} query heads must be a multiple of {n_kv=} KV heads"
     plan = plan_attention(b, t, s, h, n_kv, max_batch_mib)
     grouped = q.reshape(b, t, n_kv, h // n_kv, hd)  # query head j uses KV head j // (h / n_kv)
     if plan.steps == 1:
-        return _attend_grouped(grouped, k, v, q_pos, k_pos).reshape(b, t, h, hd)
+        return _attend_grouped(grouped, k, v, q_pos, k_pos, softcap).reshape(b, t, h, hd)
     heads, queries = plan.kv_heads_per_step, plan.queries_per_step
 
     def step(i, out):
@@ -115,7 +122,7 @@ def attention(q, k, v, q_pos, k_pos, *, max_batch_mib: float | None = None):
         k_step = jax.lax.dynamic_slice_in_dim(k, head, heads, 2)
         v_step = jax.lax.dynamic_slice_in_dim(v, head, heads, 2)
         pos_step = jax.lax.dynamic_slice_in_dim(q_pos, first, queries)
-        o_step = _attend_grouped(q_step, k_step, v_step, pos_step, k_pos)
+        o_step = _attend_grouped(q_step, k_step, v_step, pos_step, k_pos, softcap)
         return jax.lax.dynamic_update_slice(out, o_step, (0, first, head, 0, 0))
 
     out_dtype = jnp.promote_types(jnp.float32, v.dtype)  # what the unsplit path returns
@@ -139,7 +146,8 @@ def key_step(batch: int, n_query: int, n_head: int, max_len: int, max_batch_mib:
     return min(keys, max_len)
 
 
-def cached_attention(q, k_cache, v_cache, layer, q_pos, *, row=0, max_batch_mib: float | None = None):
+def cached_attention(q, k_cache, v_cache, layer, q_pos, *, row=0, max_batch_mib: float | None = None,
+                     softcap: float = 0.0):
     """Causal GQA attention of q [B, T, H, hd] at consecutive positions q_pos [B, T] (each row at its own depth; or
     [T], every row alike) against layer `layer` (traced) of KV caches [n_layer, S, max_len, H_kv, hd], query row b
     against cache row row + b (traced; 0 when S is B), filled up to q_pos[b, -1] -> [B, T, H, hd], equal to
@@ -149,7 +157,7 @@ def cached_attention(q, k_cache, v_cache, layer, q_pos, *, row=0, max_batch_mib:
     weighted sum per query and head), and only the ceil((max(q_pos[:, -1]) + 1) / step) steps that hold filled
     positions of the deepest row run: a decode step costs what the context holds so far, not the cache's size, and
     each step reads its keys straight from the whole cache (no per-layer copy). The scores of one step,
-    B·H·T·step·4 bytes, are what `max_batch_mib` bounds here."""
+    B·H·T·step·4 bytes, are what `max_batch_mib` bounds here. The scores are soft-capped by `softcap` (soft_cap)."""
     b, t, h, hd = q.shape
     max_len, n_kv = k_cache.shape[2], k_cache.shape[3]
     group = h // n_kv
@@ -168,7 +176,8 @@ def cached_attention(q, k_cache, v_cache, layer, q_pos, *, row=0, max_batch_mib:
         v = jax.lax.dynamic_slice(v_cache, (layer, row, start, 0, 0), (1, b, step, n_kv, hd))[0]
         k_pos = start + jnp.arange(step, dtype=q_pos.dtype)
         visible = (k_pos <= q_pos[..., None]) & (k_pos >= nominal)  # [B, T, step]
-        scores = jnp.where(visible[:, None, None], jnp.einsum("btkgd,bskd->bkgts", grouped, k), -jnp.inf)
+        scores = jnp.where(visible[:, None, None], soft_cap(jnp.einsum("btkgd,bskd->bkgts", grouped, k), softcap),
+                           -jnp.inf)
         new_max = jnp.maximum(running_max, jnp.max(scores, axis=-1))
         # Every query sees key 0 in step 0, so new_max is finite from then on; before that the running max is -inf
         # and its correction exp(-inf) = 0.

@@ -12,30 +12,33 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from jaxinfer import attention
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import shown
 from jaxinfer.validate import LAYER_NAME, tensor_shape
 
 
-def _attend(q, k, v, mask):
-    """q [B, T, H, hd]; k, v [B, S, H_kv, hd]; mask [B, T, S] -> [B, T, H, hd]: softmax attention where mask."""
+def _attend(q, k, v, mask, softcap: float):
+    """q [B, T, H, hd]; k, v [B, S, H_kv, hd]; mask [B, T, S] -> [B, T, H, hd]: softmax attention where mask, the
+    scores soft-capped by `softcap` (attention.soft_cap)."""
     b, t, h, hd = q.shape
     n_kv = k.shape[2]
     grouped = q.reshape(b, t, n_kv, h // n_kv, hd)
     scores = jnp.einsum("btkgd,bskd->bkgts", grouped, k.astype(jnp.float32)) / jnp.sqrt(jnp.float32(hd))
+    scores = attention.soft_cap(scores, softcap)
     probs = jax.nn.softmax(jnp.where(mask[:, None, None], scores, -jnp.inf), axis=-1)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32)).reshape(b, t, h, hd)
 
 
-def sliding_attention(q, keys, values, q_pos, window: int, layer=None, row=0):
+def sliding_attention(q, keys, values, q_pos, window: int, layer=None, row=0, softcap: float = 0.0):
     """Causal attention of q [B, T, H, hd] at q_pos to the last `window` positions (the query's own included), as
     model.attention_kernel's arguments: keys/values the T tokens' own [B, T, H_kv, hd] at positions q_pos [T], or
     with `layer` the whole KV caches [n_layer, S, max_len, H_kv, hd], query row b against cache row row + b filled up
     to q_pos[b, -1] (q_pos [B, T]). From a cache, each row reads only the window + T - 1 positions its queries can
-    see: a decode step costs the window, not the context."""
+    see: a decode step costs the window, not the context. The scores are soft-capped by `softcap`."""
     if layer is None:
         visible = (q_pos[None, :] <= q_pos[:, None]) & (q_pos[None, :] > q_pos[:, None] - window)  # [T, S]
-        return _attend(q, keys, values, jnp.broadcast_to(visible, (q.shape[0],) + visible.shape))
+        return _attend(q, keys, values, jnp.broadcast_to(visible, (q.shape[0],) + visible.shape), softcap)
     b, t = q.shape[:2]
     max_len, n_kv, hd = keys.shape[2:]
     span = min(window + t - 1, max_len)
@@ -50,7 +53,7 @@ def sliding_attention(q, keys, values, q_pos, window: int, layer=None, row=0):
 
     k_pos = start[:, None] + jnp.arange(span)  # [B, span]
     visible = (k_pos[:, None, :] <= q_pos[:, :, None]) & (k_pos[:, None, :] > q_pos[:, :, None] - window)
-    return _attend(q, rows(keys), rows(values), visible)
+    return _attend(q, rows(keys), rows(values), visible, softcap)
 
 
 # Tensors some blocks add, beside those validate.check_tensors checks: blk.N.<name>.weight|bias -> the config

@@ -51,6 +51,15 @@ class Architecture:
     # The FFN is a mixture of experts in every layer (moe.py): `{arch}.expert_count` must be given. Any architecture
     # whose file gives one runs its FFN so (a llama file with experts is Mixtral's layout).
     experts: bool = False
+    # llama.cpp's soft-caps when the file gives none: attention scores (q·k times the query scale) -> c * tanh(s / c)
+    # before the softmax, with c `{arch}.attn_logit_softcapping` (0: the architecture has none, and a file giving
+    # one is refused), and the logits so with `{arch}.final_logit_softcapping` (0: none).
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    default_sliding_window: int = 0  # the sliding window when `{arch}.attention.sliding_window` is absent (Gemma 2)
+    # The sliding-window layers take the global RoPE base (unless `{arch}.rope.freq_base_swa` is given) and the global
+    # RoPE scaling (Gemma 2), rather than base 10000 and no scaling (Gemma 3).
+    swa_rope_global: bool = False
 
 
 # GGUF `general.architecture` -> block variant. QKV biases (blk.N.attn_q.bias, ...) and llama's rope_freqs.weight
@@ -70,6 +79,11 @@ ARCHITECTURES = {
     # GeGLU with tanh-approximated GELU, five sliding-window layers to one global one.
     "gemma3": Architecture(gate_activation="gelu_tanh", rope_type="neox", qk_norm=True, post_norms=True,
                            embed_scale=True, swa_period=6, query_scale_by_width=(62,)),
+    # Gemma 2: Gemma 3's block without QK-norm, with attention logit soft-capping (50 by default) and final logit
+    # soft-capping (30 by default); every other layer slides (window 4096 by default) on the global RoPE base.
+    "gemma2": Architecture(gate_activation="gelu_tanh", rope_type="neox", post_norms=True, embed_scale=True,
+                           swa_period=2, query_scale_by_width=(46,), attn_softcap=50.0, final_softcap=30.0,
+                           default_sliding_window=4096, swa_rope_global=True),
     # Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, a mixture of SwiGLU experts in place of the FFN.
     "qwen3moe": Architecture(gate_activation="silu", rope_type="neox", qk_norm=True, experts=True),
     # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
@@ -83,7 +97,8 @@ ARCHITECTURES = {
 # by `{arch}.rope.scaling.factor` (none when absent).
 ROPE_SCALING_TYPES = ("none", "linear")
 # Metadata that changes the computation in ways jaxinfer does not implement: a file with any of them is refused.
-UNSUPPORTED_KEYS = {"attention.logit_softcapping": "attention logit soft-capping (Gemma 2)"}
+# Attention logit soft-capping is computed for the architectures that have it (Architecture.attn_softcap) only.
+UNSUPPORTED_KEYS = {"attn_logit_softcapping": "attention logit soft-capping (Gemma 2)"}
 CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> the KV cache's dtype
 # Written by jaxinfer when it exports a model whose gate activation PowerInfer's convention would misread (a SwiGLU
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
@@ -123,6 +138,10 @@ class Config:
     swa_layers: tuple[bool, ...] = ()  # per layer: whether it is a sliding-window one (Architecture.swa_period)
     rope_theta_swa: float = 10000.0  # the RoPE base of the sliding-window layers
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) when > 0 ({arch}.final_logit_softcapping)
+    # Attention scores -> c * tanh(scores / c) before the softmax when > 0 ({arch}.attn_logit_softcapping): only
+    # XLA's attention computes it, so a model with one runs that (engine.py sets its plan so).
+    attn_softcap: float = 0.0
+    rope_freq_scale_swa: float = 1.0  # rope_freq_scale of the sliding-window layers (Architecture.swa_rope_global)
     sparse_threshold: float = 0.0  # predictor logits >= this run (PowerInfer's powerinfer.sparse_threshold)
     ffn_layout: str = "gated"  # Architecture.ffn_layout
     layer_norm: bool = False  # Architecture.layer_norm: rms_eps is then LayerNorm's epsilon
@@ -185,7 +204,7 @@ class Config:
 
         spec = ARCHITECTURES[arch]
         for key, what in UNSUPPORTED_KEYS.items():
-            if f"{arch}.{key}" in meta:
+            if f"{arch}.{key}" in meta and not (key == "attn_logit_softcapping" and spec.attn_softcap):
                 raise JaxinferError(f"{arch}.{key}: {what} is not implemented")
         scaling = metadata.string(meta, f"{arch}.rope.scaling.type", "linear")
         if scaling not in ROPE_SCALING_TYPES:
@@ -215,14 +234,16 @@ class Config:
         gate_activation = metadata.string(meta, GATE_ACTIVATION_KEY, None, choices=GATE_ACTIVATIONS) \
             or (spec.powerinfer_gate_activation if powerinfer else None) or spec.gate_activation
         n_layer = count("block_count")
-        window = 0 if spec.ignores_sliding_window else metadata.integer(meta, f"{arch}.attention.sliding_window", 0,
-                                                                        minimum=0)
+        window = 0 if spec.ignores_sliding_window else metadata.integer(
+            meta, f"{arch}.attention.sliding_window", spec.default_sliding_window, minimum=0)
         if window and not spec.swa_period:
             raise JaxinferError(f"{arch}.attention.sliding_window is {window}: sliding-window attention is not "
                                 f"implemented for {arch}")
         swa_layers = _swa_layers(meta, f"{arch}.attention.sliding_window_pattern", spec.swa_period, n_layer) \
             if window else ()
         query_width = n_embd // n_head if n_layer in spec.query_scale_by_width else head_dim
+        rope_theta = metadata.number(meta, f"{arch}.rope.freq_base", 10000.0, positive=True)
+        rope_freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
         return cls(
             arch=arch,
             n_layer=n_layer,
@@ -235,7 +256,7 @@ class Config:
             n_ctx_train=count("context_length"),
             rms_eps=metadata.number(meta, f"{arch}.attention.layer_norm_{'' if spec.layer_norm else 'rms_'}epsilon",
                                     positive=True),
-            rope_theta=metadata.number(meta, f"{arch}.rope.freq_base", 10000.0, positive=True),
+            rope_theta=rope_theta,
             rope_dim=rope_dim,
             gate_activation=gate_activation,
             up_activation=spec.up_activation,
@@ -245,11 +266,15 @@ class Config:
             post_norms=spec.post_norms,
             embed_scale=float(n_embd) ** 0.5 if spec.embed_scale else 1.0,
             query_scale=None if query_width == head_dim else query_width ** -0.5,
-            rope_freq_scale=1.0 / factor if scaling == "linear" and factor else 1.0,
+            rope_freq_scale=rope_freq_scale,
             sliding_window=window,
             swa_layers=swa_layers,
-            rope_theta_swa=metadata.number(meta, f"{arch}.rope.freq_base_swa", 10000.0, positive=True),
-            final_softcap=metadata.number(meta, f"{arch}.final_logit_softcapping", 0.0),
+            rope_theta_swa=metadata.number(meta, f"{arch}.rope.freq_base_swa",
+                                           rope_theta if spec.swa_rope_global else 10000.0, positive=True),
+            rope_freq_scale_swa=rope_freq_scale if spec.swa_rope_global else 1.0,
+            final_softcap=metadata.number(meta, f"{arch}.final_logit_softcapping", spec.final_softcap),
+            attn_softcap=metadata.number(meta, f"{arch}.attn_logit_softcapping", spec.attn_softcap,
+                                         positive=True) if spec.attn_softcap else 0.0,
             sparse_threshold=metadata.number(meta, SPARSE_THRESHOLD_KEY, 0.0),
             ffn_layout=spec.ffn_layout,
             layer_norm=spec.layer_norm,

@@ -103,7 +103,10 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     gguf = open_gguf(path)
     plan = make_plan(attn_max_batch_mib, tp, dp)
     plan = plan if repack else dataclasses.replace(plan, repack=False)
-    cfg = dataclasses.replace(load_config(gguf), plan=plan, cache_type=cache_type)
+    cfg = load_config(gguf)
+    if cfg.attn_softcap:  # cpu_ext's and Pallas's attention kernels have no soft-capping: XLA's has
+        plan = dataclasses.replace(plan, attention="xla")
+    cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)
     weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1, repack_ffn=repack_ffn)
     tokenizer = load_tokenizer(gguf)

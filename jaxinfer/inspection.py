@@ -231,9 +231,13 @@ class Inspection:
             row["kernel"] = kernel_route(row["type_id"], self.plan, isa)
         return sorted(rows.values(), key=lambda r: -r["bytes"])
 
+    def _softcapped(self) -> bool:
+        """Whether the model soft-caps its attention scores, which only XLA's attention computes (engine.py)."""
+        return self.cfg is not None and bool(self.cfg.attn_softcap)
+
     def kernels_section(self) -> dict:
-        section = {"backend": self.plan.backend, "products": self.plan.products, "attention": self.plan.attention,
-                   "cpu_ext": self.cpu_ext}
+        section = {"backend": self.plan.backend, "products": self.plan.products,
+                   "attention": "xla" if self._softcapped() else self.plan.attention, "cpu_ext": self.cpu_ext}
         if self.plan.backend != "cpu":
             return section
         if not self.cpu_ext["available"]:
@@ -311,7 +315,7 @@ class Inspection:
         unsupported = sorted({t.type_name for t in self.infos if t.type_id not in supported})
         section = {"backend_here": self.plan.backend, "types_supported": not unsupported,
                    "products": "XLA on dequantized weights, decode fused with the dequantization",
-                   "attention": "Pallas flash kernels"}
+                   "attention": "XLA attention (soft-capped)" if self._softcapped() else "Pallas flash kernels"}
         if unsupported:
             section["unsupported_types"] = unsupported
         down = "ffn_down_t" if self.layers_with("ffn_down_t") else "ffn_down"
@@ -436,6 +440,8 @@ def _block_options(c: dict, rope_freqs: bool) -> list[str]:
         options.append(f"linear RoPE scaling x {c['rope_freq_scale']:g}")
     if rope_freqs:
         options.append("RoPE frequency factors (rope_freqs.weight)")
+    if c["attn_softcap"]:
+        options.append(f"attention logit soft-cap {c['attn_softcap']:g} (XLA attention)")
     if c["final_softcap"]:
         options.append(f"final logit soft-cap {c['final_softcap']:g}")
     if c["n_expert"]:

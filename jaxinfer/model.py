@@ -10,7 +10,8 @@ Every architecture (config.ARCHITECTURES) is this one forward with options, each
     hidden values before ffn_down; its per-projection scales are the weights' own (QuantArray.scale);
   * Gemma's embedding scale (cfg.embed_scale) and norms of the attention's and FFN's outputs (cfg.post_norms);
   * sliding-window layers (cfg.window(i)) with their own RoPE base (blocks.py); RoPE frequency factors and linear
-    scaling (cfg.rope_freq_factors, cfg.rope_freq_scale); final logit soft-capping (cfg.final_softcap);
+    scaling (cfg.rope_freq_factors, cfg.rope_freq_scale); attention and final logit soft-capping (cfg.attn_softcap,
+    cfg.final_softcap: Gemma 2);
   * Falcon's parallel block (cfg.parallel_block: attention and FFN read one norm and join the residual together)
     and LayerNorm with bias (cfg.layer_norm); fused tensors (attn_qkv, Phi-3's ffn_up) are cut into the fields at
     load (Config.fused_parts), and an FFN without a gate (Falcon's) has no ffn_up;
@@ -110,14 +111,14 @@ def norm(x, gamma, beta, cfg: Config):
 def rope_rotation(positions, cfg: Config, sliding: bool = False):
     """(cos, sin) [(B,) T, 1, rope_dim / 2] of the angles pos * scale * theta^(-2i/rope_dim) / factor_i at positions
     [T] (every row alike) or [B, T], for the q and k of every layer, or with `sliding` of the sliding-window layers
-    (their own base, no scaling, as llama.cpp)."""
+    (their own base and scaling, no frequency factors, as llama.cpp)."""
     # Positions known when tracing (numpy: a window without a cache) give constants. Traced ones are computed in the
     # program, where XLA takes the sines again in each layer's q and k fusion (a perplexity batch of the default
     # model spent 2.7% of its time in sincosf so).
     xp = np if isinstance(positions, np.ndarray) else jnp
     theta = cfg.rope_theta_swa if sliding else cfg.rope_theta
     inv_freq = theta ** (-xp.arange(0, cfg.rope_dim, 2, dtype=np.float32) / cfg.rope_dim)
-    scale = 1.0
+    scale = cfg.rope_freq_scale_swa
     if not sliding:
         scale = cfg.rope_freq_scale
         if cfg.rope_freq_factors is not None:
@@ -157,10 +158,14 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
     [B, T, H_kv, hd] at positions q_pos [T] (no cache), or, with `layer`, the whole KV caches
     [n_layer, S, max_len, H_kv, hd] of which the batch is rows row .. row + B - 1, row row + b filled up to
     q_pos[b, -1] (q_pos [B, T]: each row at its own depth). A sliding-window layer (`window`) whose keys can be
-    further apart than its window attends through blocks.sliding_attention."""
+    further apart than its window attends through blocks.sliding_attention. Attention logit soft-capping
+    (cfg.attn_softcap) is computed by XLA's attention only, which the plan of such a model names (engine.py)."""
+    softcap = cfg.attn_softcap
     if window is not None and keys.shape[2 if layer is not None else 1] > window:
-        return blocks.sliding_attention(q, keys, values, q_pos, window, layer, row)
+        return blocks.sliding_attention(q, keys, values, q_pos, window, layer, row, softcap)
     plan = cfg.plan
+    if softcap and plan.attention != "xla":
+        raise ValueError(f"attention logit soft-capping needs XLA attention, the plan says {plan.attention}")
     starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
     batch = q.shape[0]
     if plan.attention in ("pallas", "pallas_interpret"):
@@ -177,8 +182,8 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
         return cpu_kernels().cached_attention(q, keys, values, layer, starts, row)
     if layer is not None:
         return attention.cached_attention(q, keys, values, layer, q_pos, row=row,
-                                          max_batch_mib=plan.attn_max_batch_mib)
-    return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=plan.attn_max_batch_mib)
+                                          max_batch_mib=plan.attn_max_batch_mib, softcap=softcap)
+    return attention.attention(q, keys, values, q_pos, q_pos, max_batch_mib=plan.attn_max_batch_mib, softcap=softcap)
 
 
 def attention_block(x, layer: Layer, index: int, positions, rotation, cache: KVCache | None, cfg: Config,
@@ -281,9 +286,7 @@ def logits(hidden, weights: Weights, cfg: Config):
     """Final-normed hidden [..., d] -> logits [..., n_vocab], soft-capped to (-c, c) where cfg.final_softcap is c."""
     with products(cfg.plan.products):
         out = sharding.head_on_shards(matmul, hidden, weights.output, cfg.plan)
-    if cfg.final_softcap:
-        out = cfg.final_softcap * jnp.tanh(out / cfg.final_softcap)
-    return out
+    return attention.soft_cap(out, cfg.final_softcap)
 
 
 @partial(jax.jit, donate_argnames=("cache",))

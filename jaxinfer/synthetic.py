@@ -9,7 +9,8 @@ BitNet models (architecture "bitnet" or "bitnet-b1.58") have the sub-norms, and 
 TQ2_0, I2_S) ternary weights: each matrix is a scale times values in {-1, 0, +1}, stored exactly; `projection_scales`
 adds llama.cpp's per-projection `*.scale` tensors. The other architectures get the tensors and metadata their block
 reads (config.ARCHITECTURES): QKV biases (`qkv_bias`; Qwen2's by default), QK-norms, post-norms, a head size of its
-own (`head_dim`), sliding-window layers (`sliding_window`), llama's rope_freqs (`rope_freqs`: Llama 3's factors).
+own (`head_dim`), sliding-window layers (`sliding_window`), llama's rope_freqs (`rope_freqs`: Llama 3's factors),
+soft-caps (`attn_softcap`, `final_softcap`: Gemma 2's).
 With `n_expert` the FFN is a mixture of experts (moe.py: qwen3moe's, or for llama Mixtral's layout): a router
 (ffn_gate_inp) and `n_expert` SwiGLU experts of `n_ff` neurons stacked in ffn_{gate,up,down}_exps, `n_expert_used`
 of them run per token.
@@ -92,6 +93,8 @@ class SyntheticSpec:
     qkv_bias: bool | None = None  # blk.N.attn_{q,k,v}.bias; None: where the architecture's checkpoints have them
     sliding_window: int = 0  # {arch}.attention.sliding_window (an architecture with sliding-window layers)
     swa_pattern: int = 0  # {arch}.attention.sliding_window_pattern, the period of global layers; 0: unwritten
+    attn_softcap: float = 0.0  # {arch}.attn_logit_softcapping (Gemma 2); 0: unwritten
+    final_softcap: float = 0.0  # {arch}.final_logit_softcapping; 0: unwritten
     rope_freqs: bool = False  # rope_freqs.weight: Llama 3.1's RoPE frequency factors for head_dim / 2 pairs
     rope_dim: int = 0  # {arch}.rope.dimension_count, the rotated dims of a head (Phi-4 mini: 3/4); 0: all of them
     n_expert: int = 0  # a mixture of this many experts of n_ff neurons in place of the FFN (0: none)
@@ -281,6 +284,10 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
         fields.append((f"{arch}.attention.sliding_window", spec.sliding_window, GGUFValueType.UINT32, None))
     if spec.swa_pattern:
         fields.append((f"{arch}.attention.sliding_window_pattern", spec.swa_pattern, GGUFValueType.UINT32, None))
+    if spec.attn_softcap:
+        fields.append((f"{arch}.attn_logit_softcapping", spec.attn_softcap, GGUFValueType.FLOAT32, None))
+    if spec.final_softcap:
+        fields.append((f"{arch}.final_logit_softcapping", spec.final_softcap, GGUFValueType.FLOAT32, None))
 
     def matrix(name, rows, cols, qtype, zero_row0=False, zero_col0=False, scale=1.0):
         def make():

@@ -1,4 +1,5 @@
-"""The architectures beyond llama (config.ARCHITECTURES: qwen2, qwen3, gemma3, phi3, falcon) and llama's rope_freqs,
+"""The architectures beyond llama (config.ARCHITECTURES: qwen2, qwen3, gemma2, gemma3, phi3, falcon) and llama's
+rope_freqs,
 each against
 llama.cpp's logits for a synthetic file of the project's own writer (tests/data/README.md says how they were made),
 incremental decode against the full forward, --tp and the hot/cold split against the unsplit single-device run; and
@@ -28,13 +29,17 @@ BASE = dict(n_embd=256, n_ff=512, n_head=4, n_head_kv=2, n_layer=2)
 # The files llama.cpp scored (tests/data/llama_cpp_NAME.kld) and its PPL over their 2 windows of 128 tokens. The
 # Gemma 3 file slides a window of 48 in layer 0 (RoPE base 10000) and attends globally in layer 1 (base 1e6); the
 # llama file has Llama 3.1's rope_freqs; the Phi-3 file rotates 48 of its heads' 64 dims and has a sliding window of
-# 48 that llama.cpp ignores (so must we); the Falcon file has one KV head.
+# 48 that llama.cpp ignores (so must we); the Falcon file has one KV head. The Gemma 2 file slides a window of 48 in
+# layer 0 on the global RoPE base (its default pattern) and soft-caps attention scores at 4 and logits at 8: caps
+# small enough to bite on random weights (Gemma 2's own, 50 and 30, hardly would).
 LLAMA_CPP = {
     "qwen2": (SyntheticSpec(architecture="qwen2", rope_theta=1e6, **BASE), 468.0038),
     "qwen3": (SyntheticSpec(architecture="qwen3", head_dim=128, rope_theta=1e6, **BASE), 472.4058),
     "gemma3": (SyntheticSpec(architecture="gemma3", head_dim=128, rope_theta=1e6, sliding_window=48, swa_pattern=2,
                              **{**BASE, "n_head_kv": 1}), 1621.5738),
     "llama3": (SyntheticSpec(architecture="llama", rope_freqs=True, rope_theta=500000.0, **BASE), 533.9578),
+    "gemma2": (SyntheticSpec(architecture="gemma2", head_dim=128, rope_theta=1e6, sliding_window=48, attn_softcap=4.0,
+                             final_softcap=8.0, **BASE), 629.1009),
     "phi3": (SyntheticSpec(architecture="phi3", rope_dim=48, sliding_window=48, **BASE), 550.4490),
     "falcon": (SyntheticSpec(architecture="falcon", **{**BASE, "n_head_kv": 1}), 490.8578),
 }
@@ -44,6 +49,8 @@ SMALL_SPECS = {
     "qwen2": SyntheticSpec(architecture="qwen2", **SMALL),
     "qwen3": SyntheticSpec(architecture="qwen3", head_dim=32, **SMALL),
     "gemma3": SyntheticSpec(architecture="gemma3", head_dim=32, rope_theta=1e6, sliding_window=8, swa_pattern=2,
+                            **SMALL),
+    "gemma2": SyntheticSpec(architecture="gemma2", head_dim=32, sliding_window=8, attn_softcap=2.0, final_softcap=5.0,
                             **SMALL),
     "phi3": SyntheticSpec(architecture="phi3", rope_dim=12, sliding_window=8, **SMALL),
     "falcon": SyntheticSpec(architecture="falcon", **SMALL),
@@ -60,7 +67,9 @@ def test_each_architecture_gives_llama_cpp_s_logits(tmp_path, name):
     2e-7) and the same top token everywhere. Each block option is visible at this tolerance: without the window
     0.038, the sliding layers on the global RoPE base 0.028, without QK-norm 0.0039, without rope_freqs 0.10, NORM
     RoPE for qwen2 0.045; Phi-3 rotating whole heads 0.26, its gate and up halves swapped 0.28; Falcon's block
-    sequential 0.38, RMSNorm 0.41, without LayerNorm's biases 0.41, SiLU for its GELU 0.008."""
+    sequential 0.38, RMSNorm 0.41, without LayerNorm's biases 0.41, SiLU for its GELU 0.008; Gemma 2 without its
+    window 0.036, its sliding layers on base 10000 0.036 (test_gemma2_s_soft_caps_are_what_llama_cpp_computes: the
+    caps)."""
     spec, ppl = LLAMA_CPP[name]
     m = load(tmp_path, name, spec)
     base = evaluation.read_logits_file(str(DATA / f"llama_cpp_{name}.kld"))
@@ -83,6 +92,21 @@ def test_the_blocks_read_their_options_from_the_file(tmp_path):
     assert (cfg.gate_activation, cfg.embed_scale, cfg.post_norms) == ("gelu_tanh", 8.0, True)
     assert cfg.swa_layers == (True, False) and [cfg.window(i) for i in range(2)] == [8, None]
     assert (cfg.rope_theta, cfg.rope_theta_swa, cfg.query_scale) == (1e6, 10000.0, None)
+    gemma2 = load(tmp_path, "gemma2", SMALL_SPECS["gemma2"])
+    cfg = gemma2.config
+    assert (cfg.gate_activation, cfg.embed_scale, cfg.post_norms, cfg.qk_norm) == ("gelu_tanh", 8.0, True, False)
+    assert (cfg.swa_layers, cfg.rope_theta_swa, cfg.attn_softcap, cfg.final_softcap) == ((True, False), 10000.0, 2.0,
+                                                                                          5.0)
+    # Without the keys, llama.cpp's defaults: soft-caps 50 and 30, a window of 4096; the query scale by the key
+    # length (attention.key_length 32, not n_embd / n_head = 16), by the width at Gemma 2 27B's 46 layers only.
+    plain = gguf_io.load_config(gguf_io.open_gguf(write_model(str(tmp_path / "gemma2-plain.gguf"), SyntheticSpec(
+        architecture="gemma2", head_dim=32, rope_theta=1e6, **SMALL))))
+    assert (plain.attn_softcap, plain.final_softcap, plain.sliding_window, plain.swa_layers) == (50.0, 30.0, 4096,
+                                                                                                  (True, False))
+    assert (plain.rope_theta_swa, plain.query_scale) == (1e6, None)
+    wide = gguf_io.load_config(gguf_io.open_gguf(write_model(str(tmp_path / "gemma2-46.gguf"), SyntheticSpec(
+        architecture="gemma2", head_dim=32, **{**SMALL, "n_layer": 46}))))
+    assert wide.query_scale == 16 ** -0.5 and wide.swa_layers[:4] == (True, False, True, False)
     phi3 = load(tmp_path, "phi3", SMALL_SPECS["phi3"])
     assert (phi3.config.ffn_layout, phi3.config.rope_dim, phi3.config.sliding_window) == ("fused", 12, 0)
     layer = phi3.weights.layers[0]
@@ -100,14 +124,31 @@ def test_the_blocks_read_their_options_from_the_file(tmp_path):
     np.testing.assert_array_equal(biased.config.rope_freq_factors, llama3_rope_factors(8))
 
 
+def test_gemma2_s_soft_caps_are_what_llama_cpp_computes(tmp_path):
+    """Gemma 2's file against llama.cpp's logits (KL 0 within 1e-7 as measured, PPL 629.10) moves measurably
+    without either soft-cap: the attention scores' (cap 4) to KL 0.0015, the logits' (cap 8) to 0.26; the scores are
+    capped in XLA's attention, the plan's for such a model even where cpu_ext's kernel would serve another."""
+    spec, _ = LLAMA_CPP["gemma2"]
+    m = load(tmp_path, "gemma2", spec)
+    assert (m.config.attn_softcap, m.config.final_softcap, m.config.plan.attention) == (4.0, 8.0, "xla")
+    base = evaluation.read_logits_file(str(DATA / "llama_cpp_gemma2.kld"))
+    windows = base.tokens.reshape(base.n_chunk, base.n_ctx)
+    kl = {}
+    for what in ("attn_softcap", "final_softcap"):
+        cfg = dataclasses.replace(m.config, **{what: 0.0})
+        kl[what] = evaluation.evaluate_windows(m.weights, cfg, windows, n_seq=2, base=base, progress=False).kl.mean
+    assert kl["attn_softcap"] > 5e-4 and kl["final_softcap"] > 0.1, kl
+
+
 @pytest.mark.parametrize("name", SMALL_SPECS)
 def test_incremental_decode_matches_the_full_forward(tmp_path, name):
-    """For Gemma 3 the sliding layer reads its window from a cache longer than it (blocks.sliding_attention) and the
-    full forward masks 11 tokens to it; the global layer runs the plan's attention kernel."""
+    """For Gemma 2 and 3 the sliding layer reads its window from a cache longer than it (blocks.sliding_attention)
+    and the full forward masks 11 tokens to it; the global layer runs the plan's attention kernel (Gemma 2's: XLA's,
+    soft-capped, online softmax against the cache)."""
     assert_incremental_decode_matches_full_forward(load(tmp_path, name, SMALL_SPECS[name]), n_prompt=5)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3", "falcon"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3", "phi3", "falcon"])
 def test_a_split_model_equals_the_unsplit_one(tmp_path, name):
     """The hot/cold split cuts the FFN only: biases, QK-norms, post-norms and GeGLU are the same on either side;
     Phi-3's gate and up are cut from its fused ffn_up, Falcon's FFN without a gate is cut by its up's rows."""
@@ -144,7 +185,7 @@ def test_falcon_s_ffn_without_a_gate_calibrates_sparsifies_and_splits(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "gemma3", "phi3", "falcon"])
+@pytest.mark.parametrize("name", ["qwen2", "gemma2", "gemma3", "phi3", "falcon"])
 def test_tensor_parallel_runs_equal_one_device(tmp_path, name):
     """--tp 2: Qwen2's biases are cut with their projections' rows; Gemma 3's norms are replicated; Phi-3's fused
     tensors are cut as their parts; Falcon's attention and FFN are summed over the devices each."""
@@ -159,6 +200,8 @@ def test_inspect_says_each_architecture_runs_and_names_its_block(tmp_path):
     blocks = {"qwen2": None, "qwen3": "block: QK-norm",
               "gemma3": "block: QK-norm, post-attention and post-FFN norms, embeddings x 8, sliding window 8 in 1 of 2 "
                         "layers (rope theta 10000)",
+              "gemma2": "block: post-attention and post-FFN norms, embeddings x 8, sliding window 8 in 1 of 2 layers "
+                        "(rope theta 10000), attention logit soft-cap 2 (XLA attention), final logit soft-cap 5",
               "phi3": "block: fused QKV (attn_qkv), fused gate-up (ffn_up [gate; up])",
               "falcon": "block: fused QKV (attn_qkv), FFN without a gate, LayerNorm with bias, parallel attention and "
                         "FFN"}
@@ -197,7 +240,7 @@ def test_tensors_and_metadata_it_does_not_compute_with_are_refused(tmp_path):
                                                                "does not compute with for llama"),
         ([vector("rope_freqs.weight", np.ones(5))], (), r"tensor rope_freqs.weight has shape \[5\], the model's "
                                                         r"metadata implies \[8\]"),
-        ([], [("llama.attention.logit_softcapping", 50.0, GGUFValueType.FLOAT32, None)],
+        ([], [("llama.attn_logit_softcapping", 50.0, GGUFValueType.FLOAT32, None)],
          "attention logit soft-capping .* is not implemented"),
         ([], [("llama.rope.scaling.type", "yarn", GGUFValueType.STRING, None)],
          "unsupported RoPE scaling type 'yarn' \\(supported: none, linear\\)"),

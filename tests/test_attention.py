@@ -7,19 +7,22 @@ import pytest
 
 from jaxinfer.attention import (MIB, MIN_KEY_STEP, attention, cached_attention, default_max_batch_mib, key_step,
                                 plan_attention, scores_bytes)
+from jaxinfer.blocks import sliding_attention
 from jaxinfer.model import attend
 
 HEAD_DIM = 16
 
 
-def numpy_attention(q, k, v, q_pos, k_pos):
-    """One query head at a time, in float64: head j reads KV head j // (H / H_kv)."""
+def numpy_attention(q, k, v, q_pos, k_pos, softcap=0.0):
+    """One query head at a time, in float64: head j reads KV head j // (H / H_kv); scores soft-capped (softcap *
+    tanh(s / softcap)) where `softcap`."""
     b, t, h, hd = q.shape
     group = h // k.shape[2]
     out = np.zeros(q.shape)
     for bi in range(b):
         for j in range(h):
             scores = q[bi, :, j].astype(np.float64) @ k[bi, :, j // group].T / math.sqrt(hd)
+            scores = softcap * np.tanh(scores / softcap) if softcap else scores
             scores = np.where(k_pos[None, :] <= q_pos[:, None], scores, -np.inf)
             probs = np.exp(scores - scores.max(axis=1, keepdims=True))
             out[bi, :, j] = (probs / probs.sum(axis=1, keepdims=True)) @ v[bi, :, j // group]
@@ -202,3 +205,22 @@ def test_cached_attention_with_rows_at_different_depths(n_query, starts, limit_m
         expected = numpy_attention(q[row:row + 1], k[layer][row:row + 1, :filled], v[layer][row:row + 1, :filled],
                                    q_pos[row], np.arange(filled))
         np.testing.assert_allclose(got[row:row + 1], expected, rtol=1e-5, atol=1e-5, err_msg=f"{row=}")
+
+
+def test_soft_capped_attention_in_every_path_equals_a_per_head_loop():
+    """Gemma 2's attention logit soft-capping, computed by each XLA attention path: unsplit and in steps, against a
+    cache in key steps (online softmax), and the sliding-window one (its window covering every key here); the cap
+    changes the result (scores of unit-normal q and k reach ~4, the cap is 1.5)."""
+    cap, n_query, start, max_len = 1.5, 5, 19, 40
+    q, k, v, q_pos = cache_inputs(7, 2, 1, max_len, 6, 2, n_query, start)
+    filled = start + n_query
+    keys, values = k[1][:, :filled], v[1][:, :filled]
+    expected = numpy_attention(q, keys, values, q_pos, np.arange(filled), softcap=cap)
+    assert np.abs(expected - numpy_attention(q, keys, values, q_pos, np.arange(filled))).max() > 0.05
+    for limit in (None, 1e-9):
+        got = attention(q, keys, values, q_pos, np.arange(filled), max_batch_mib=limit, softcap=cap)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=str(limit))
+        got = cached_attention(q, k, v, jnp.int32(1), jnp.asarray(q_pos), max_batch_mib=limit, softcap=cap)
+        np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=str(limit))
+    got = sliding_attention(q, k, v, jnp.asarray(q_pos)[None], max_len, layer=1, softcap=cap)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
