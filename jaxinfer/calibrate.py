@@ -75,12 +75,7 @@ def _cli_main(argv):
         raise JaxinferError(f"--levels must be numbers in (0, 1), got {','.join(f.levels)}") from None
     if not all(0 < v < 1 for v in levels):
         raise JaxinferError(f"--levels must be numbers in (0, 1), got {','.join(f.levels)}")
-    if not f.file:
-        raise JaxinferError("-f/--file is required (the calibration text)")
-    try:
-        text = open(f.file, encoding="utf-8", errors="replace").read()
-    except OSError as e:
-        raise JaxinferError(f"cannot read {f.file}: {e.strerror}") from None
+    text = cli.read_text_file(f.file, "-f/--file is required (the calibration text)")
     output = f.output or sparsity.thresholds_path(f.model or engine.default_model_path(), create=True)
     sidecar.check_writable_file(output)  # before calibrating, not after
     runtime.enable_compilation_cache()

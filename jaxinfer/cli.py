@@ -27,6 +27,18 @@ SPLIT_ONLY_FLAGS = ("reset_gpu_index", "disable_gpu_index", "activation_dir")
 JOIN_GRACE_S = 5  # jax.distributed's own join timeout runs this much past --join_timeout: ours gives the error line
 
 
+def read_text_file(path: str | None, missing: str) -> str:
+    """The text of a -f/--file flag's file, decoded as UTF-8 (bad bytes replaced); a JaxinferError with `missing`
+    when no file is given, or naming the file when it cannot be read."""
+    if not path:
+        raise JaxinferError(missing)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as file:
+            return file.read()
+    except OSError as e:
+        raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
+
+
 def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
                 sentinel: float | None = None, flag_values: flags.FlagValues = flags.FLAGS):
     """Check flag `name` as the command line is parsed: a finite number in [low, high] (low excluded with

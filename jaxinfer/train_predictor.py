@@ -217,12 +217,7 @@ def _cli_main(argv):
     f = flags.FLAGS
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    if not f.file:
-        raise JaxinferError("-f/--file is required (the training text)")
-    try:
-        text = open(f.file, encoding="utf-8", errors="replace").read()
-    except OSError as e:
-        raise JaxinferError(f"cannot read {f.file}: {e.strerror}") from None
+    text = cli.read_text_file(f.file, "-f/--file is required (the training text)")
     spec = sparsity.parse_spec(f.sparsity)
     if spec.mode == "predictor":
         raise JaxinferError("--sparsity defines the labels to learn: dense, gate:S or hidden:S")

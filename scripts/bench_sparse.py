@@ -362,12 +362,7 @@ def real_mode() -> dict:
     if any(s.mode not in sparsity.THRESHOLD_METHODS and s.mode != "predictor" for s in specs):
         raise JaxinferError(f"--specs compares sparse modes with dense: gate:S, hidden:S or predictor, got "
                             f"{','.join(FLAGS.specs)}")
-    if not FLAGS.file:
-        raise JaxinferError("-f/--file is required with --specs (the text of the perplexities)")
-    try:
-        text = open(FLAGS.file, encoding="utf-8", errors="replace").read()
-    except OSError as e:
-        raise JaxinferError(f"cannot read {FLAGS.file}: {e.strerror}") from None
+    text = cli.read_text_file(FLAGS.file, "-f/--file is required with --specs (the text of the perplexities)")
     m = engine.load_model(FLAGS.model, repack=True)
     print(m.describe(), file=sys.stderr)
     n_ctx = cli.capped_context(FLAGS.ppl_ctx_size, m.config.n_ctx_train)
