@@ -1,10 +1,10 @@
 """GGUF files -> `Config` + `Weights`, through gguf-py's memory-mapped `GGUFReader`.
 
-Tensors go to JAX in their stored format (quantized blocks stay blocks). On the CPU backend `jax.device_put` of a
-64-byte-aligned read-only numpy view is zero-copy, served straight from the file mapping as llama.cpp's mmap does;
-but GGUF aligns tensors to 32 bytes, so most are copied, once, and those the plan repacks (repack.py) are written
-once into their new layout; the pages of the mapping a weight was copied or repacked from are then let go (`place`):
-the process holds each weight once, not twice. Loaded `on_host`, the weights stay numpy views of
+Tensors go to JAX in their stored format (quantized blocks stay blocks). On the CPU backend each weight is copied
+once: those of 4 MiB or more into huge pages (`place`), those the plan repacks (repack.py) into their new layout; a
+small one that is 64-byte aligned is served straight from the file mapping (`jax.device_put` of such a read-only
+view is zero-copy). The pages of the mapping a weight was copied or repacked from are then let go: the process holds
+each weight once, not twice. Loaded `on_host`, the weights stay numpy views of
 the file mapping, read only where they are placed: a process of a run over several reads just its own shards
 (sharding.shard_weights, distributed.global_array).
 """
@@ -105,6 +105,9 @@ def open_gguf(path: str, reader: type[Reader] = Reader) -> GGUFFile:
     return GGUFFile(path, reader, metadata, {t.name: t for t in reader.tensors}, magic == POWERINFER_MAGIC)
 
 
+HUGE_PAGE_COPY_BYTES = 2 * quant.HUGE_PAGE_BYTES  # quant.aligned_empty gives huge pages from there
+
+
 def load_vector(gguf: GGUFFile, name: str, on_host: bool = False):
     """An F32 vector (checked by validate.check_tensors); with `on_host` the file's numpy view."""
     data = gguf.tensors[name].data.reshape(-1)
@@ -114,7 +117,14 @@ def load_vector(gguf: GGUFFile, name: str, on_host: bool = False):
 def place(view: np.ndarray) -> jax.Array:
     """A view of the file mapping on the default device. Where that copied it (not 64-byte aligned, or not a CPU),
     the view's pages leave resident memory: JAX holds the copy, and the file's pages would otherwise stay counted
-    beside it (a 7B-shaped Q4_0 file of 638 MiB took 1295 MiB to load)."""
+    beside it (a 7B-shaped Q4_0 file of 638 MiB took 1295 MiB to load). On the CPU a weight of 4 MiB or more is
+    copied into huge pages (quant.aligned_empty), which JAX then holds without a second copy: read a row at a time
+    from scattered places, as a sparse FFN's active rows are, it streams faster than from the file's 4 KiB pages."""
+    if view.nbytes >= HUGE_PAGE_COPY_BYTES and jax.default_backend() == "cpu":
+        copy = quant.aligned_empty(view.nbytes).view(view.dtype).reshape(view.shape)
+        copy[...] = view
+        distributed.release_pages(view)
+        return jax.device_put(copy).block_until_ready()
     placed = jax.device_put(view).block_until_ready()
     if placed.unsafe_buffer_pointer() != view.ctypes.data:
         distributed.release_pages(view)

@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import mmap
 
 import jax
 import jax.numpy as jnp
@@ -173,8 +174,7 @@ def pack_neuron_major(w: QuantArray, span: int | None = None) -> QuantArray:
         q = halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)  # [nb, 32, tiles, 32]
     pieces = q.reshape(n_blocks, 32, n_spans, -1).transpose(0, 2, 1, 3).reshape(n_blocks, n_spans, -1)
     packed = np.concatenate([*scales, pieces], axis=2).reshape(n_blocks, -1)
-    return QuantArray(jnp.asarray(np.ascontiguousarray(packed)), w.qtype, (n_ff, d), layout=NEURON_MAJOR,
-                      scale=w.scale)
+    return QuantArray(placed_copy(packed), w.qtype, (n_ff, d), layout=NEURON_MAJOR, scale=w.scale)
 
 
 def dequantize_neuron_major(w: QuantArray, span: int | None = None) -> jax.Array:
@@ -239,9 +239,12 @@ def pack_down_rows(w: QuantArray) -> QuantArray:
     quants = blocks[:, :, scale_bytes:]
     if w.qtype == GGMLQuantizationType.Q8_0:
         quants = quants ^ np.uint8(0x80)
-    packed = np.concatenate([blocks[:, :, :scale_bytes].reshape(data.shape[0], -1),
-                             quants.reshape(data.shape[0], -1)], axis=1)
-    return dataclasses.replace(w, data=packed, layout=DOWN_ROWS)
+    packed = aligned_empty(data.size).reshape(data.shape[0], -1)
+    packed[:, :scale_bytes * blocks.shape[1]] = blocks[:, :, :scale_bytes].reshape(data.shape[0], -1)
+    packed[:, scale_bytes * blocks.shape[1]:] = quants.reshape(data.shape[0], -1)
+    # Placed here, as pack_rows_x8 places its groups: a numpy array in the weights would be an argument that every
+    # call of a compiled program converts (copied each time where it is not 64-byte aligned).
+    return dataclasses.replace(w, data=jax.device_put(packed), layout=DOWN_ROWS)
 
 
 def unpack_down_rows(w: QuantArray) -> QuantArray:
@@ -270,11 +273,32 @@ def can_pack_rows_x8(w: QuantArray) -> bool:
     return w.layout == ROW_BLOCKS and w.qtype in REPACKED_TYPES and not w.exact
 
 
-def _aligned_empty(nbytes: int) -> np.ndarray:
-    """uint8 [nbytes] starting on a 64-byte boundary: what XLA's CPU client takes without a copy (jax.device_put)."""
+HUGE_PAGE_BYTES = 2 << 20
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """uint8 [nbytes] starting on a 64-byte boundary: what XLA's CPU client takes without a copy (jax.device_put).
+    From 4 MiB on, in memory of its own, 2 MiB-aligned and marked for transparent huge pages before it is touched
+    (XLA's own buffers and the heap get 4 KiB pages): weights read a row at a time from scattered places, as a sparse
+    FFN's active rows are, are read faster from huge pages."""
+    if nbytes >= 2 * HUGE_PAGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer = np.frombuffer(mapping, np.uint8)  # holds the mapping: unmapped with the last array using it
+        start = -buffer.ctypes.data % HUGE_PAGE_BYTES
+        # Whole huge pages only: a last one partly used would be resident in full (up to 2 MiB more per weight).
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES)
+        return buffer[start : start + nbytes]
     buffer = np.empty(nbytes + 64, np.uint8)
     start = -buffer.ctypes.data % 64
     return buffer[start : start + nbytes]
+
+
+def placed_copy(array: np.ndarray) -> jax.Array:
+    """A weight made at load, copied into aligned_empty's memory (huge pages from 4 MiB) and placed there without a
+    further copy."""
+    out = aligned_empty(array.nbytes).view(array.dtype).reshape(array.shape)
+    out[...] = array
+    return jax.device_put(out)
 
 
 def _fill_groups(out: np.ndarray, blocks: np.ndarray, qtype: GGMLQuantizationType) -> None:
@@ -313,7 +337,7 @@ def pack_rows_x8(w: QuantArray) -> QuantArray:
     block_size, type_size = QUANT_SIZES[w.qtype]
     n_blocks, groups = cols // block_size, -(-rows // INTERLEAVE)
     blocks = np.asarray(w.data).reshape(rows, n_blocks, type_size)
-    out = _aligned_empty(groups * n_blocks * _group_block_bytes(w.qtype)).reshape(groups, n_blocks, -1)
+    out = aligned_empty(groups * n_blocks * _group_block_bytes(w.qtype)).reshape(groups, n_blocks, -1)
 
     def fill(at: int, group_blocks: np.ndarray) -> None:  # groups from `at` on, from their rows' blocks
         for start in range(0, len(group_blocks) // INTERLEAVE, _PACK_GROUPS):
@@ -605,4 +629,4 @@ def transpose(w: QuantArray, qtype: GGMLQuantizationType | None = None) -> Quant
         raise ValueError(f"cannot quantize to {qtype.name}: one of {sorted(t.name for t in REQUANTIZABLE_TYPES)}")
     if cols % QUANT_SIZES[qtype][0]:
         return QuantArray(jnp.asarray(values), GGMLQuantizationType.F32, (rows, cols))
-    return QuantArray(jnp.asarray(gguf_quants.quantize(np.ascontiguousarray(values), qtype)), qtype, (rows, cols))
+    return QuantArray(placed_copy(gguf_quants.quantize(np.ascontiguousarray(values), qtype)), qtype, (rows, cols))

@@ -122,6 +122,39 @@ def test_weights_copied_out_of_the_file_are_in_memory_once(make_model):
     assert peak < size + 24 * 2**20
 
 
+def _huge_kib_at(address: int) -> int:
+    """AnonHugePages (KiB) of this process's mapping that holds `address`."""
+    inside = False
+    for line in pathlib.Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return 0
+
+
+def test_large_weights_are_placed_in_huge_pages(make_model):
+    """A weight of 4 MiB or more is copied out of the file into huge pages, which JAX holds without a further copy: a
+    sparse FFN reads its active rows from scattered places, and from XLA's own 4 KiB pages a 7B-shaped predictor
+    model decoded 1.08x slower. Smaller weights are placed as before."""
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    from jaxinfer import gguf_io
+    path = make_model(n_embd=1024, n_ff=4096, n_head=8, n_head_kv=8, n_vocab=256, weight_type=Q.Q8_0)
+    g = open_gguf(path)
+    view = g.tensors["blk.0.ffn_gate.weight"].data
+    assert view.nbytes >= gguf_io.HUGE_PAGE_COPY_BYTES
+    placed = gguf_io.place(view)
+    assert placed.unsafe_buffer_pointer() % 64 == 0
+    assert _huge_kib_at(placed.unsafe_buffer_pointer()) >= 2048
+    np.testing.assert_array_equal(np.asarray(placed), view)
+    small = g.tensors["blk.0.attn_norm.weight"].data
+    np.testing.assert_array_equal(np.asarray(gguf_io.place(small)), small)
+
+
 # Corrupt files: each is a one-line JaxinferError naming the key or tensor (before: hangs, unbounded memory,
 # tracebacks, wrapped-around offsets read as weights). Files are mutated with scripts/fuzz_gguf.py's helpers.
 
