@@ -80,6 +80,7 @@ def _cli_main(argv):
     sidecar.check_writable_file(output)  # before calibrating, not after
     runtime.enable_compilation_cache()
     m = engine.build_model(f.model)
+    sparsity.check_neuron_statistics(m.config, "calibrate")
     print(m.describe(), file=sys.stderr)
     print(f"thresholds go to {output}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)

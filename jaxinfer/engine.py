@@ -546,14 +546,12 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
     if m.config.sub_norms:
         raise JaxinferError(f"{m.config.arch}: a hot/cold split (--vram-budget) does not apply to BitNet's block yet "
                             f"(its ffn_sub_norm normalizes over all the FFN's neurons at once)")
-    if m.config.n_expert:
-        raise JaxinferError(f"{m.config.arch}: a hot/cold split (--vram-budget) does not place a mixture of experts' "
-                            f"experts yet: run it without --vram-budget")
     directory = activation_dir or activation_profile.default_directory(m.path)
     if not os.path.isdir(directory):
         raise JaxinferError(f"no activation profile in {directory}: make one with python -m jaxinfer.profile -m "
                             f"{m.path} -f TEXT, or pass --activation-dir")
-    counts = activation_profile.read_profile(directory, m.path, m.config.n_layer, m.config.n_ff)
+    units = m.config.n_expert or m.config.n_ff  # a mixture places whole experts, by how often they are routed to
+    counts = activation_profile.read_profile(directory, m.path, m.config.n_layer, units)
     costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, ctx, batch))
     budget = int(budget_gib * placement.GIB)
     split = placement.load_or_solve(m.path, counts, costs, budget, reset)
@@ -565,8 +563,9 @@ def split_model(m: LoadedModel, budget_gib: float, ctx: int, activation_dir: str
         origin = f"index {index} (rebuilt from the activation profile in {directory}: {split.rebuilt_because})"
     else:
         origin = f"index {index} (solved from the activation profile in {directory})"
-    share = (f"{100 * split.hot_share(m.config.n_ff):.1f}% of neurons" if any(len(h) for h in split.hot)
-             else placement.no_neurons_reason(costs, budget))
+    kind = "experts" if m.config.n_expert else "neurons"
+    share = (f"{100 * split.hot_share(units):.1f}% of {kind}" if any(len(h) for h in split.hot)
+             else placement.no_neurons_reason(costs, budget, units=kind if m.config.n_expert else "FFN neurons"))
     device = jax.devices()[0]
     placed = (f"offloaded {hybrid.ffn_bytes(weights, on_host=False) / 2**20:.2f} MiB of FFN weights to {device} "
               f"memory ({share})")

@@ -13,26 +13,29 @@ weights) the rows are sliced and multiplied as before.
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import quant
+from jaxinfer import jax_compat, quant
 from jaxinfer.quant import QuantArray, dynamic_row_range
 
 
 def row_ranges(starts, count: int) -> jax.Array:
     """int32 [len(starts) * count]: rows starts[i] .. starts[i] + count - 1, range after range."""
     starts = jnp.asarray(starts, jnp.int32).reshape(-1)
-    return (starts[:, None] + jnp.arange(count, dtype=jnp.int32)).reshape(-1)
+    return (starts[:, None] + jax_compat.like(starts, jnp.arange(count, dtype=jnp.int32))).reshape(-1)
 
 
 def ranges_matmul(x: jax.Array, w: QuantArray, starts, count: int) -> jax.Array:
     """x [..., cols] · w[rows]ᵀ -> f32 [..., len(starts) * count], rows = row_ranges(starts, count) (starts traced,
-    each range inside w). The kernel reads only those rows, in place; XLA multiplies by the slices."""
+    each range inside w, or starting below 0: an expert another part of a split holds, whose outputs are 0). The
+    kernel reads only those rows, in place (rows outside w are its padding: 0, never read); XLA multiplies by the
+    slices."""
     kernels = quant._kernels(x, w)
     if kernels is not None:
         y = kernels.gather_matmul(x, w.data, row_ranges(starts, count), qtype=w.qtype, rows=w.shape[0],
                                   cols=w.shape[1])
         return y if w.scale == 1.0 else y * w.scale
     starts = jnp.asarray(starts, jnp.int32).reshape(-1)
-    parts = [quant.matmul(x, dynamic_row_range(w, starts[i], count)) for i in range(starts.shape[0])]
+    parts = [jax_compat.where_zero(starts[i] >= 0, quant.matmul(x, dynamic_row_range(w, starts[i], count)))
+             for i in range(starts.shape[0])]
     return jnp.concatenate(parts, axis=-1)
 
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import model, quant, repack
+from jaxinfer import model, moe, quant, repack
 from jaxinfer.config import Config
 from jaxinfer.placement import ModelCosts
 from jaxinfer.quant import DOWN_ROWS, FLOAT_TYPES, NEURON_MAJOR, ROW_LAYOUTS, QuantArray, tree_nbytes
@@ -95,10 +95,19 @@ def _uses_kernel(cfg: Config) -> bool:
     return cfg.plan.ffn_sparsity == "predictor" and cfg.plan.hot_ffn != "xla"
 
 
+def expert_bytes(experts: moe.Experts) -> int:
+    """Bytes of one expert's rows of the stacked gate, up and down projections: a mixture's unit of placement."""
+    return sum(w.nbytes for w in (experts.gate, experts.up, experts.down)) // experts.router.shape[0]
+
+
 def placement_costs(weights: model.Weights, cfg: Config, kv_bytes: int) -> ModelCosts:
     """What split_weights will place in device memory, for placement.solve: the dense part (everything but the FFN
     neurons' rows, the predictors and thresholds included) and each layer's units of neurons (unit_neurons,
-    unit_bytes)."""
+    unit_bytes). A mixture of experts places whole experts: a unit is one expert (its router stays with the dense
+    part)."""
+    if cfg.n_expert:
+        per_expert = np.array([expert_bytes(layer.experts) for layer in weights.layers], np.int64)
+        return ModelCosts(cfg.n_expert, per_expert, tree_nbytes(_without_ffn(weights)), kv_bytes)
     kernel = _uses_kernel(cfg)
     per_unit = np.array([unit_bytes(layer, kernel) for layer in weights.layers], np.int64)
     units = np.array([unit_neurons(layer) for layer in weights.layers], np.int64)
@@ -158,6 +167,10 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) ->
     layers = []
     for layer, hot_rows in zip(weights.layers, hot):
         hot_rows = np.asarray(hot_rows)
+        if layer.experts is not None:
+            layers.append(dataclasses.replace(layer, experts=split_experts(layer.experts, hot_rows, in_device,
+                                                                           in_host)))
+            continue
         cold_rows = np.setdiff1d(np.arange(layer.ffn_gate.shape[0]), hot_rows)
         hot_part, cold_part = ffn_part(layer, hot_rows), ffn_part(layer, cold_rows, on_host=True)
         if hot_part is not None and _uses_kernel(cfg):
@@ -170,7 +183,33 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) ->
     return dataclasses.replace(weights, layers=layers)
 
 
+def _expert_rows(w: QuantArray, experts: np.ndarray, n_expert: int) -> QuantArray:
+    """The rows of `experts` (in that order) of a projection stacked over n_expert experts."""
+    per_expert = w.shape[0] // n_expert
+    return _rows(w, (experts[:, None] * per_expert + np.arange(per_expert)).reshape(-1))
+
+
+def split_experts(experts: moe.Experts, hot: np.ndarray, in_device, in_host) -> moe.Experts:
+    """`experts` with the experts `hot` in device memory and the rest in host memory, each part stacked in expert
+    order as the file stacks them; the router stays where it was."""
+    n = experts.router.shape[0]
+    parts = []
+    for ids, on_host, memory in ((hot, False, in_device), (np.setdiff1d(np.arange(n), hot), True, in_host)):
+        if len(ids) == 0:
+            continue
+        local = np.full(n, -1, np.int32)
+        local[ids] = np.arange(len(ids), dtype=np.int32)
+        projections = [jax.device_put(_expert_rows(w, ids, n), memory)
+                       for w in (experts.gate, experts.up, experts.down)]
+        # The map of the experts stays in device memory with the router: the routing is worked out there.
+        parts.append(moe.ExpertPart(*projections, jax.device_put(local, in_device), on_host))
+    return dataclasses.replace(experts, gate=None, up=None, down=None, parts=parts)
+
+
 def _without_ffn_rows(layer: model.Layer) -> model.Layer:
+    if layer.experts is not None:
+        return dataclasses.replace(layer, experts=dataclasses.replace(layer.experts, gate=None, up=None, down=None,
+                                                                      parts=None))
     return dataclasses.replace(layer, ffn_gate=None, ffn_up=None, ffn_down=None, ffn_down_t=None, ffn_parts=None)
 
 
@@ -182,6 +221,13 @@ def _without_ffn(weights: model.Weights) -> model.Weights:
 def ffn_bytes(weights: model.Weights, on_host: bool) -> int:
     """Bytes of a split model's FFN parts in host memory (`on_host`) or in device memory: what placement.solve
     priced for the latter."""
-    parts = [part for layer in weights.layers for part in layer.ffn_parts or []
-             if getattr(part, "on_host", False) == on_host]
-    return tree_nbytes(parts)
+    return sum(tree_nbytes(weights_of) for layer in weights.layers for part, weights_of in _parts(layer)
+               if getattr(part, "on_host", False) == on_host)
+
+
+def _parts(layer: model.Layer) -> list:
+    """A split layer's parts, each with the weights it places: an FFN part's all, an expert part's projections
+    (not its map of the experts, n_expert int32)."""
+    if layer.experts is not None:
+        return [(p, (p.gate, p.up, p.down)) for p in layer.experts.parts or []]
+    return [(p, p) for p in layer.ffn_parts or []]

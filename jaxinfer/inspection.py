@@ -31,6 +31,7 @@ MIB = 2**20
 RUNS, LIMITED, DOES_NOT_RUN = "runs", "runs with limitations", "does not run"
 PREDICTOR_TENSORS = ("fc1", "fc2")
 SPLIT_TENSORS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")  # what a hot/cold split cuts by neuron (hybrid.py)
+EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what it cuts by expert in a mixture
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)\.weight")
 
 
@@ -291,7 +292,7 @@ class Inspection:
 
     def split_section(self) -> dict:
         directory = activation_profile.default_directory(self.path)
-        present = [t for t in SPLIT_TENSORS if self.layers_with(t)]
+        present = [t for t in SPLIT_TENSORS + EXPERT_TENSORS if self.layers_with(t)]
         split_bytes = sum(t.nbytes or 0 for layer in self.layers.values() for kind, t in layer.items()
                           if kind in present)
         section = {"activation_profile": directory, "profile_present": os.path.isdir(directory),
@@ -299,15 +300,14 @@ class Inspection:
                    "gpu_index_present": os.path.isfile(placement.gpuidx_path(self.path))}
         if section["profile_present"] and self.cfg is not None:
             try:
-                activation_profile.read_profile(directory, self.path, self.cfg.n_layer, self.cfg.n_ff)
+                activation_profile.read_profile(directory, self.path, self.cfg.n_layer,
+                                                self.cfg.n_expert or self.cfg.n_ff)
                 section["profile_valid"] = True
             except JaxinferError as e:
                 section["profile_valid"], section["profile_error"] = False, str(e)
         section["applies"] = bool(section["profile_present"] and section.get("profile_valid") and present)
         if self.cfg is not None and self.cfg.sub_norms:  # engine.split_model refuses them
             section["applies"], section["not_applicable"] = False, "BitNet's ffn_sub_norm needs all neurons in one part"
-        if self.cfg is not None and self.cfg.n_expert:
-            section["applies"], section["not_applicable"] = False, "a mixture of experts is not split yet"
         return section
 
     def gpu_section(self) -> dict:

@@ -41,10 +41,16 @@ def on_host(f):
 def where_zero(mask, y):
     """jnp.where(mask, y, 0.0), in y's memory space: JAX 0.10 broadcasts the 0 in device memory even inside a host
     region, where select_n then rejects the mix ("memory_space of all inputs ... must be the same")."""
-    zeros = jnp.zeros_like(y)
-    if getattr(jax.typeof(y), "memory_space", None) == jax.memory.Space.Host:
-        zeros = to_host(zeros)
-    return jnp.where(mask, y, zeros)
+    return jnp.where(mask, y, like(y, jnp.zeros_like(y)))
+
+
+def like(ref, value):
+    """`value` in `ref`'s memory space, for the same reason: an array made inside a jit (a constant, an iota) is in
+    device memory even inside a host region, as are the results of cpu_ext's kernels there."""
+    want, have = (getattr(jax.typeof(a), "memory_space", None) for a in (ref, value))
+    if want == have:
+        return value
+    return to_host(value) if want == jax.memory.Space.Host else to_device(value)
 
 
 def to_host(tree):

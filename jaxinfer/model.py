@@ -266,7 +266,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
                                                                           eps=cfg.rms_eps)
             if layer.experts is not None:
-                ffn_out, trace = moe.ffn(normed, layer.experts, cfg, trace=observe is not None), None
+                ffn_out, trace = moe.ffn(normed, layer.experts, cfg, trace=observe is not None)
             else:
                 ffn_out, trace = sparse_ffn.ffn(normed, x, layer, cfg, trace=observe is not None,
                                                 hidden_norm=hidden_norm)

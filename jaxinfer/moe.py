@@ -18,19 +18,26 @@ Two ways to the same sum, chosen by the number of (token, expert) pairs a call h
                tiles of a static number of them (grouped_ffn), reading its rows once per tile: the routed products'
                work plus the tiles' padding, where running every expert over every token was n_expert / k times it
                (16x at Qwen3-30B-A3B's 128 experts, 8 per token).
+
+Experts as hot and cold parts (hybrid.py, placed by how often `profile` counted them routed to): each part holds
+some experts stacked as the file stacks all of them, and a map from expert id to its place among them (-1: held
+elsewhere). The routing is computed once; each part runs the pairs whose experts it holds (the others' weights 0,
+their rows never read), a part in host memory under compute_on there, and the parts' outputs are summed, all in the
+one compiled step.
 """
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import jax_compat, quant
 from jaxinfer.config import Config
-from jaxinfer.errors import JaxinferError
 from jaxinfer.expert_products import expert_ffn, routed_ffn
 from jaxinfer.quant import QuantArray, from_gguf_data, matmul
-from jaxinfer.sparse_ffn import ACTIVATIONS
+from jaxinfer.sparse_ffn import ACTIVATIONS, FFNTrace
 
 DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")  # the Layer fields a mixture of experts takes the place of
 # llama.cpp clamps the sum of the chosen experts' probabilities to the smallest normal f16 before dividing by it.
@@ -39,14 +46,33 @@ MIN_WEIGHT_SUM = 6.103515625e-5
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
+class ExpertPart:
+    """Some of a layer's experts, stacked as the file stacks all of them (a hot/cold split, hybrid.py): `local[e]` is
+    expert e's place among them, -1 for an expert held in another part."""
+
+    gate: QuantArray  # [n_here * n_ff_exp, d]
+    up: QuantArray  # [n_here * n_ff_exp, d]
+    down: QuantArray  # [n_here * d, n_ff_exp]
+    local: jax.Array  # int32 [n_expert]
+    on_host: bool = dataclasses.field(default=False, metadata=dict(static=True))  # in host memory, run there
+
+    @property
+    def n_here(self) -> int:
+        return self.gate.shape[0] // self.down.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
 class Experts:
     """A layer's mixture of experts: its router and each projection stacked over the experts, expert e's rows
-    e * rows .. (e + 1) * rows - 1 of the stacked [n_expert * rows, cols] weight (GGUF's order)."""
+    e * rows .. (e + 1) * rows - 1 of the stacked [n_expert * rows, cols] weight (GGUF's order). Split between
+    device and host memory (hybrid.py), the projections are None and `parts` hold the experts."""
 
     router: QuantArray  # [n_expert, d] blk.N.ffn_gate_inp
-    gate: QuantArray  # [n_expert * n_ff_exp, d] blk.N.ffn_gate_exps
-    up: QuantArray  # [n_expert * n_ff_exp, d] blk.N.ffn_up_exps
-    down: QuantArray  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps
+    gate: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_gate_exps
+    up: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_up_exps
+    down: QuantArray | None  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps
+    parts: list[ExpertPart] | None = None
 
 
 def stacked(view: np.ndarray, qtype, shape: tuple[int, int, int]) -> QuantArray:
@@ -72,21 +98,68 @@ def activations(cfg: Config):
 
 
 def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
-    """x [..., d] (the normed FFN input) -> [..., d]: the mixture's output. `trace`: what model.forward's `observe`
-    asks of an FFN (profiling, calibration, predictor training), which no mixture computes yet."""
-    if trace:
-        raise JaxinferError(f"a mixture-of-experts model ({cfg.arch}, {cfg.n_expert} experts) has no per-neuron "
-                            f"statistics to profile, calibrate or train predictors on yet")
+    """x [..., d] (the normed FFN input) -> ([..., d], FFNTrace or None): the mixture's output, summed over the parts
+    its experts are held in (one, unless split: hybrid.py), a part in host memory run there, inside the one compiled
+    step. With `trace`, what model.forward's `observe` records: `active` [..., n_expert] the experts each token was
+    routed to, `gate` and `hidden` their routing weights (0 elsewhere)."""
     flat = x.reshape(-1, x.shape[-1])
     weights, chosen = route(flat, experts.router, cfg)
-    n_tokens, k = chosen.shape
-    if n_tokens * k < cfg.n_expert:
-        projections = (experts.gate, experts.up, experts.down)
+    routed = flat.shape[0] * cfg.n_expert_used < cfg.n_expert  # a decode step: see the module docstring
+    outs = []
+    for part in expert_parts(experts):
+        # Which pairs the part runs, and how, worked out in device memory: a host region takes only indexing and
+        # products of arrays already there.
+        work = _part_work(weights, chosen, part, routed, tile_size(chosen.size, cfg.n_expert), cfg)
+        projections = (part.gate, part.up, part.down)
+        if part.on_host:
+            run = jax_compat.on_host(partial(_run_host_part, routed=routed, cfg=cfg))
+            outs.append(run(*jax_compat.to_host((flat, work)), projections))
+        else:
+            outs.append(_run_part(flat, work, projections, routed=routed, cfg=cfg))
+    out = (outs[0] if len(outs) == 1 else sum(outs[1:], outs[0])).reshape(x.shape)
+    if not trace:
+        return out, None
+    rows = jnp.arange(flat.shape[0])[:, None]
+    share = jnp.zeros((flat.shape[0], cfg.n_expert), jnp.float32).at[rows, chosen].set(weights)
+    share = share.reshape(*x.shape[:-1], cfg.n_expert)
+    return out, FFNTrace(x, share, share, share > 0)
+
+
+def expert_parts(experts: Experts) -> list[ExpertPart]:
+    """The parts a layer's experts are held in: its `parts` when split, else one part of all of them (local None:
+    expert e is the e-th)."""
+    if experts.parts is not None:
+        return experts.parts
+    return [ExpertPart(experts.gate, experts.up, experts.down, None)]
+
+
+def _part_work(weights, chosen, part: ExpertPart, routed: bool, tile: int, cfg: Config):
+    """What `part` runs of a routing (weights, chosen [N, k], global expert ids): a decode step's (chosen, weights)
+    in the part's expert ids, a prompt's expert_tiles. A pair whose expert another part holds adds nothing here: its
+    expert is -1 among this part's (the routed products read no rows for it, the tiles leave it out) and its weight
+    0."""
+    n_here = cfg.n_expert
+    if part.local is not None:
+        chosen = part.local[chosen]
+        weights = jnp.where(chosen >= 0, weights, 0.0)
+        n_here = part.n_here
+    return (chosen, weights) if routed else expert_tiles(weights, chosen, n_here, tile)
+
+
+def _run_host_part(flat, work, projections, routed: bool, cfg: Config):
+    """_run_part traced for the host: its products are the Plan's host products."""
+    with quant.products(cfg.plan.host_products):
+        return _run_part(flat, work, projections, routed, cfg)
+
+
+def _run_part(flat, work, projections, routed: bool, cfg: Config):
+    """flat [N, d] through the experts of one part (their stacked projections) as `work` (_part_work) says."""
+    if routed:
+        chosen, weights = work
         rows = [routed_ffn(flat[t:t + 1], chosen[t], weights[t], *projections, activations(cfg))
-                for t in range(n_tokens)]
-        return jnp.concatenate(rows).reshape(x.shape)
-    out = grouped_ffn(flat, weights, chosen, experts, cfg, tile_size(n_tokens * k, cfg.n_expert))
-    return out.reshape(x.shape)
+                for t in range(flat.shape[0])]
+        return jnp.concatenate(rows)
+    return run_tiles(flat, *work, projections, cfg)
 
 
 # The most tokens of a tile. Measured on one layer of Qwen3-30B-A3B's width (Q4_0, 128 experts of 768, top-8, 2 busy
@@ -103,31 +176,45 @@ def tile_size(pairs: int, n_expert: int) -> int:
     return min(MAX_TILE, 1 << (mean - 1).bit_length())
 
 
-def grouped_ffn(flat, weights, chosen, experts: Experts, cfg: Config, tile: int):
-    """The mixture of flat [N, d] for its routing (weights, chosen [N, k]), expert by expert: the (token, expert)
-    pairs sorted by expert (stably: each expert's tokens in order), each expert's pairs cut into tiles of `tile`
-    (static), and one loop over the tiles in use (a traced count, at most N k / tile + n_expert), each running its
-    expert on its tokens (rows past the expert's last pair are dropped) and adding their weighted outputs. Each token
-    gets its experts' outputs added in the order of the experts."""
+def grouped_ffn(flat, weights, chosen, projections, n_here: int, tile: int, cfg: Config):
+    """The mixture of flat [N, d] for its routing (weights, chosen [N, k]: the part's expert ids, -1 for experts it
+    does not hold), expert by expert, in tiles of `tile` tokens (expert_tiles), one loop over the tiles in use, each
+    running its expert on its tokens and adding their weighted outputs. Each token gets its experts' outputs added in
+    the order of the experts."""
+    return run_tiles(flat, *expert_tiles(weights, chosen, n_here, tile), projections, cfg)
+
+
+def expert_tiles(weights, chosen, n_here: int, tile: int):
+    """The (token, expert) pairs of a routing (weights, chosen [N, k]; -1: an expert held in another part, left out)
+    sorted by expert (stably: each expert's tokens in order) and cut into tiles of `tile` pairs of one expert:
+    (expert [T], tokens [T, tile], weights [T, tile], the tiles in use), T = N k / tile + n_here (static, the most
+    tiles there can be), a slot past an expert's last pair holding token N (dropped) with weight 0."""
     n, k = chosen.shape
-    expert_of = chosen.reshape(-1)
+    expert_of = chosen.reshape(-1) % (n_here + 1)  # -1 becomes n_here: one more bucket, sorted last
     order = jnp.argsort(expert_of, stable=True)
-    padding = jnp.full((tile,), n, jnp.int32)  # a tile's slice may run past the last pair: token n, dropped
-    token_of = jnp.concatenate([(order // k).astype(jnp.int32), padding])
-    weight_of = jnp.concatenate([weights.reshape(-1)[order], jnp.zeros((tile,), weights.dtype)])
-    counts = jnp.zeros((cfg.n_expert,), jnp.int32).at[expert_of].add(1)
-    first_pair = jnp.cumsum(counts) - counts
+    token_of, weight_of = (order // k).astype(jnp.int32), weights.reshape(-1)[order]
+    counts = jnp.zeros((n_here + 1,), jnp.int32).at[expert_of].add(1)
+    first_pair = (jnp.cumsum(counts) - counts)[:n_here]
+    counts = counts[:n_here]
     tiles = (counts + tile - 1) // tile
     tiles_end = jnp.cumsum(tiles)  # expert e's tiles: tiles_end[e] - tiles[e] .. tiles_end[e] - 1
+    i = jnp.arange(n * k // tile + n_here)
+    expert = jnp.minimum(jnp.searchsorted(tiles_end, i, side="right"), n_here - 1).astype(jnp.int32)
+    nth = i - (tiles_end[expert] - tiles[expert])
+    pair = first_pair[expert][:, None] + nth[:, None] * tile + jnp.arange(tile)
+    valid = (jnp.arange(tile) < (counts[expert] - nth * tile)[:, None]) & (i < tiles_end[-1])[:, None]
+    pair = jnp.minimum(pair, n * k - 1)
+    return (expert, jnp.where(valid, token_of[pair], n), jnp.where(valid, weight_of[pair], 0).astype(weights.dtype),
+            tiles_end[-1])
 
+
+def run_tiles(flat, expert, tokens, weights, n_tiles, projections, cfg: Config):
+    """Σ over the tiles i < n_tiles of weights[i] times expert[i]'s FFN of its tokens[i], added into their rows of
+    a [N, d] zero (token N: dropped). Only indexing and products: it runs in host memory as it does in device."""
     def add_tile(i, out):
-        e = jnp.searchsorted(tiles_end, i, side="right").astype(jnp.int32)
-        part = i - (tiles_end[e] - tiles[e])
-        start = first_pair[e] + part * tile
-        tokens = jax.lax.dynamic_slice_in_dim(token_of, start, tile)
-        tokens = jnp.where(jnp.arange(tile) < counts[e] - part * tile, tokens, n)
-        y = expert_ffn(jnp.take(flat, tokens, axis=0, mode="clip"), e, experts.gate, experts.up, experts.down,
-                       activations(cfg))
-        return out.at[tokens].add(jax.lax.dynamic_slice_in_dim(weight_of, start, tile)[:, None] * y, mode="drop")
+        rows = jax.lax.dynamic_index_in_dim(tokens, i, keepdims=False)
+        y = expert_ffn(jnp.take(flat, rows, axis=0, mode="clip"), expert[i], *projections, activations(cfg))
+        w = jax_compat.like(y, jax.lax.dynamic_index_in_dim(weights, i, keepdims=False))
+        return out.at[rows].add(jax_compat.like(out, w[:, None] * y), mode="drop")
 
-    return jax.lax.fori_loop(0, tiles_end[-1], add_tile, jnp.zeros_like(flat))
+    return jax.lax.fori_loop(0, n_tiles, add_tile, jax_compat.like(flat, jnp.zeros_like(flat)))

@@ -91,18 +91,20 @@ def ffn_capacity(costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_
     return max(budget_bytes - costs.dense_bytes - costs.kv_bytes - reserve, 0)
 
 
-def no_neurons_reason(costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> str:
-    """Why a budget places no FFN neuron on the accelerator, in the words of the split's summary."""
+def no_neurons_reason(costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES,
+                      units: str = "FFN neurons") -> str:
+    """Why a budget places no FFN neuron (or expert: `units`) on the accelerator, in the words of the split's
+    summary."""
     mib = 1 << 20
     spent = (f"dense weights {costs.dense_bytes / mib:.2f} MiB, KV cache {costs.kv_bytes / mib:.2f} MiB and "
              f"workspace {reserve / mib:.2f} MiB")
     capacity = ffn_capacity(costs, budget_bytes, reserve)
     if capacity == 0:
         over = costs.dense_bytes + costs.kv_bytes + reserve - budget_bytes
-        return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave nothing for FFN neurons"
+        return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave nothing for {units}"
                 + (f" ({over / mib:.2f} MiB over the budget)" if over > 0 else ""))
-    return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave {capacity} bytes, less than one unit of FFN "
-            f"neurons ({int(costs.unit_bytes.min())} bytes)")
+    return (f"budget {budget_bytes / GIB:.2f} GiB: {spent} leave {capacity} bytes, less than one unit of {units} "
+            f"({int(costs.unit_bytes.min())} bytes)")
 
 
 def solve(counts: np.ndarray, costs: ModelCosts, budget_bytes: int, reserve: int = WORKSPACE_BYTES) -> Split:

@@ -235,6 +235,15 @@ def reduce_over_windows(m, windows: np.ndarray, statistic, n_seq: int = 4, desc:
     return total
 
 
+def check_neuron_statistics(cfg, what: str) -> None:
+    """Refuse, in one line, `what` (per-neuron thresholds or predictors) for a mixture of experts: its router decides
+    which experts run, and `profile` counts its routings instead."""
+    if cfg.n_expert:
+        raise JaxinferError(f"{what}: a mixture of experts ({cfg.arch}, {cfg.n_expert} experts) has no per-neuron "
+                            f"thresholds or predictors: its router chooses the experts (python -m jaxinfer.profile "
+                            f"counts its routings)")
+
+
 def count_active(trace, valid):
     """[n_ff] int32: how many real tokens activated each neuron."""
     return jnp.sum(trace.active & valid[:, None, None], axis=(0, 1), dtype=jnp.int32)

@@ -229,6 +229,7 @@ def _cli_main(argv):
         print("note: no -o given: the predictors are trained and evaluated, not saved", file=sys.stderr)
     runtime.enable_compilation_cache()
     m = engine.build_model(f.model, sparsity_spec=spec, thresholds_file=f.thresholds)
+    sparsity.check_neuron_statistics(m.config, "train_predictor")
     print(m.describe() + f", labels from --sparsity {spec}", file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(text), np.int32)
     n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)

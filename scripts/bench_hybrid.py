@@ -1,15 +1,19 @@
-"""Decode speed of hot/cold placements at one accelerator budget, on a sparse (predictor) model:
+"""Decode speed of hot/cold placements at one accelerator budget, on a sparse (predictor) model or a mixture of
+experts:
 
-    neurons   jaxinfer's split: the most-fired neurons of every layer in device memory (placement.solve)
-    layers    llama.cpp's -ngl strategy at the same budget: whole layers' FFNs in device memory, the rest on the host
-    host      every FFN neuron in host memory
+    neurons   jaxinfer's split: the most-fired neurons of every layer in device memory (placement.solve); in a
+              mixture (`experts`), whole experts, the most routed to per byte first
+    layers    llama.cpp's -ngl strategy at the same budget: whole layers' FFNs in device memory, the rest on the host;
+              in a mixture, its --n-cpu-moe N: the first N layers' experts on the host, the later ones in device memory
+    host      every FFN neuron (expert) in host memory
     all       everything in device memory (no split), for reference
 
     python scripts/bench_hybrid.py -m sparse.gguf -f text.txt --ffn_share 0.5 [-n 32] [--json]
 
-The budget is given as the share of FFN bytes device memory may hold. Every placement runs generate's own compiled
-decode loop (hybrid.py: one program, cold parts under compute_on in host memory). On a machine without a GPU the
-device and the host are the same cores: the numbers then measure what the split costs in itself, not a GPU's speed.
+The budget is given as the share of FFN (expert) bytes device memory may hold. Every placement runs generate's own
+compiled decode loop (hybrid.py: one program, cold parts under compute_on in host memory), and says which share of
+the profiled activations (routings) its device memory serves. On a machine without a GPU the device and the host
+are the same cores: the speeds then measure what the split costs in itself, not a GPU's speed.
 """
 
 import dataclasses
@@ -24,10 +28,11 @@ from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.sampling import SamplingParams
 
-flags.DEFINE_string("model", None, "sparse GGUF with predictors (e.g. from scripts/make_sparse_model.py)",
+flags.DEFINE_string("model", None, "sparse GGUF with predictors, or a mixture of experts (e.g. from "
+                    "scripts/make_sparse_model.py)",
                     short_name="m")
 flags.DEFINE_string("file", None, "text to profile neuron activity on", short_name="f")
-flags.DEFINE_float("ffn_share", 0.5, "share of the FFN bytes the accelerator may hold")
+flags.DEFINE_float("ffn_share", 0.5, "share of the FFN (expert) bytes the accelerator may hold")
 flags.DEFINE_integer("n_predict", 32, "decode steps to time", short_name="n")
 flags.DEFINE_integer("ctx_size", 256, "context", short_name="c")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
@@ -36,13 +41,17 @@ flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 
 
-def layer_split(costs, capacity: int) -> list[np.ndarray]:
-    """Whole layers' FFNs on the accelerator, first layers first, while they fit (llama.cpp's -ngl)."""
-    hot, used = [], 0
-    for layer_bytes in costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit()):
-        fits = used + layer_bytes <= capacity
-        used += layer_bytes if fits else 0
-        hot.append(np.arange(costs.n_ff) if fits else np.zeros(0, np.int64))
+def layer_split(costs, capacity: int, last_first: bool = False) -> list[np.ndarray]:
+    """Whole layers' FFNs on the accelerator while they fit: first layers first (llama.cpp's -ngl), or with
+    `last_first` the last ones (its --n-cpu-moe N keeps the first N layers' experts on the host)."""
+    layer_bytes = costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit())
+    order = range(costs.n_layer - 1, -1, -1) if last_first else range(costs.n_layer)
+    hot, used = [np.zeros(0, np.int64)] * costs.n_layer, 0
+    for i in order:
+        if used + layer_bytes[i] > capacity:
+            break
+        used += layer_bytes[i]
+        hot[i] = np.arange(costs.n_ff)
     return hot
 
 
@@ -65,7 +74,9 @@ def main(argv):
         raise JaxinferError("-f/--file is required (text to profile on)")
     receipt.check_path(FLAGS.receipt)
     runtime.enable_compilation_cache()
-    m = sparsity.apply(engine.load_model(FLAGS.model), sparsity.SparsitySpec("predictor"))
+    m = engine.load_model(FLAGS.model)
+    mixture = bool(m.config.n_expert)  # a mixture runs dense: its router chooses the experts
+    m = m if mixture else sparsity.apply(m, sparsity.SparsitySpec("predictor"))
     print(m.describe(), file=sys.stderr)
     tokens = np.asarray(m.tokenizer.encode(open(FLAGS.file, encoding="utf-8").read()), np.int32)
     counts = activation_profile.profile_counts(m, evaluation.make_windows(tokens, 128, 8, None))
@@ -73,7 +84,8 @@ def main(argv):
     ffn_total = int((costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit())).sum())
     capacity = int(FLAGS.ffn_share * ffn_total)
     budget = capacity + costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES
-    splits = {"neurons": placement.solve(counts, costs, budget).hot, "layers": layer_split(costs, capacity),
+    splits = {"experts" if mixture else "neurons": placement.solve(counts, costs, budget).hot,
+              "layers": layer_split(costs, capacity, last_first=mixture),
               "host": [np.zeros(0, np.int64)] * m.config.n_layer}
     results = {}
     for name, hot in splits.items():
@@ -83,10 +95,12 @@ def main(argv):
                          "device_ffn_mib": hybrid.ffn_bytes(split.weights, on_host=False) / 2**20,
                          "activations_in_device_memory": float(hit)}
     results["all"] = {"tokens_per_s": decode_rate(m, FLAGS.n_predict)}
-    print(f"{m.config.plan.describe()}; budget {FLAGS.ffn_share:.0%} of {ffn_total / 2**20:.1f} MiB of FFN weights")
+    what = ("expert", "routings") if mixture else ("FFN", "activations")
+    print(f"{m.config.plan.describe()}; budget {FLAGS.ffn_share:.0%} of {ffn_total / 2**20:.1f} MiB of {what[0]} "
+          f"weights")
     for name, r in results.items():
-        extra = (f", {r['device_ffn_mib']:.1f} MiB FFN in device memory serving "
-                 f"{r['activations_in_device_memory']:.0%} of activations" if "device_ffn_mib" in r else "")
+        extra = (f", {r['device_ffn_mib']:.1f} MiB {what[0]} weights in device memory serving "
+                 f"{r['activations_in_device_memory']:.1%} of {what[1]}" if "device_ffn_mib" in r else "")
         print(f"{name:>8}: {r['tokens_per_s']:.2f} tokens/s{extra}")
     receipt.write(FLAGS.receipt, m, {"ffn_share": FLAGS.ffn_share, "ffn_mib": ffn_total / 2**20, **results})
     if FLAGS.json:

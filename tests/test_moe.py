@@ -3,6 +3,7 @@ of the project's own writer (tests/data/README.md says how they were made), incr
 forward, a decode step that reads only its routed experts, what the file's metadata says, and what is refused."""
 
 import dataclasses
+import json
 import pathlib
 import subprocess
 import sys
@@ -14,12 +15,14 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf import quants as gguf_quants
 
-from jaxinfer import engine, evaluation, inspection, model, moe, quant, sharding
+from jaxinfer import activation_profile, engine, evaluation, hybrid, inspection, model, moe, placement, quant, sharding
 from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import QuantArray, dynamic_row_range
+from jaxinfer import sparsity
 from jaxinfer.sparsity import SparsitySpec
 from jaxinfer.synthetic import SyntheticSpec, write_model
 from test_architectures import copy_with, vector
+from test_hybrid import greedy, prefill_then_decode
 from test_model import assert_incremental_decode_matches_full_forward
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -146,9 +149,9 @@ def test_decode_reads_the_routed_experts_rows_in_place(tmp_path, qtype):
     experts = random_experts(qtype)
     x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 64)).astype(np.float32))
     with quant.products("cpu_ext"):
-        got = jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, experts)
+        got = jax.jit(lambda x, ex: moe.ffn(x, ex, cfg)[0])(x, experts)
         expected = jax.jit(lambda x, ex: sliced_mixture(x, ex, cfg))(x, experts)
-        program = jax.jit(lambda x, ex: moe.ffn(x, ex, cfg)).lower(x, experts).as_text()
+        program = jax.jit(lambda x, ex: moe.ffn(x, ex, cfg)[0]).lower(x, experts).as_text()
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * float(jnp.abs(expected).max()))
     data = experts.gate.data
     element = {"uint8": "ui8", "float16": "f16", "float32": "f32"}[data.dtype.name]
@@ -178,10 +181,10 @@ def every_expert_mixture(x, experts: moe.Experts, cfg):
                          ids=lambda t: t.name)
 def test_prompts_run_each_expert_on_its_own_tokens(tmp_path, qtype):
     """A prompt-sized call (20 tokens, 4 distinct ones 5 times each, so that the experts chosen get 5 tokens or more
-    and some are not chosen) groups the pairs by expert, in tiles of any size (1: one pair a tile; 3: tiles cut inside an expert's pairs; 16; and the
-    size moe.ffn picks): the same output as every expert run over every token, to f32 rounding. An expert no token
-    chose is not read: poisoned with NaN, it changes nothing (every expert over every token, weighted by 0, gives
-    NaN)."""
+    and some are not chosen) groups the pairs by expert, in tiles of any size (1: one pair a tile; 3: tiles cut
+    inside an expert's pairs; 16; and the size moe.ffn picks): the same output as every expert run over every
+    token, to f32 rounding. An expert no token chose is not read: poisoned with NaN, it changes nothing (every
+    expert over every token, weighted by 0, gives NaN)."""
     cfg = load(tmp_path, "mixtral", SMALL_SPECS["mixtral"]).config  # 8 experts of 32, 2 per token, d = 64
     experts = random_experts(qtype)
     x = jnp.asarray(np.tile(np.random.default_rng(3).standard_normal((4, 64)).astype(np.float32), (5, 1)))
@@ -190,16 +193,17 @@ def test_prompts_run_each_expert_on_its_own_tokens(tmp_path, qtype):
         weights, chosen = moe.route(x, experts.router, cfg)
         scale = float(jnp.abs(expected).max())
         for tile in (1, 3, 16):
-            got = jax.jit(lambda x, ex: moe.grouped_ffn(x, weights, chosen, ex, cfg, tile))(x, experts)
+            got = jax.jit(lambda x, ex: moe.grouped_ffn(x, weights, chosen, (ex.gate, ex.up, ex.down), cfg.n_expert,
+                                                        tile, cfg))(x, experts)
             np.testing.assert_allclose(got, expected, rtol=0, atol=1e-6 * scale, err_msg=f"tile {tile}")
-        np.testing.assert_allclose(jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, experts), expected,
+        np.testing.assert_allclose(jax.jit(lambda x, ex: moe.ffn(x, ex, cfg)[0])(x, experts), expected,
                                    rtol=0, atol=1e-6 * scale)
         unused = sorted(set(range(cfg.n_expert)) - set(np.asarray(chosen).reshape(-1).tolist()))
         assert unused, "every expert chosen: pick another seed"
         poisoned = dataclasses.replace(experts, gate=dataclasses.replace(
             experts.gate, data=experts.gate.data.at[unused[0] * 32:(unused[0] + 1) * 32].set(POISON_ANY[qtype])))
-        np.testing.assert_array_equal(jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, poisoned),
-                                      jax.jit(lambda x, ex: moe.ffn(x, ex, cfg))(x, experts))
+        np.testing.assert_array_equal(jax.jit(lambda x, ex: moe.ffn(x, ex, cfg)[0])(x, poisoned),
+                                      jax.jit(lambda x, ex: moe.ffn(x, ex, cfg)[0])(x, experts))
 
 
 POISON = {GGMLQuantizationType.F32: np.nan, GGMLQuantizationType.Q8_0: 0xFF}  # 0xFFFF: Q8_0's f16 scale as NaN
@@ -239,8 +243,8 @@ def test_a_decode_step_reads_only_its_routed_experts(tmp_path, qtype):
 
 def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     """Shared experts, another gating function, scaled weights, a qwen3moe file without experts, more experts used
-    than there are, a dense FFN tensor beside the experts; and for now --tp, --vram-budget, the sparsity modes and
-    the per-neuron statistics (profile, calibrate, train_predictor) of a mixture."""
+    than there are, a dense FFN tensor beside the experts; and for now --tp, the sparsity modes and the per-neuron
+    thresholds and predictors (calibrate, train_predictor) of a mixture."""
     path = write_model(str(tmp_path / "qwen3moe.gguf"), SMALL_SPECS["qwen3moe"])
     cases = [
         ([], [("qwen3moe.expert_shared_count", 1, GGUFValueType.UINT32, None)], "shared experts are not implemented"),
@@ -266,10 +270,8 @@ def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
         sharding.check_model(m.config, 2)
     with pytest.raises(JaxinferError, match=r"--sparsity hidden:0.5: a mixture of experts .* runs dense for now"):
         engine.build_model(path, sparsity_spec=SparsitySpec("hidden", 0.5))
-    with pytest.raises(JaxinferError, match="qwen3moe: a hot/cold split .--vram-budget. does not place"):
-        engine.build_model(path, vram_budget_gib=0.001)
-    with pytest.raises(JaxinferError, match="has no per-neuron statistics to profile, calibrate"):
-        model.forward(np.zeros((1, 4), np.int32), m.weights, m.config, observe=lambda i, trace: trace)
+    with pytest.raises(JaxinferError, match=r"calibrate: a mixture of experts \(qwen3moe, 8 experts\) has no per-"):
+        sparsity.check_neuron_statistics(m.config, "calibrate")
 
 
 def test_make_sparse_model_writes_a_mixture_that_inspect_says_runs(tmp_path):
@@ -281,10 +283,85 @@ def test_make_sparse_model_writes_a_mixture_that_inspect_says_runs(tmp_path):
     assert made.returncode == 0, made.stderr
     report = inspection.inspect_model(str(out))
     assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
-    assert not report["hybrid_split"]["applies"]
+    assert not report["hybrid_split"]["applies"]  # no activation profile yet
+    assert report["hybrid_split"]["tensors"] == ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
     assert "block: QK-norm, mixture of 4 experts of 32 neurons, 2 per token" in inspection.format_report(report)
     refused = subprocess.run([sys.executable, "scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"),
                               "--n_expert", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1] == ("error: a mixture of experts (--n_expert) is written plain: "
                                                        "give --sparsity 0")
+
+
+def profile_routings(m, n_tokens: int = 4 * 32):
+    """Count m's routings per expert over random tokens into its default profile folder; the counts and windows."""
+    tokens = np.random.default_rng(1).integers(3, 250, size=n_tokens)
+    windows = evaluation.make_windows(tokens, 32, -1, None)
+    counts = activation_profile.profile_counts(m, windows)
+    activation_profile.write_profile(activation_profile.default_directory(m.path, create=True), m.path, counts,
+                                     tokens.size, "dense")
+    return counts, windows
+
+
+def test_profile_counts_each_experts_routings(tmp_path):
+    """`profile` of a mixture counts, per layer, how many tokens were routed to each expert: k per token, the experts
+    moe.route picks from the layer's FFN input (recomputed from what the forward observed)."""
+    m = load(tmp_path, "qwen3moe", SMALL_SPECS["qwen3moe"])
+    counts, windows = profile_routings(m)
+    assert counts.shape == (m.config.n_layer, m.config.n_expert)
+    np.testing.assert_array_equal(counts.sum(axis=1), windows.size * m.config.n_expert_used)
+    _, _, observed = model.forward(jnp.asarray(windows), m.weights, m.config, observe=lambda i, trace: trace.ffn_inp)
+    for layer, ffn_inp in enumerate(observed):
+        _, chosen = moe.route(ffn_inp.reshape(-1, m.config.n_embd), m.weights.layers[layer].experts.router, m.config)
+        np.testing.assert_array_equal(counts[layer], np.bincount(np.asarray(chosen).reshape(-1),
+                                                                 minlength=m.config.n_expert))
+
+
+@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp_path, name):
+    """--vram-budget on a mixture places whole experts, most routed per byte first, in device memory, the rest in
+    host memory run under compute_on there, in the one program: what is placed is what was priced, within the budget;
+    prefill and decode logits equal the unsplit model's to f32 rounding (the parts' sums are added in another order)
+    and greedy tokens are the same."""
+    m = load(tmp_path, name, dataclasses.replace(SMALL_SPECS[name], weight_type=GGMLQuantizationType.Q8_0))
+    counts, _ = profile_routings(m)
+    costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, 32))
+    per_expert = int(costs.unit_bytes[0])
+    assert costs.n_ff == m.config.n_expert and per_expert == 3 * m.config.n_ff_exp * m.config.n_embd * 34 // 32
+    budget = costs.dense_bytes + costs.kv_bytes + placement.WORKSPACE_BYTES + 5.5 * per_expert
+    split = engine.split_model(m, budget / placement.GIB, 32, None, reset=True)
+    hot = split.split.plan.hot
+    assert sum(len(h) for h in hot) == 5
+    on_device = hybrid.ffn_bytes(split.weights, on_host=False)
+    assert on_device == split.split.plan.ffn_bytes_used == 5 * per_expert <= split.split.plan.ffn_capacity
+    assert on_device + hybrid.ffn_bytes(split.weights, on_host=True) == m.config.n_layer * 8 * per_expert
+    ranked = np.argsort(-counts.reshape(-1), kind="stable")[:5]  # both layers' experts cost the same here
+    assert sorted(ranked.tolist()) == sorted(i * m.config.n_expert + e for i, h in enumerate(hot) for e in h)
+    parts = [p for layer in split.weights.layers for p in layer.experts.parts]
+    assert {p.on_host for p in parts} == {False, True}
+    for p in parts:
+        assert p.gate.data.sharding.memory_kind == ("pinned_host" if p.on_host else "device")
+    assert "% of experts" in split.split.summary
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
+    expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+    assert greedy(split, prompt, 12) == greedy(m, prompt, 12)
+
+
+def test_bench_hybrid_compares_the_solver_s_experts_with_llama_cpp_s_n_cpu_moe_rule(tmp_path):
+    """bench_hybrid.py on a mixture: at the same budget the solver's experts serve at least the routings that
+    llama.cpp's --n-cpu-moe rule serves (the first layers' experts on the host, the last ones in device memory:
+    here layer 1 of 2), each placement through generate's decode loop."""
+    path = write_model(str(tmp_path / "qwen3moe.gguf"), SMALL_SPECS["qwen3moe"])
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 100)
+    run = subprocess.run([sys.executable, "scripts/bench_hybrid.py", "-m", path, "-f", str(text), "--ffn_share",
+                          "0.5", "-n", "4", "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    experts, layers = result["experts"], result["layers"]
+    assert experts["device_ffn_mib"] <= layers["device_ffn_mib"] + 1e-9
+    assert layers["device_ffn_mib"] > 0
+    assert experts["activations_in_device_memory"] >= layers["activations_in_device_memory"]
+    assert result["host"]["activations_in_device_memory"] == 0 and result["all"]["tokens_per_s"] > 0
+    assert "of routings" in run.stdout
