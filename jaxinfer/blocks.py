@@ -90,6 +90,9 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 DENSE_FFN_TENSORS = {f"{name}.weight" for name in ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t", "fc1", "fc2")} | {
     "ffn_gate.scale", "ffn_up.scale", "ffn_down.scale"}
 EXPERT_TENSORS = {f"{name}.weight" for name in ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
+# A shared expert beside them (Qwen2-MoE's): its gate's input vector and its SwiGLU FFN.
+SHARED_EXPERT_TENSORS = {f"{name}.weight" for name in ("ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_up_shexp",
+                                                        "ffn_down_shexp")}
 
 
 def _check_vector(gguf, name: str, length: int) -> None:
@@ -136,7 +139,7 @@ def check_block_tensors(gguf, cfg) -> None:
                                 f"one): refused as ambiguous")
     known = _layer_matrices(cfg) | set(vectors)
     if cfg.n_expert:
-        known = (known - DENSE_FFN_TENSORS) | EXPERT_TENSORS
+        known = (known - DENSE_FFN_TENSORS) | EXPERT_TENSORS | (SHARED_EXPERT_TENSORS if cfg.n_ff_shexp else set())
     for name in gguf.tensors:
         layer = LAYER_NAME.match(name)
         if (name[layer.end():] not in known) if layer else name not in global_tensors:

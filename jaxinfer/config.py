@@ -51,6 +51,12 @@ class Architecture:
     # The FFN is a mixture of experts in every layer (moe.py): `{arch}.expert_count` must be given. Any architecture
     # whose file gives one runs its FFN so (a llama file with experts is Mixtral's layout).
     experts: bool = False
+    # Each layer also runs one shared expert for every token, gated by sigmoid(x · ffn_gate_inp_shexp)
+    # (blk.N.ffn_{gate,up,down}_shexp, `{arch}.expert_shared_feed_forward_length` neurons: Qwen2-MoE).
+    shared_expert: bool = False
+    # The chosen experts' weights renormalized over them (llama.cpp's build_moe_ffn norm_w, which its graphs fix per
+    # architecture: true for llama and qwen3moe, false for qwen2moe); `{arch}.expert_weights_norm` overrides it.
+    expert_weights_norm: bool = True
     # llama.cpp's soft-caps when the file gives none: attention scores (q·k times the query scale) -> c * tanh(s / c)
     # before the softmax, with c `{arch}.attn_logit_softcapping` (0: the architecture has none, and a file giving
     # one is refused), and the logits so with `{arch}.final_logit_softcapping` (0: none).
@@ -86,6 +92,10 @@ ARCHITECTURES = {
                            default_sliding_window=4096, swa_rope_global=True),
     # Qwen3-MoE (Qwen3-30B-A3B, 235B-A22B): Qwen3's attention, a mixture of SwiGLU experts in place of the FFN.
     "qwen3moe": Architecture(gate_activation="silu", rope_type="neox", qk_norm=True, experts=True),
+    # Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): Qwen2's attention (QKV biases), a mixture of SwiGLU experts
+    # whose weights are not renormalized, and a shared expert gated per token.
+    "qwen2moe": Architecture(gate_activation="silu", rope_type="neox", experts=True, shared_expert=True,
+                             expert_weights_norm=False),
     # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
     "phi3": Architecture(gate_activation="silu", rope_type="neox", ffn_layout="fused", ignores_sliding_window=True),
     # Falcon 7B/40B: parallel attention and FFN, LayerNorm with bias, fused QKV (multi-query for 7B), GELU FFN
@@ -153,6 +163,7 @@ class Config:
     n_expert_used: int = 0
     n_ff_exp: int = 0
     expert_weights_norm: bool = True
+    n_ff_shexp: int = 0  # the shared expert's neurons (Architecture.shared_expert; 0: none)
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
     # The KV cache's element type, one of CACHE_TYPES: "f16" halves its memory and the bytes a decode step reads
@@ -279,7 +290,7 @@ class Config:
             ffn_layout=spec.ffn_layout,
             layer_norm=spec.layer_norm,
             parallel_block=spec.parallel_block,
-            **_experts(meta, arch, spec.experts, count("feed_forward_length")),
+            **_experts(meta, arch, spec, count("feed_forward_length")),
         )
 
 
@@ -288,9 +299,11 @@ class Config:
 EXPERT_GATING_SOFTMAX = 1
 
 
-def _experts(meta: dict, arch: str, required: bool, n_ff: int) -> dict:
+def _experts(meta: dict, arch: str, spec: Architecture, n_ff: int) -> dict:
     """Config's mixture-of-experts fields from `{arch}.expert_*` (none when the file has no expert_count), checked:
-    what jaxinfer does not compute (shared experts, another gating function, a weight scale) is refused."""
+    what jaxinfer does not compute (shared experts beside Qwen2-MoE's one, another gating function, a weight scale)
+    is refused."""
+    required = spec.experts
     n_expert = metadata.integer(meta, f"{arch}.expert_count", 0, minimum=0)
     if not n_expert:
         if required:
@@ -299,8 +312,9 @@ def _experts(meta: dict, arch: str, required: bool, n_ff: int) -> dict:
     used = metadata.integer(meta, f"{arch}.expert_used_count", minimum=1)
     if used > n_expert:
         raise JaxinferError(f"{arch}.expert_used_count {used} exceeds {arch}.expert_count {n_expert}")
-    if metadata.integer(meta, f"{arch}.expert_shared_count", 0, minimum=0):
-        raise JaxinferError(f"{arch}.expert_shared_count: shared experts are not implemented")
+    if metadata.integer(meta, f"{arch}.expert_shared_count", 0, minimum=0) > int(spec.shared_expert):
+        raise JaxinferError(f"{arch}.expert_shared_count: shared experts are not implemented"
+                            + (" beyond one" if spec.shared_expert else ""))
     gating = metadata.integer(meta, f"{arch}.expert_gating_func", EXPERT_GATING_SOFTMAX, minimum=0)
     if gating != EXPERT_GATING_SOFTMAX:
         raise JaxinferError(f"{arch}.expert_gating_func {gating}: only the softmax ({EXPERT_GATING_SOFTMAX}) is "
@@ -310,8 +324,11 @@ def _experts(meta: dict, arch: str, required: bool, n_ff: int) -> dict:
     # llama.cpp's qwen3moe: the experts' width, or the FFN's shared among those used; its llama: the FFN's.
     width = metadata.integer(meta, f"{arch}.expert_feed_forward_length", n_ff // used if required else n_ff,
                              minimum=1)
-    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=width,
-                expert_weights_norm=metadata.boolean(meta, f"{arch}.expert_weights_norm", True))
+    # llama.cpp's qwen2moe: the shared expert's width, or the FFN's.
+    shared = (metadata.integer(meta, f"{arch}.expert_shared_feed_forward_length", n_ff, minimum=1)
+              if spec.shared_expert else 0)
+    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=width, n_ff_shexp=shared,
+                expert_weights_norm=metadata.boolean(meta, f"{arch}.expert_weights_norm", spec.expert_weights_norm))
 
 
 def _swa_layers(meta: dict, key: str, period: int, n_layer: int) -> tuple[bool, ...]:

@@ -176,8 +176,13 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> moe.Exp
         w = moe.stacked(np.asarray(t.data), quant_type(t.tensor_type), tensor_shape(gguf, name, 3))
         return dataclasses.replace(w, exact=exact, data=w.data if on_host else place(w.data))
 
+    shared = None
+    if f"blk.{i}.ffn_gate_inp_shexp.weight" in gguf.tensors:  # Qwen2-MoE (validate.check_tensors: all or none)
+        shared = moe.SharedExpert(load_vector(gguf, f"blk.{i}.ffn_gate_inp_shexp.weight", on_host),
+                                  *(load_matrix(gguf, f"blk.{i}.{t}.weight", exact, on_host)
+                                    for t in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")))
     return moe.Experts(load_matrix(gguf, f"blk.{i}.ffn_gate_inp.weight", exact, on_host),
-                       *(stacked(t) for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")))
+                       *(stacked(t) for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")), shared=shared)
 
 
 def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, cfg: Config) -> Layer:

@@ -446,7 +446,8 @@ def _block_options(c: dict, rope_freqs: bool) -> list[str]:
         options.append(f"final logit soft-cap {c['final_softcap']:g}")
     if c["n_expert"]:
         options.append(f"mixture of {c['n_expert']} experts of {c['n_ff_exp']} neurons, {c['n_expert_used']} per token"
-                       f"{'' if c['expert_weights_norm'] else ' (weights not renormalized)'}")
+                       f"{'' if c['expert_weights_norm'] else ' (weights not renormalized)'}"
+                       f"{', a shared expert of ' + str(c['n_ff_shexp']) + ' neurons' if c['n_ff_shexp'] else ''}")
     return options
 
 

@@ -73,6 +73,19 @@ class Experts:
     up: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_up_exps
     down: QuantArray | None  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps
     parts: list[ExpertPart] | None = None
+    shared: "SharedExpert | None" = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SharedExpert:
+    """Qwen2-MoE's shared expert: a SwiGLU FFN every token runs, its output times sigmoid(x · gate_inp), added to the
+    routed experts' (llama.cpp's qwen2moe graph). It stays with the dense weights in a hot/cold split."""
+
+    gate_inp: jax.Array  # [d] blk.N.ffn_gate_inp_shexp
+    gate: QuantArray  # [n_ff_shexp, d] blk.N.ffn_gate_shexp
+    up: QuantArray  # [n_ff_shexp, d] blk.N.ffn_up_shexp
+    down: QuantArray  # [d, n_ff_shexp] blk.N.ffn_down_shexp
 
 
 def stacked(view: np.ndarray, qtype, shape: tuple[int, int, int]) -> QuantArray:
@@ -116,13 +129,23 @@ def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
             outs.append(run(*jax_compat.to_host((flat, work)), projections))
         else:
             outs.append(_run_part(flat, work, projections, routed=routed, cfg=cfg))
-    out = (outs[0] if len(outs) == 1 else sum(outs[1:], outs[0])).reshape(x.shape)
+    out = outs[0] if len(outs) == 1 else sum(outs[1:], outs[0])
+    if experts.shared is not None:
+        out = out + shared_expert(flat, experts.shared, cfg)
+    out = out.reshape(x.shape)
     if not trace:
         return out, None
     rows = jnp.arange(flat.shape[0])[:, None]
     share = jnp.zeros((flat.shape[0], cfg.n_expert), jnp.float32).at[rows, chosen].set(weights)
     share = share.reshape(*x.shape[:-1], cfg.n_expert)
     return out, FFNTrace(x, share, share, share > 0)
+
+
+def shared_expert(flat, shared: SharedExpert, cfg: Config):
+    """The shared expert's output for flat [N, d]: down(gate_act(gate x) * up_act(up x)) * sigmoid(gate_inp · x)."""
+    gate_act, up_act = activations(cfg)
+    hidden = gate_act(matmul(flat, shared.gate)) * up_act(matmul(flat, shared.up))
+    return matmul(hidden, shared.down) * jax.nn.sigmoid(flat @ shared.gate_inp)[:, None]
 
 
 def expert_parts(experts: Experts) -> list[ExpertPart]:

@@ -11,7 +11,8 @@ adds llama.cpp's per-projection `*.scale` tensors. The other architectures get t
 reads (config.ARCHITECTURES): QKV biases (`qkv_bias`; Qwen2's by default), QK-norms, post-norms, a head size of its
 own (`head_dim`), sliding-window layers (`sliding_window`), llama's rope_freqs (`rope_freqs`: Llama 3's factors),
 soft-caps (`attn_softcap`, `final_softcap`: Gemma 2's).
-With `n_expert` the FFN is a mixture of experts (moe.py: qwen3moe's, or for llama Mixtral's layout): a router
+With `n_expert` the FFN is a mixture of experts (moe.py: qwen3moe's and qwen2moe's, the latter with a shared expert
+of `n_ff_shexp` neurons, or for llama Mixtral's layout): a router
 (ffn_gate_inp) and `n_expert` SwiGLU experts of `n_ff` neurons stacked in ffn_{gate,up,down}_exps, `n_expert_used`
 of them run per token.
 
@@ -99,6 +100,7 @@ class SyntheticSpec:
     rope_dim: int = 0  # {arch}.rope.dimension_count, the rotated dims of a head (Phi-4 mini: 3/4); 0: all of them
     n_expert: int = 0  # a mixture of this many experts of n_ff neurons in place of the FFN (0: none)
     n_expert_used: int = 2  # the experts run per token (with n_expert)
+    n_ff_shexp: int = 0  # the shared expert's neurons where the architecture has one (0: 2 n_ff)
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -164,6 +166,11 @@ class SparseLayer:
     fc2: np.ndarray  # [n_ff, predictor_rank]
 
 
+def shared_width(spec: SyntheticSpec) -> int:
+    """The neurons of a shared expert (Qwen2-MoE's)."""
+    return spec.n_ff_shexp or 2 * spec.n_ff
+
+
 def gate_rank(spec: SyntheticSpec) -> int:
     return spec.gate_rank or max(4, spec.n_embd // 16)
 
@@ -193,7 +200,7 @@ def sparse_layer(spec: SyntheticSpec, rng: np.random.Generator) -> SparseLayer:
 
 
 # Architectures whose checkpoints carry QKV biases.
-QKV_BIAS_ARCHITECTURES = ("qwen2",)
+QKV_BIAS_ARCHITECTURES = ("qwen2", "qwen2moe")
 
 
 def llama3_rope_factors(n: int, factor: float = 8.0, low: float = 1.0, high: float = 4.0, context: int = 64,
@@ -280,6 +287,9 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
                    (f"{arch}.expert_used_count", spec.n_expert_used, GGUFValueType.UINT32, None)]
         if known and known.experts:  # llama.cpp's llama takes its experts' width from feed_forward_length
             fields.append((f"{arch}.expert_feed_forward_length", spec.n_ff, GGUFValueType.UINT32, None))
+        if known and known.shared_expert:
+            fields.append((f"{arch}.expert_shared_feed_forward_length", shared_width(spec), GGUFValueType.UINT32,
+                           None))
     if spec.sliding_window:
         fields.append((f"{arch}.attention.sliding_window", spec.sliding_window, GGUFValueType.UINT32, None))
     if spec.swa_pattern:
@@ -375,6 +385,12 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             tensors += [matrix(f"{blk}.ffn_gate_inp.weight", spec.n_expert, d, w),
                         *(stacked(f"{blk}.ffn_{proj}_exps.weight", f, d, w) for proj in ("gate", "up")),
                         stacked(f"{blk}.ffn_down_exps.weight", d, f, w)]
+            if known and known.shared_expert:
+                shared = shared_width(spec)
+                tensors += [bias(f"{blk}.ffn_gate_inp_shexp.weight", d),
+                            matrix(f"{blk}.ffn_gate_shexp.weight", shared, d, w),
+                            matrix(f"{blk}.ffn_up_shexp.weight", shared, d, w),
+                            matrix(f"{blk}.ffn_down_shexp.weight", d, shared, w)]
         elif sparse:
             tensors += [
                 matrix(f"{blk}.ffn_up.weight", f, d, w),

@@ -75,6 +75,11 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
             fused_rows[fused[tensor][0]] = fused_rows.get(fused[tensor][0], 0) + shape[0]
     for tensor, rows in fused_rows.items():
         _check(gguf, name(tensor), (rows, d))
+    if cfg.n_ff_shexp:  # Qwen2-MoE's shared expert: its gate's input vector and a SwiGLU FFN
+        s = cfg.n_ff_shexp
+        _check(gguf, name("ffn_gate_inp_shexp"), (d,), {GGMLQuantizationType.F32})
+        for tensor, shape in (("ffn_gate_shexp", (s, d)), ("ffn_up_shexp", (s, d)), ("ffn_down_shexp", (d, s))):
+            _check(gguf, name(tensor), shape)
     if not e and name("ffn_down_t") in gguf.tensors:  # PowerInfer: the down projection transposed, one per neuron
         _check(gguf, name("ffn_down_t"), (cfg.n_ff, d))
     elif not e:

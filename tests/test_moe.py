@@ -38,10 +38,12 @@ LLAMA_CPP = {
     "qwen3moe": (SyntheticSpec(architecture="qwen3moe", head_dim=128, seed=1, **BASE), 472.8007, 1e-5, 0.99),
     "mixtral": (SyntheticSpec(architecture="llama", **BASE), 551.5850, 1e-5, 0.99),
     "mixtral_q4_0": (SyntheticSpec(architecture="llama", **BASE, **Q4_0), 577.7698, 1e-3, 0.95),
+    "qwen2moe": (SyntheticSpec(architecture="qwen2moe", tied_output=False, **BASE), 532.2499, 1e-5, 0.99),
 }
 SMALL = dict(n_embd=64, n_ff=32, n_head=4, n_head_kv=2, n_layer=2, n_expert=8, n_expert_used=2)
 SMALL_SPECS = {"qwen3moe": SyntheticSpec(architecture="qwen3moe", head_dim=32, **SMALL),
-               "mixtral": SyntheticSpec(architecture="llama", **SMALL)}
+               "mixtral": SyntheticSpec(architecture="llama", **SMALL),
+               "qwen2moe": SyntheticSpec(architecture="qwen2moe", tied_output=False, **SMALL)}
 
 
 def load(tmp_path, name: str, spec: SyntheticSpec, **kwargs):
@@ -63,6 +65,20 @@ def test_each_mixture_gives_llama_cpp_s_logits(tmp_path, name):
     assert result.kl.mean < max_kl and result.kl.same_top > min_top
     assert result.kl.base_ppl == pytest.approx(ppl, rel=1e-4)
     assert result.ppl == pytest.approx(ppl, rel=5e-3)
+
+
+def test_qwen2moe_s_shared_expert_and_unnormalized_weights_are_visible_against_llama_cpp(tmp_path):
+    """Qwen2-MoE's options each matter: without its shared expert, or with its chosen experts' weights renormalized
+    (as qwen3moe's are), the file is far from llama.cpp's logits (with both as llama.cpp computes them, below 1e-5:
+    the test above)."""
+    m = load(tmp_path, "qwen2moe", LLAMA_CPP["qwen2moe"][0])
+    assert m.config.n_ff_shexp == 256 and not m.config.expert_weights_norm
+    layers = [dataclasses.replace(layer, experts=dataclasses.replace(layer.experts, shared=None))
+              for layer in m.weights.layers]
+    without_shared = dataclasses.replace(m, weights=dataclasses.replace(m.weights, layers=layers))
+    assert kl_against_llama_cpp(without_shared, "qwen2moe").kl.mean > 1e-3
+    normalized = kl_against_llama_cpp(m, "qwen2moe", dataclasses.replace(m.config, expert_weights_norm=True))
+    assert normalized.kl.mean > 1e-3
 
 
 def test_unnormalized_expert_weights_are_visible_against_llama_cpp(tmp_path):
@@ -247,7 +263,7 @@ def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     thresholds and predictors (calibrate, train_predictor) of a mixture."""
     path = write_model(str(tmp_path / "qwen3moe.gguf"), SMALL_SPECS["qwen3moe"])
     cases = [
-        ([], [("qwen3moe.expert_shared_count", 1, GGUFValueType.UINT32, None)], "shared experts are not implemented"),
+        ([], [("qwen3moe.expert_shared_count", 1, GGUFValueType.UINT32, None)], "shared experts are not implemented$"),
         ([], [("qwen3moe.expert_gating_func", 2, GGUFValueType.UINT32, None)],
          r"expert_gating_func 2: only the softmax \(1\) is implemented"),
         ([], [("qwen3moe.expert_weights_scale", 2.5, GGUFValueType.FLOAT32, None)],
@@ -261,6 +277,11 @@ def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
         bad = copy_with(tmp_path, path, f"bad-{i}.gguf", tensors, fields)
         with pytest.raises(JaxinferError, match=message):
             engine.load_model(bad)
+    qwen2moe = write_model(str(tmp_path / "qwen2moe.gguf"), SMALL_SPECS["qwen2moe"])
+    two_shared = copy_with(tmp_path, qwen2moe, "two-shared.gguf", [],
+                           [("qwen2moe.expert_shared_count", 2, GGUFValueType.UINT32, None)])
+    with pytest.raises(JaxinferError, match="shared experts are not implemented beyond one"):
+        engine.load_model(two_shared)
     no_experts = write_model(str(tmp_path / "no-experts.gguf"), dataclasses.replace(SMALL_SPECS["qwen3moe"],
                                                                                       n_expert=0))
     with pytest.raises(JaxinferError, match=r"lacks qwen3moe.expert_count \(a qwen3moe model is a mixture"):
@@ -317,7 +338,7 @@ def test_profile_counts_each_experts_routings(tmp_path):
                                                                  minlength=m.config.n_expert))
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "mixtral"])
+@pytest.mark.parametrize("name", SMALL_SPECS)
 def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp_path, name):
     """--vram-budget on a mixture places whole experts, most routed per byte first, in device memory, the rest in
     host memory run under compute_on there, in the one program: what is placed is what was priced, within the budget;
