@@ -278,18 +278,23 @@ def masked_matmul_reference(x, w, mask) -> jax.Array:
 
 
 def gather_matmul(x: jax.Array, data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
-                  cols: int) -> jax.Array:
+                  cols: int, segment: int = 0) -> jax.Array:
     """x [..., cols] · W[index]ᵀ -> f32 [..., k] for index int [k] (any order, repeats allowed; entries outside
-    [0, rows) give 0, for padding; entries outside int32 raise). Only the indexed rows of W are read."""
+    [0, rows) give 0, for padding; entries outside int32 raise). Only the indexed rows of W are read. With `segment`
+    s > 0, x is [m, cols] with k = m s and token t takes only the entries t s .. (t + 1) s - 1 (0 elsewhere): one
+    call for several row sets, each with its own activations."""
     qtype = _check_type("gather_matmul", qtype)
-    call = _batched_call("gather_matmul", qtype, int(rows), int(cols))
+    call = _batched_call("gather_matmul", qtype, int(rows), int(cols), segment=int(segment))
     return call(jnp.asarray(x, jnp.float32), data, _index("gather_matmul", index))
 
 
-def gather_matmul_reference(x, w, index) -> jax.Array:
-    """x @ W[index].T in plain jnp, W dequantized, 0 where index is out of range."""
+def gather_matmul_reference(x, w, index, segment: int = 0) -> jax.Array:
+    """x @ W[index].T in plain jnp, W dequantized, 0 where index is out of range (and outside a token's segment)."""
     valid = (index >= 0) & (index < w.shape[0])
-    return jnp.where(valid, quantized_matmul_reference(x, jnp.asarray(w)[jnp.where(valid, index, 0)]), 0.0)
+    y = jnp.where(valid, quantized_matmul_reference(x, jnp.asarray(w)[jnp.where(valid, index, 0)]), 0.0)
+    if segment:
+        y = jnp.where(jnp.arange(index.shape[0]) // segment == jnp.arange(x.shape[-2])[:, None], y, 0.0)
+    return y
 
 
 def masked_axpy(h: jax.Array, data_t: jax.Array, mask: jax.Array, *, qtype: GGMLQuantizationType, rows: int,

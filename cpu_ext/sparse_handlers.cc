@@ -2,7 +2,8 @@
 //
 //   masked_matmul  y[t, r] = x[t] · W[r] where mask[t, r], else 0            up/gate: W [n_ff, d]
 //   masked_matmul_group  the same for several W of one shape and one mask (gate and up in one call)
-//   gather_matmul  y[t, i] = x[t] · W[index[i]], 0 where index[i] is out of range
+//   gather_matmul  y[t, i] = x[t] · W[index[i]], 0 where index[i] is out of range (segmented: only i of token t's
+//                  segment, 0 elsewhere)
 //   masked_axpy    y[t]    = sum over j with mask[t, j] of h[t, j] W_t[j]    down: W_t [n_ff, d], one row per neuron
 //   gather_axpy    y[t]    = sum over i with index[i] in range of h[t, i] W_t[index[i]]
 //   neuron_major_axpy  as masked_axpy, from a Q4_0/Q4_1/Q8_0 W [d, n_ff] packed neuron-major (NeuronBlockAxpy in
@@ -221,8 +222,29 @@ ffi::Error MaskedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
   return ffi::Error::Success();
 }
 
+// With `segment` s > 0, token t (of m) takes only the entries t s .. (t + 1) s - 1 (k = m s): a mixture's down
+// projections, each routed expert's rows with its own hidden values, in one call (moe.py). Entries are read once,
+// in order, each dotted with its own token; the others' outputs stay 0.
+void segmented_row_dots(ffi::ThreadPool& pool, const RowDot& dot, const uint8_t* w, int64_t row_bytes,
+                        const int32_t* idx, const int32_t* pos, int64_t n_valid, int64_t segment, int64_t k,
+                        float* ys) {
+  const int64_t band = rows_per_task(pool, n_valid);
+  parallel_for(pool, (n_valid + band - 1) / band, [=](int64_t task) {
+    const int64_t e0 = task * band, e1 = std::min(n_valid, e0 + band);
+    for (int64_t e = e0; e < e1; ++e) {
+      if (e + 2 < e1 && idx[pos[e + 2]] != idx[pos[e + 1]] + 1) {
+        const uint8_t* next = w + idx[pos[e + 2]] * row_bytes;
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 0);
+      }
+      const int64_t t = pos[e] / segment;
+      ys[t * k + pos[e]] = dot(w + idx[pos[e]] * row_bytes, t);
+    }
+  });
+}
+
 ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer index,
-                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols) {
+                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols,
+                            int64_t segment) {
   TypeInfo info;
   int64_t row_bytes, m;
   if (ffi::Error error = check_weight("gather_matmul", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
@@ -240,12 +262,22 @@ ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
     return ffi::Error::InvalidArgument("gather_matmul: output must be [..., " + std::to_string(k) + "]");
   }
 
+  if (segment < 0 || (segment > 0 && k != m * segment)) {
+    return ffi::Error::InvalidArgument("gather_matmul: segment must be 0, or the index's entries per token (" +
+                                       std::to_string(k) + " entries for " + std::to_string(m) + " tokens), got " +
+                                       std::to_string(segment));
+  }
   float* ys = y->typed_data();
   std::memset(ys, 0, sizeof(float) * m * k);
   const int64_t n_valid = valid_positions(idx, k, rows, s);
   if (n_valid == 0) return ffi::Error::Success();
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
   const int32_t* pos = s.rows.data();
+  if (segment > 0) {
+    segmented_row_dots(pool, dot, static_cast<const uint8_t*>(w.untyped_data()), row_bytes, idx, pos, n_valid,
+                       segment, k, ys);
+    return ffi::Error::Success();
+  }
   row_dots(
       pool, dot, WeightsAndOutputs{{static_cast<const uint8_t*>(w.untyped_data())}, {ys}, 1}, row_bytes, m, n_valid,
       [=](int64_t e) { return RowAndColumn{idx[pos[e]], pos[e]}; }, [](int64_t, int64_t) { return true; }, k);
@@ -455,7 +487,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherMatmul, jaxinfer_cpu::GatherMatmulImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., k]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("cols"));
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("segment"));  // 0, or entries per token (segmented_row_dots)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaskedAxpy, jaxinfer_cpu::MaskedAxpyImpl,
                               ffi::Ffi::Bind()

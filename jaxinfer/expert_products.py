@@ -51,11 +51,19 @@ def expert_ffn(x: jax.Array, e, gate: QuantArray, up: QuantArray, down: QuantArr
 def routed_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: QuantArray, up: QuantArray,
                down: QuantArray, activations) -> jax.Array:
     """One token's mixture: x [1, d], chosen int [k], weights f32 [k] -> Σ_j weights[j] expert_ffn(x, chosen[j]),
-    added in j's order. The k experts' gate and up rows are read in one call each; the down projection, whose input
-    differs by expert, in one call per expert."""
+    added in j's order. The k experts' gate and up rows are read in one call each, their down projections (each with
+    its own input) in one segmented call (cpu_ext's; XLA: one product per expert)."""
     gate_act, up_act = activations
     k, f, d = chosen.shape[0], down.shape[1], x.shape[-1]
     hidden = (gate_act(ranges_matmul(x, gate, chosen * f, f)) * up_act(ranges_matmul(x, up, chosen * f, f)))
     hidden = hidden.reshape(k, f)
-    outs = [weights[j] * ranges_matmul(hidden[j:j + 1], down, chosen[j] * d, d) for j in range(k)]
+    kernels = quant._kernels(hidden, down)
+    if kernels is not None:  # every expert's down rows in one call, each expert's with its own hidden values
+        y = kernels.gather_matmul(hidden, down.data, row_ranges(chosen * d, d), qtype=down.qtype, rows=down.shape[0],
+                                  cols=down.shape[1], segment=d)  # [k, k d]: row j holds expert j's d outputs
+        y = y if down.scale == 1.0 else y * down.scale
+        per_expert = y.reshape(k, k, d).sum(axis=0)  # the blocks off the diagonal are zeros: an exact sum
+        outs = [weights[j] * per_expert[j:j + 1] for j in range(k)]
+    else:
+        outs = [weights[j] * ranges_matmul(hidden[j:j + 1], down, chosen[j] * d, d) for j in range(k)]
     return sum(outs[1:], outs[0])

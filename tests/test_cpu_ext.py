@@ -417,6 +417,32 @@ def test_sparse_edge_sets(isa):
     assert rel_error(y["ax_every"], cpu_ext.masked_axpy_reference(h, w, every), h, w) < AXPY_REL_ERROR
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda q: q.name)
+def test_segmented_gather_gives_each_token_its_own_rows(qtype, isa):
+    """gather_matmul with `segment`: token t takes only its segment's entries (a mixture's down projections, each
+    expert with its own hidden values: 3 tokens x 2 row ranges of 40, a padded entry and a repeated row among them),
+    to the bit what each token's own gather gives, 0 elsewhere, and the reference's values."""
+    rng = np.random.default_rng(12)
+    block = 256 if qtype == Q.Q4_K else 32
+    rows, cols, segment = 120, 2 * block, 80
+    kw = dict(qtype=qtype, rows=rows, cols=cols)
+    data = random_weight(qtype, rows, cols, rng)
+    x = rng.normal(size=(3, cols)).astype(np.float32)
+    index = np.concatenate([np.arange(40, 120), np.arange(0, 80), np.arange(40, 120)]).astype(np.int32)
+    index[5], index[200] = -1, index[199]
+    got = np.asarray(jax.jit(lambda x, d, i: cpu_ext.gather_matmul(x, d, i, segment=segment, **kw))(x, data, index))
+    for t in range(3):
+        own = index[t * segment:(t + 1) * segment]
+        alone = np.asarray(cpu_ext.gather_matmul(x[t:t + 1], data, own, **kw))[0]
+        np.testing.assert_array_equal(got[t, t * segment:(t + 1) * segment], alone)
+        np.testing.assert_array_equal(np.delete(got[t], np.s_[t * segment:(t + 1) * segment]), 0.0)
+    w = dequantized(data, qtype, rows, cols)
+    reference = cpu_ext.gather_matmul_reference(jnp.asarray(x), w, jnp.asarray(index), segment)
+    assert rel_error(got, reference, x, w) < REL_ERROR[qtype]
+    with pytest.raises(Exception, match="segment must be 0, or the index's entries per token"):
+        cpu_ext.gather_matmul(x, data, index[:100], segment=segment, **kw)
+
+
 def test_axpy_results_do_not_depend_on_thread_timing():
     """The axpys sum per-task partial results in a fixed order: repeated calls agree to the bit."""
     rng = np.random.default_rng(8)
