@@ -443,6 +443,24 @@ def test_segmented_gather_gives_each_token_its_own_rows(qtype, isa):
         cpu_ext.gather_matmul(x, data, index[:100], segment=segment, **kw)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.F16], ids=lambda q: q.name)
+def test_gather_of_many_tokens_gives_each_token_s_own_bits(qtype, isa):
+    """gather_matmul of 4 tokens or more dots them four at a time (two consecutive rows at once where the index runs
+    on): to the bit what each token alone gives, for runs of rows, scattered rows, repeats and padding, and 7 tokens
+    (a remainder of three)."""
+    rng = np.random.default_rng(13)
+    block = 256 if qtype == Q.Q4_K else 32
+    rows, cols = 150, 2 * block
+    kw = dict(qtype=qtype, rows=rows, cols=cols)
+    data = random_weight(qtype, rows, cols, rng)
+    x = rng.normal(size=(7, cols)).astype(np.float32)
+    index = np.concatenate([np.arange(10, 75), rng.permutation(rows)[:40], [3, 3, -1, rows, 149]]).astype(np.int32)
+    got = np.asarray(jax.jit(lambda x, d, i: cpu_ext.gather_matmul(x, d, i, **kw))(x, data, index))
+    for t in range(7):
+        alone = np.asarray(cpu_ext.gather_matmul(x[t:t + 1], data, index, **kw))[0]
+        np.testing.assert_array_equal(got[t], alone, err_msg=f"token {t}")
+
+
 def test_axpy_results_do_not_depend_on_thread_timing():
     """The axpys sum per-task partial results in a fixed order: repeated calls agree to the bit."""
     rng = np.random.default_rng(8)
