@@ -386,3 +386,28 @@ def test_bench_hybrid_compares_the_solver_s_experts_with_llama_cpp_s_n_cpu_moe_r
     assert experts["activations_in_device_memory"] >= layers["activations_in_device_memory"]
     assert result["host"]["activations_in_device_memory"] == 0 and result["all"]["tokens_per_s"] > 0
     assert "of routings" in run.stdout
+
+
+def test_the_server_serves_a_mixture_its_concurrent_replies_each_what_generate_gives_alone(tmp_path):
+    """python -m jaxinfer.server on a qwen3moe file, two slots: two greedy completions sent at once (decoded in one
+    batch) each equal generate_tokens on its prompt alone."""
+    import concurrent.futures
+
+    import httpx
+    import server_process
+
+    from jaxinfer.sampling import SamplingParams
+
+    path = write_model(str(tmp_path / "qwen3moe.gguf"), SMALL_SPECS["qwen3moe"])
+    m = engine.load_model(path)
+    prompts = ["1 2 3", "hello the"]
+    expected = [m.tokenizer.decode(list(engine.generate_tokens(m, m.tokenizer.encode(p), 10, 128,
+                                                               SamplingParams(temperature=0), seed=0)))
+                for p in prompts]
+    with server_process.running(path, "-c", "256", "-np", "2") as (base, _, _):
+        def complete(prompt):
+            body = {"prompt": prompt, "max_tokens": 10, "temperature": 0}
+            return httpx.post(f"{base}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            assert list(pool.map(complete, prompts)) == expected
