@@ -53,7 +53,7 @@ class ExpertPart:
     gate: QuantArray  # [n_here * n_ff_exp, d]
     up: QuantArray  # [n_here * n_ff_exp, d]
     down: QuantArray  # [n_here * d, n_ff_exp]
-    local: jax.Array  # int32 [n_expert]
+    local: jax.Array | None  # int32 [n_expert]; None: every expert, in order (an unsplit mixture)
     on_host: bool = dataclasses.field(default=False, metadata=dict(static=True))  # in host memory, run there
 
     @property
@@ -135,10 +135,10 @@ def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
     out = out.reshape(x.shape)
     if not trace:
         return out, None
-    rows = jnp.arange(flat.shape[0])[:, None]
-    share = jnp.zeros((flat.shape[0], cfg.n_expert), jnp.float32).at[rows, chosen].set(weights)
-    share = share.reshape(*x.shape[:-1], cfg.n_expert)
-    return out, FFNTrace(x, share, share, share > 0)
+    rows, shape = jnp.arange(flat.shape[0])[:, None], (*x.shape[:-1], cfg.n_expert)
+    share = jnp.zeros((flat.shape[0], cfg.n_expert), jnp.float32).at[rows, chosen].set(weights).reshape(shape)
+    routed_to = jnp.zeros((flat.shape[0], cfg.n_expert), bool).at[rows, chosen].set(True).reshape(shape)
+    return out, FFNTrace(x, share, share, routed_to)
 
 
 def shared_expert(flat, shared: SharedExpert, cfg: Config):
