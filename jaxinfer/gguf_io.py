@@ -121,10 +121,9 @@ def place(view: np.ndarray) -> jax.Array:
     copied into huge pages (quant.aligned_empty), which JAX then holds without a second copy: read a row at a time
     from scattered places, as a sparse FFN's active rows are, it streams faster than from the file's 4 KiB pages."""
     if view.nbytes >= HUGE_PAGE_COPY_BYTES and jax.default_backend() == "cpu":
-        copy = quant.aligned_empty(view.nbytes).view(view.dtype).reshape(view.shape)
-        copy[...] = view
+        placed = quant.placed_copy(view).block_until_ready()
         distributed.release_pages(view)
-        return jax.device_put(copy).block_until_ready()
+        return placed
     placed = jax.device_put(view).block_until_ready()
     if placed.unsafe_buffer_pointer() != view.ctypes.data:
         distributed.release_pages(view)
