@@ -278,13 +278,16 @@ def masked_matmul_reference(x, w, mask) -> jax.Array:
 
 
 def gather_matmul(x: jax.Array, data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType, rows: int,
-                  cols: int, segment: int = 0) -> jax.Array:
+                  cols: int, segment: int = 0, interleave: int = 1) -> jax.Array:
     """x [..., cols] · W[index]ᵀ -> f32 [..., k] for index int [k] (any order, repeats allowed; entries outside
     [0, rows) give 0, for padding; entries outside int32 raise). Only the indexed rows of W are read. With `segment`
     s > 0, x is [m, cols] with k = m s and token t takes only the entries t s .. (t + 1) s - 1 (0 elsewhere): one
-    call for several row sets, each with its own activations."""
+    call for several row sets, each with its own activations. With `interleave` 8, W is repacked eight rows to a
+    group as for quantized_matmul and the index lists whole groups (entries 8j .. 8j + 7: rows 8g .. 8g + 7, or all
+    out of range; k and s multiples of 8), dotted by the repacked kernels."""
     qtype = _check_type("gather_matmul", qtype)
-    call = _batched_call("gather_matmul", qtype, int(rows), int(cols), segment=int(segment))
+    call = _batched_call("gather_matmul", qtype, int(rows), int(cols), segment=int(segment),
+                         interleave=int(interleave))
     return call(jnp.asarray(x, jnp.float32), data, _index("gather_matmul", index))
 
 

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "ffi_common.h"
-#include "repacked_kernels.h"
+#include "repacked_products.h"
 
 namespace jaxinfer_cpu {
 namespace {
@@ -73,70 +73,9 @@ void multiply(ffi::ThreadPool& pool, const RowDot& dot, const Product* products,
   });
 }
 
-// ys = x · Wᵀ for repacked weights: each task is a band of groups (eight rows each), counted across the products in
-// order, for all m tokens, kTokenChunkBytes of activations at a time, four tokens per kernel call (then one). xq:
-// the m tokens' `blocks` activation blocks each; a group is `group_bytes`.
-template <typename XBlock>
-void multiply_x8(ffi::ThreadPool& pool, const X8Kernels<XBlock>& kernels, const XBlock* xq, int64_t blocks,
-                 int64_t cols, int64_t group_bytes, const Product* products, size_t n_products, int64_t m) {
-  int64_t total = 0;  // groups
-  for (size_t i = 0; i < n_products; ++i) total += (products[i].rows + kInterleave - 1) / kInterleave;
-  int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
-  band += kernels.two_groups != nullptr && band % 2;  // an even band: no group left to the one-group kernel
-  const int64_t chunk = std::max<int64_t>(8, kTokenChunkBytes / (blocks * int64_t{sizeof(XBlock)}) / 8 * 8);
-  const int n = static_cast<int>(cols);
-  Product own[kMaxGroup];
-  std::copy(products, products + n_products, own);
-  parallel_for(pool, (total + band - 1) / band, [=](int64_t task) {
-    int64_t start = 0;  // first group of product i in the count across products
-    for (size_t i = 0; i < n_products; ++i) {
-      const Product& p = own[i];
-      const int64_t groups = (p.rows + kInterleave - 1) / kInterleave;
-      const int64_t g0 = std::max(task * band - start, int64_t{0}), g1 = std::min((task + 1) * band - start, groups);
-      start += groups;
-      for (int64_t t0 = 0; t0 < m; t0 += chunk) {
-        const int64_t t1 = std::min(m, t0 + chunk);
-        for (int64_t g = g0; g < g1;) {
-          const uint8_t* group = p.w + g * group_bytes;
-          const int64_t r0 = g * kInterleave;
-          // Two groups at a time where the kernel set has the kernel, for four tokens at a time.
-          const int64_t n_groups = kernels.two_groups != nullptr && g + 2 <= g1 && t1 - t0 >= 4 ? 2 : 1;
-          const int64_t width = n_groups * kInterleave, valid = std::min(width, p.rows - r0);
-          float out[8 * 2 * kInterleave];
-          int64_t t = t0;
-          if (n_groups == 2 && kernels.two_groups_eight != nullptr) {
-            for (; t + 8 <= t1; t += 8) {
-              kernels.two_groups_eight(group, group_bytes, xq + t * blocks, blocks, n, out);
-              for (int j = 0; j < 8; ++j) {
-                std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
-              }
-            }
-          }
-          for (; t + 4 <= t1; t += 4) {
-            if (n_groups == 2) {
-              kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);
-            } else {
-              kernels.four(group, xq + t * blocks, blocks, n, out);
-            }
-            for (int j = 0; j < 4; ++j) {
-              std::copy(out + width * j, out + width * j + valid, p.y + (t + j) * p.rows + r0);
-            }
-          }
-          for (; t < t1; ++t) {
-            for (int64_t h = 0; h < n_groups; ++h) {
-              kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n, out + h * kInterleave);
-            }
-            std::copy(out, out + valid, p.y + t * p.rows + r0);
-          }
-          g += n_groups;
-        }
-      }
-    }
-  });
-}
+}  // namespace
 
-// Checks W for its interleave: GGUF rows (1, check_weight), or groups of eight rows (8) of a type with repacked
-// kernels: u8 [ceil(rows / 8), 8 row_bytes]. Fills `info` and the bytes of one row as GGUF stores it.
+// Declared in repacked_products.h, which says what it checks.
 ffi::Error check_any_weight(const std::string& op, const ffi::AnyBuffer& w, int64_t qtype, int64_t rows,
                             int64_t cols, int64_t interleave, TypeInfo* info, int64_t* row_bytes) {
   if (interleave == 1) return check_weight(op, w, qtype, rows, cols, info, row_bytes);
@@ -163,6 +102,8 @@ ffi::Error check_any_weight(const std::string& op, const ffi::AnyBuffer& w, int6
   return ffi::Error::Success();
 }
 
+namespace {
+
 // Checks x [..., cols] and returns the number of tokens m in *m.
 ffi::Error check_x(const std::string& op, const ffi::Buffer<ffi::F32>& x, int64_t cols, int64_t* m) {
   if (!tokens_of(x.dimensions(), cols, m)) {
@@ -178,21 +119,17 @@ ffi::Error check_output(const std::string& op, const ffi::AnyBuffer& y, int64_t 
   return ffi::Error::Success();
 }
 
-// Quantizes x and runs the products: multiply_x8 for repacked weights, else multiply.
+// Quantizes x and runs the products: the repacked product loop (repacked_products.h) for repacked weights, else
+// multiply.
 void run_products(ffi::ThreadPool& pool, const TypeInfo& info, int64_t qtype, int64_t interleave, const float* x,
                   int64_t m, int64_t cols, const Product* products, size_t n) {
-  const Kernels& k = best_kernels();
   Scratch& scratch = thread_scratch();
   if (interleave == kInterleave) {
-    const int64_t blocks = cols / info.block_size, group_bytes = blocks * x8_block_bytes(qtype);
-    if (info.block_size == kQK_K) {
-      const BlockQ8K* xq = quantize_rows(pool, k.quantize_row_k, x, m, cols, blocks, scratch.xk);
-      return multiply_x8(pool, x8k_kernels(k, qtype), xq, blocks, cols, group_bytes, products, n, m);
-    }
-    const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, scratch.xq);
-    return multiply_x8(pool, x8_kernels(k, qtype), xq, blocks, cols, group_bytes, products, n, m);
+    X8Product x8[kMaxGroup];
+    for (size_t i = 0; i < n; ++i) x8[i] = {products[i].w, products[i].rows, products[i].y, products[i].rows, 0, m};
+    return run_x8_products(pool, info, qtype, x, m, cols, x8, n, scratch);
   }
-  const RowDot dot(pool, k, info, x, m, cols, scratch);
+  const RowDot dot(pool, best_kernels(), info, x, m, cols, scratch);
   multiply(pool, dot, products, n, m);
 }
 

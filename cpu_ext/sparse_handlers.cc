@@ -3,7 +3,8 @@
 //   masked_matmul  y[t, r] = x[t] · W[r] where mask[t, r], else 0            up/gate: W [n_ff, d]
 //   masked_matmul_group  the same for several W of one shape and one mask (gate and up in one call)
 //   gather_matmul  y[t, i] = x[t] · W[index[i]], 0 where index[i] is out of range (segmented: only i of token t's
-//                  segment, 0 elsewhere)
+//                  segment, 0 elsewhere); W in GGUF's rows, or repacked with the index in whole groups
+//                  (gathered_groups.cc)
 //   masked_axpy    y[t]    = sum over j with mask[t, j] of h[t, j] W_t[j]    down: W_t [n_ff, d], one row per neuron
 //   gather_axpy    y[t]    = sum over i with index[i] in range of h[t, i] W_t[index[i]]
 //   neuron_major_axpy  as masked_axpy, from a Q4_0/Q4_1/Q8_0 W [d, n_ff] packed neuron-major (NeuronBlockAxpy in
@@ -16,6 +17,8 @@
 #include <limits>
 #include <type_traits>
 
+#include "gathered_groups.h"
+#include "repacked_products.h"
 #include "sparse_common.h"
 #include "union_rows.h"
 
@@ -279,11 +282,12 @@ void gathered_row_dots(ffi::ThreadPool& pool, const RowDot& dot, const uint8_t* 
 }
 
 ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer index,
-                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols,
-                            int64_t segment) {
+                            ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows, int64_t cols, int64_t segment,
+                            int64_t interleave) {
   TypeInfo info;
   int64_t row_bytes, m;
-  if (ffi::Error error = check_weight("gather_matmul", w, qtype, rows, cols, &info, &row_bytes); error.failure()) {
+  if (ffi::Error error = check_any_weight("gather_matmul", w, qtype, rows, cols, interleave, &info, &row_bytes);
+      error.failure()) {
     return error;
   }
   if (!tokens_of(x.dimensions(), cols, &m)) {
@@ -305,6 +309,10 @@ ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   float* ys = y->typed_data();
   std::memset(ys, 0, sizeof(float) * m * k);
+  if (interleave == kInterleave) {
+    return gathered_group_products(pool, info, qtype, static_cast<const uint8_t*>(w.untyped_data()), rows, cols,
+                                   x.typed_data(), m, idx, k, segment, ys, s);
+  }
   const int64_t n_valid = valid_positions(idx, k, rows, s);
   if (n_valid == 0) return ffi::Error::Success();
   const RowDot dot(pool, best_kernels(), info, x.typed_data(), m, cols, s);
@@ -523,13 +531,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatherMatmul, jaxinfer_cpu::GatherMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [..., cols]
-                                  .Arg<ffi::AnyBuffer>()         // W [rows, ...]
+                                  .Arg<ffi::AnyBuffer>()         // W [rows, ...], or repacked [ceil(rows / 8), ...]
                                   .Arg<ffi::AnyBuffer>()         // index [k], int32 (or a wider int, see index_entries)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., k]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols")
-                                  .Attr<int64_t>("segment"));  // 0, or entries per token (segmented_row_dots)
+                                  .Attr<int64_t>("segment")     // 0, or entries per token (segmented_row_dots)
+                                  .Attr<int64_t>("interleave"));  // 1: GGUF rows; 8: repacked (gathered_groups.h)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MaskedAxpy, jaxinfer_cpu::MaskedAxpyImpl,
                               ffi::Ffi::Bind()

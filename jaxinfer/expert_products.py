@@ -4,10 +4,12 @@ Expert e's rows of a projection stacked over the experts are rows e * count .. (
 QuantArray. Sliced out (quant.dynamic_row_range) they are a copy the step writes and then reads again: at
 Qwen3-30B-A3B's width a decode step copied 8 experts x 3 projections of 0.9 MB (Q4_0) per layer before its products
 read them.
-Where cpu_ext multiplies by the weight (quant's rules: products "cpu_ext", a block type or F16 in GGUF's rows, not
-exact), its gather_matmul reads the rows through an index, in the stacked weight itself, with the row kernels'
-arithmetic (8-bit activations, as quant.matmul's kernels on the sliced rows). Elsewhere (XLA; F32, BF16 or exact
-weights) the rows are sliced and multiplied as before.
+Where cpu_ext multiplies by the weight (quant's rules: products "cpu_ext", a block type or F16, not exact), its
+gather_matmul reads the rows through an index, in the stacked weight itself, with the dense products' arithmetic
+(8-bit activations, as quant.matmul's kernels on the sliced rows): in GGUF's rows a row at a time, and where the
+weight is repacked (repack.packs_experts: each expert's rows whole groups of eight) through the repacked kernels, an
+expert's rows being consecutive groups. Elsewhere (XLA; F32, BF16 or exact weights) the rows are sliced and
+multiplied.
 """
 
 import jax
@@ -28,10 +30,10 @@ def ranges_matmul(x: jax.Array, w: QuantArray, starts, count: int) -> jax.Array:
     each range inside w, or starting below 0: an expert another part of a split holds, whose outputs are 0). The
     kernel reads only those rows, in place (rows outside w are its padding: 0, never read); XLA multiplies by the
     slices."""
-    kernels = quant._kernels(x, w)
+    kernels = quant._kernels(x, w, quant.DENSE_LAYOUTS)
     if kernels is not None:
         y = kernels.gather_matmul(x, w.data, row_ranges(starts, count), qtype=w.qtype, rows=w.shape[0],
-                                  cols=w.shape[1])
+                                  cols=w.shape[1], interleave=quant.interleave(w))
         return y if w.scale == 1.0 else y * w.scale
     starts = jnp.asarray(starts, jnp.int32).reshape(-1)
     parts = [jax_compat.where_zero(starts[i] >= 0, quant.matmul(x, dynamic_row_range(w, starts[i], count)))
@@ -57,10 +59,11 @@ def routed_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: QuantA
     k, f, d = chosen.shape[0], down.shape[1], x.shape[-1]
     hidden = (gate_act(ranges_matmul(x, gate, chosen * f, f)) * up_act(ranges_matmul(x, up, chosen * f, f)))
     hidden = hidden.reshape(k, f)
-    kernels = quant._kernels(hidden, down)
+    kernels = quant._kernels(hidden, down, quant.DENSE_LAYOUTS)
     if kernels is not None:  # every expert's down rows in one call, each expert's with its own hidden values
         y = kernels.gather_matmul(hidden, down.data, row_ranges(chosen * d, d), qtype=down.qtype, rows=down.shape[0],
-                                  cols=down.shape[1], segment=d)  # [k, k d]: row j holds expert j's d outputs
+                                  cols=down.shape[1], segment=d,
+                                  interleave=quant.interleave(down))  # [k, k d]: row j holds expert j's d outputs
         y = y if down.scale == 1.0 else y * down.scale
         per_expert = y.reshape(k, k, d).sum(axis=0)  # the blocks off the diagonal are zeros: an exact sum
         outs = [weights[j] * per_expert[j:j + 1] for j in range(k)]

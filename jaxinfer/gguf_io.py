@@ -150,9 +150,13 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
         tq2_0 = jax.block_until_ready(ternary.tq1_0_as_tq2_0(view))
         distributed.release_pages(view)
         return dataclasses.replace(w, data=np.asarray(tq2_0) if on_host else tq2_0, qtype=GGMLQuantizationType.TQ2_0)
-    if on_host:
-        return w
-    if not packs(w):
+    return w if on_host else _held(w, view, packs(w))
+
+
+def _held(w: QuantArray, view: np.ndarray, packs: bool) -> QuantArray:
+    """w (its data the file's `view`) as the model holds it: placed (place), or repacked (quant.pack_rows_x8) and the
+    file's pages let go."""
+    if not packs:
         return dataclasses.replace(w, data=place(w.data))
     packed = quant.pack_rows_x8(w)
     jax.block_until_ready(packed.data)  # the new layout has read the mapping: its pages are not needed again
@@ -167,19 +171,22 @@ LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "at
                  "attn_norm_b": "attn_norm.bias"}
 
 
-def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool) -> moe.Experts:
-    """Layer i's mixture of experts: its router, and its stacked projections each as one QuantArray (moe.stacked)."""
+def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg: Config) -> moe.Experts:
+    """Layer i's mixture of experts: its router, and its stacked projections each as one QuantArray (moe.stacked),
+    repacked where repack.packs_experts says; a shared expert's as the FFN's are (`packs`)."""
     def stacked(tensor):
         name = f"blk.{i}.{tensor}.weight"
         t = gguf.tensors[name]
-        w = moe.stacked(np.asarray(t.data), quant_type(t.tensor_type), tensor_shape(gguf, name, 3))
-        return dataclasses.replace(w, exact=exact, data=w.data if on_host else place(w.data))
+        view = np.asarray(t.data)
+        w = dataclasses.replace(moe.stacked(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 3)), exact=exact)
+        return w if on_host else _held(w, view, repack.packs_experts(w, cfg.n_expert, cfg.plan))
 
     shared = None
     if f"blk.{i}.ffn_gate_inp_shexp.weight" in gguf.tensors:  # Qwen2-MoE (validate.check_tensors: all or none)
         shared = moe.SharedExpert(load_vector(gguf, f"blk.{i}.ffn_gate_inp_shexp.weight", on_host),
-                                  *(load_matrix(gguf, f"blk.{i}.{t}.weight", exact, on_host)
-                                    for t in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")))
+                                  *(load_matrix(gguf, f"blk.{i}.{t}_shexp.weight", exact, on_host,
+                                                lambda w, field=t: packs(field, w))
+                                    for t in ("ffn_gate", "ffn_up", "ffn_down")))
     return moe.Experts(load_matrix(gguf, f"blk.{i}.ffn_gate_inp.weight", exact, on_host),
                        *(stacked(t) for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")), shared=shared)
 
@@ -202,7 +209,7 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
     down = None if down_t is not None or cfg.n_expert else matrix("ffn_down", "ffn_down")
     if cfg.n_expert:
-        tensors |= dict(ffn_gate=None, ffn_up=None, experts=_load_experts(gguf, i, exact, on_host))
+        tensors |= dict(ffn_gate=None, ffn_up=None, experts=_load_experts(gguf, i, exact, on_host, packs, cfg))
     norms = {field: load_vector(gguf, name(field), on_host) for field in ("attn_sub_norm", "ffn_sub_norm")
              if cfg.sub_norms}
     norms |= {field: load_vector(gguf, f"blk.{i}.{tensor}", on_host) for field, tensor in LAYER_VECTORS.items()

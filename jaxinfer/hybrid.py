@@ -184,8 +184,13 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) ->
 
 
 def _expert_rows(w: QuantArray, experts: np.ndarray, n_expert: int) -> QuantArray:
-    """The rows of `experts` (in that order) of a projection stacked over n_expert experts."""
+    """The rows of `experts` (in that order) of a projection stacked over n_expert experts; repacked, their groups
+    (repack.packs_experts: an expert's rows are whole groups)."""
     per_expert = w.shape[0] // n_expert
+    if w.layout == quant.ROWS_X8:
+        groups = per_expert // quant.INTERLEAVE
+        data = np.take(np.asarray(w.data), (experts[:, None] * groups + np.arange(groups)).reshape(-1), axis=0)
+        return dataclasses.replace(w, data=data, shape=(len(experts) * per_expert, w.shape[1]))
     return _rows(w, (experts[:, None] * per_expert + np.arange(per_expert)).reshape(-1))
 
 

@@ -503,7 +503,8 @@ def _kernels(x: jax.Array, w: QuantArray, layouts: tuple[str, ...] = (ROW_BLOCKS
 DENSE_LAYOUTS = (ROW_BLOCKS, ROWS_X8)  # what quantized_matmul reads
 
 
-def _interleave(w: QuantArray) -> int:
+def interleave(w: QuantArray) -> int:
+    """Rows to a group of w's data as cpu_ext's kernels take it: 8 repacked (ROWS_X8), else 1."""
     return INTERLEAVE if w.layout == ROWS_X8 else 1
 
 
@@ -516,7 +517,7 @@ def matmul(x: jax.Array, w: QuantArray) -> jax.Array:
     kernels = _kernels(x, w, DENSE_LAYOUTS)
     if kernels is not None:
         return _scaled(kernels.quantized_matmul(x, w.data, qtype=w.qtype, rows=w.shape[0], cols=w.shape[1],
-                                                interleave=_interleave(w)), w)
+                                                interleave=interleave(w)), w)
     if w.qtype == I2_S and not w.exact:  # BitNet's reference quantizes the activations per token to int8
         x = ternary.absmax_int8(x)
     if _fused(x):
@@ -545,7 +546,7 @@ def matmuls(x: jax.Array, ws) -> list[jax.Array]:
                                    for w in ws[1:]):
         products = kernels.quantized_matmul_group(x, [w.data for w in ws], qtype=first.qtype,
                                                   rows=[w.shape[0] for w in ws], cols=first.shape[1],
-                                                  interleave=_interleave(first))
+                                                  interleave=interleave(first))
         return [_scaled(y, w) for y, w in zip(products, ws)]
     return [matmul(x, w) for w in ws]
 

@@ -8,6 +8,8 @@ dense products read.
                 dense kernels' pace); the output head, and the embedding when it is the output head too (tied): the
                 head is the largest product of a perplexity window, and a lookup unpacks only the groups of the
                 rows it reads
+    experts     a mixture's stacked expert projections, each expert's rows whole groups (packs_experts), split
+                between devices or not: an expert's rows of a projection are then consecutive groups
     kept        an embedding only looked up; weights marked exact (XLA's f32 products); a sparse or split FFN
                 (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives them back, without rounding,
                 where a model loaded dense is made sparse after)
@@ -46,6 +48,13 @@ def packs(name: str, w: QuantArray, plan: Plan, ffn: tuple[str, ...] = FFN) -> b
     if name not in ATTENTION + PREDICTOR + (OUTPUT,) + tuple(ffn):
         return False
     return plan.tp == 1 or name not in ROW_CUT or w.shape[0] % (quant.INTERLEAVE * plan.tp) == 0
+
+
+def packs_experts(w: QuantArray, n_expert: int, plan: Plan) -> bool:
+    """Whether a projection stacked over n_expert experts (moe.py) is repacked at load: where the plan repacks, for a
+    type with repacked kernels, when each expert's rows are whole groups, so that its rows are consecutive groups the
+    routed and grouped products read in place (expert_products.py)."""
+    return plan.repack and quant.can_pack_rows_x8(w) and (w.shape[0] // n_expert) % quant.INTERLEAVE == 0
 
 
 def widens_tq1_0(qtype, plan: Plan, exact: bool = False) -> bool:

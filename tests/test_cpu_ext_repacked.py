@@ -1,7 +1,8 @@
 """cpu_ext's repacked kernels (quantized_matmul with interleave 8: weights repacked eight rows to a group by
 quant.pack_rows_x8): the portable row kernels' bits on every instruction set this CPU runs, for one token, four-token
 tiles, two-group tiles and tails (K-quants and IQ4_XS: the portable repacked kernels' bits, and the row kernels' where
-floats are exact); the jnp reference within 8-bit activations' error; jit, vmap, groups; bad input."""
+floats are exact); the jnp reference within 8-bit activations' error; jit, vmap, groups; gathers of whole groups;
+bad input."""
 
 import gguf
 import jax
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
-from test_cpu_ext import REL_ERROR, check, random_weight
+from test_cpu_ext import REL_ERROR, check, random_weight, rel_error
 
 import cpu_ext
 from jaxinfer import quant, x8_kquants
@@ -171,6 +172,61 @@ def test_group_gives_the_bits_of_separate_calls(qtype):
                                                                          interleave=8))(x, *datas)
         for y, packed, r in zip(grouped, datas, rows):
             np.testing.assert_array_equal(np.asarray(y), np.asarray(x8_matmul(x, packed, qtype, r, cols)))
+
+
+def x8_gather(x, packed, index, qtype, rows, cols, segment=0):
+    return cpu_ext.gather_matmul(x, packed, index, qtype=qtype, rows=rows, cols=cols, segment=segment, interleave=8)
+
+
+def groups_index(groups, rows):
+    """The rows of whole groups of eight (None: a group of padding, all out of range)."""
+    return np.concatenate([np.arange(8 * g, 8 * g + 8) if g is not None else np.full(8, rows)
+                           for g in groups]).astype(np.int32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_gather_of_repacked_groups_gives_the_dense_products_bits(qtype, isa):
+    """gather_matmul of a repacked weight (a mixture's experts held repacked) reads whole groups through the dense
+    product's kernels: its outputs are, to the bit, the same rows of the repacked dense product, for runs of groups,
+    a repeat, a padded last group (rows past the weight: 0), a group of padding (0), and 1, 5 and 13 tokens; with a
+    segment each token gets its own groups' outputs and 0 elsewhere; and the reference within 8-bit rounding."""
+    rng = np.random.default_rng(int(qtype) + 7)
+    rows, cols = 67, 512 if qtype in K_TYPES else 576
+    data = random_weight(qtype, rows, cols, rng)
+    packed = repacked(data, qtype, rows, cols)
+    index = groups_index([3, 4, 5, 1, 8, None, 0, 0], rows)
+    w = quant.dequantize(quant.QuantArray(jnp.asarray(data), qtype, (rows, cols)))
+    for tokens in (1, 5, 13):
+        x = rng.normal(size=(tokens, cols)).astype(np.float32)
+        got = np.asarray(jax.jit(lambda x, p, i: x8_gather(x, p, i, qtype, rows, cols))(x, packed, index))
+        dense = np.asarray(x8_matmul(x, packed, qtype, rows, cols))
+        inside = index < rows
+        np.testing.assert_array_equal(got[:, inside], dense[:, index[inside]], err_msg=f"{tokens} tokens")
+        np.testing.assert_array_equal(got[:, ~inside], 0.0)
+        reference = cpu_ext.gather_matmul_reference(jnp.asarray(x), w, jnp.asarray(index))
+        assert rel_error(got, reference, x, w) < REL_ERROR[qtype]
+    x = rng.normal(size=(4, cols)).astype(np.float32)
+    got = np.asarray(x8_gather(x, packed, index, qtype, rows, cols, segment=16))
+    dense = np.asarray(x8_matmul(x, packed, qtype, rows, cols))
+    for t in range(4):
+        own = np.zeros(len(index), bool)
+        own[16 * t:16 * t + 16] = True
+        keep = own & (index < rows)
+        np.testing.assert_array_equal(got[t, keep], dense[t, index[keep]])
+        np.testing.assert_array_equal(got[t, ~keep], 0.0)
+
+
+def test_a_gather_of_repacked_groups_refuses_a_broken_group():
+    rng = np.random.default_rng(8)
+    rows, cols = 24, 64
+    packed = repacked(random_weight(Q.Q4_0, rows, cols, rng), Q.Q4_0, rows, cols)
+    x = rng.normal(size=(2, cols)).astype(np.float32)
+    for index, what in ((np.arange(4, 12), "not one group"), (np.array([0, 1, 2, 3, 4, 5, 7, 6]), "not one group"),
+                        (np.array([99] * 7 + [3]), "not one group"), (np.arange(4), "multiples of 8")):
+        with pytest.raises(Exception, match=what):
+            jax.block_until_ready(x8_gather(x, packed, index.astype(np.int32), Q.Q4_0, rows, cols))
+    with pytest.raises(Exception, match="multiples of 8"):
+        jax.block_until_ready(x8_gather(x, packed, np.arange(24, dtype=np.int32), Q.Q4_0, rows, cols, segment=12))
 
 
 def test_bad_input_raises():

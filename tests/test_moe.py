@@ -231,10 +231,14 @@ def test_a_decode_step_reads_only_its_routed_experts(tmp_path, qtype):
     """Poisoning one expert of layer 0 (NaN, or a NaN scale in each Q8_0 block) changes a decode step's logits only
     where the router chose it: of the 8 experts, exactly the 2 chosen poison it; the 6 others leave the logits as they
     were (a formulation computing every expert and weighting the unchosen by 0 would give NaN for all 8). F32 runs
-    XLA's slices, Q8_0 cpu_ext's gather over the stacked weight."""
+    XLA's slices, Q8_0 cpu_ext's gather over the stacked weight, repacked (an expert's rows are its data's rows
+    e * n / n_expert .. (e + 1) * n / n_expert - 1 either way: groups of eight rows, or rows)."""
     spec = dataclasses.replace(SMALL_SPECS["mixtral"], weight_type=qtype)
     m = load(tmp_path, "mixtral", spec)
-    cfg, n_ff = m.config, m.config.n_ff_exp
+    cfg = m.config
+    assert m.weights.layers[0].experts.gate.layout == (quant.ROWS_X8 if qtype == GGMLQuantizationType.Q8_0
+                                                       else quant.ROW_BLOCKS)
+    per_expert = m.weights.layers[0].experts.gate.data.shape[0] // cfg.n_expert
     prompt = np.zeros((1, 8), np.int32)
     prompt[0, :5] = [5, 17, 250, 3, 99]
     cache = model.init_cache(cfg, 1, 16)
@@ -245,7 +249,8 @@ def test_a_decode_step_reads_only_its_routed_experts(tmp_path, qtype):
     poisoned = []
     for e in range(cfg.n_expert):
         experts = m.weights.layers[0].experts
-        gate = dataclasses.replace(experts.gate, data=experts.gate.data.at[e * n_ff:(e + 1) * n_ff].set(POISON[qtype]))
+        gate = dataclasses.replace(experts.gate, data=experts.gate.data.at[e * per_expert:(e + 1) * per_expert].set(
+            POISON[qtype]))
         layers = [dataclasses.replace(m.weights.layers[0], experts=dataclasses.replace(experts, gate=gate)),
                   *m.weights.layers[1:]]
         logits, _ = model.decode_step(token, dataclasses.replace(m.weights, layers=layers),
