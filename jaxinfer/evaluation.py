@@ -19,6 +19,7 @@ from jaxinfer import model, quant, sharding
 from jaxinfer.cli import MIN_WINDOW  # the least -c a logits file can have been written with
 from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
+from jaxinfer.sampling import first_argmax
 
 LOGITS_MAGIC = b"_logits_"
 VOCABULARY_PIECE = 8192  # words of the output head a piece, in hidden_nll
@@ -160,7 +161,7 @@ def hidden_kl(hidden, windows, base_q, base_scale, base_min, weights, cfg: Confi
     base_nll = -jnp.take_along_axis(base_log_probs, targets[..., None], axis=-1)[..., 0]
     terms = jnp.exp(base_log_probs) * (base_log_probs - log_probs)
     kl = jnp.sum(jnp.where(base_log_probs > KL_LOG_PROB_FLOOR, terms, 0.0), axis=-1)
-    same_top = jnp.argmax(logits, axis=-1) == jnp.argmax(base_log_probs, axis=-1)
+    same_top = first_argmax(logits) == first_argmax(base_log_probs)
     return nll, base_nll, kl, same_top, _stored_nll(logits, targets)
 
 

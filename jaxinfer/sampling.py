@@ -101,6 +101,16 @@ def _draw(n_candidates: int, logits, keys, params: SamplingParams):
     return jnp.take_along_axis(ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
+def first_argmax(logits):
+    """jnp.argmax(logits, axis=-1) as int32 (the first of equal maxima; the first NaN where there is one), as two plain
+    reductions: XLA:CPU runs argmax's reduction over (value, index) pairs an element at a time, 160 us for a
+    32,000-token vocabulary against 20 us for a max and a min (3% of a decode step of a 4-layer mixture)."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    at_top = (logits == top) | jnp.isnan(logits)
+    ids = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(at_top, ids, logits.shape[-1]), axis=-1)
+
+
 def unpack_allowed(bits, vocab: int):
     """llguidance's bitmask int32 [B, ceil(V / 32)] (bit t % 32 of word t // 32: token t allowed) -> bool [B, V]."""
     unpacked = (bits[:, :, None] >> jnp.arange(32, dtype=bits.dtype)) & 1
@@ -126,7 +136,7 @@ def sample(logits, recent, keys, params: SamplingParams, allowed=None):
     greedy = _rows(params.temperature, batch)[:, 0] <= 0
     top_k = _rows(params.top_k, batch)[:, 0]
     few = greedy | ((top_k > 0) & (top_k <= fast))
-    best = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    best = first_argmax(logits)
     branch = jnp.where(jnp.all(greedy), 0, jnp.where(jnp.all(few), 1, 2))
     drawn = jax.lax.switch(branch, [lambda *a: best, lambda *a: _draw(fast, *a), lambda *a: _draw(vocab, *a)],
                            logits, keys, params)

@@ -348,7 +348,7 @@ def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp
     """--vram-budget on a mixture places whole experts, most routed per byte first, in device memory, the rest in
     host memory run under compute_on there, in the one program: what is placed is what was priced, within the budget;
     prefill and decode logits equal the unsplit model's to f32 rounding (the parts' sums are added in another order)
-    and greedy tokens are the same."""
+    and greedy tokens are the same. The experts are held repacked, and each part keeps its experts' groups."""
     m = load(tmp_path, name, dataclasses.replace(SMALL_SPECS[name], weight_type=GGMLQuantizationType.Q8_0))
     counts, _ = profile_routings(m)
     costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, 32))
@@ -367,6 +367,7 @@ def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp
     assert {p.on_host for p in parts} == {False, True}
     for p in parts:
         assert p.gate.data.sharding.memory_kind == ("pinned_host" if p.on_host else "device")
+        assert p.gate.layout == p.up.layout == p.down.layout == quant.ROWS_X8  # each part takes its experts' groups
     assert "% of experts" in split.split.summary
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)

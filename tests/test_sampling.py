@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.sampling import SamplingParams, apply_penalties, sample
+from jaxinfer.sampling import SamplingParams, apply_penalties, first_argmax, sample
 
 NO_RECENT = jnp.full((1, 4), -1, jnp.int32)
 
@@ -23,6 +23,22 @@ def test_greedy_is_argmax():
     got = sample(jnp.asarray(logits), jnp.full((2, 4), -1), jax.random.split(jax.random.key(0), 2),
                  SamplingParams(temperature=0))
     assert got.tolist() == [1, 0]
+
+
+def test_first_argmax_is_jnp_argmax():
+    """Random rows, ties (the first wins), a NaN (the first NaN wins, as argmax takes NaN as the largest), -inf rows,
+    +inf: the index jnp.argmax gives, in int32."""
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(8, 1000)).astype(np.float32)
+    rows[1, [7, 300, 999]] = 50.0
+    rows[2, [40, 41]] = np.nan
+    rows[3] = -np.inf
+    rows[4, [5, 6]] = np.inf
+    rows[5, 998:] = 9.0
+    got = jax.jit(first_argmax)(jnp.asarray(rows))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.argmax(rows, axis=-1))
+    assert np.asarray(got)[1:6].tolist() == [7, 40, 0, 5, 998]
 
 
 @pytest.mark.slow
