@@ -114,6 +114,8 @@ CACHE_TYPES = {"f32": jnp.float32, "f16": jnp.float16}  # Config.cache_type -> t
 # model with predictors saved as PWRI); jaxinfer honours it, PowerInfer ignores it.
 GATE_ACTIVATION_KEY = "jaxinfer.gate_activation"
 GATE_ACTIVATIONS = ("silu", "relu", "relu_sqr", "gelu_tanh")
+# Gate activations whose zeros the dense mode skips (sparse_ffn: `active` is h != 0; a mixture's experts: moe.py).
+NATURAL_ZEROS = ("relu", "relu_sqr")
 SPARSE_THRESHOLD_KEY = "powerinfer.sparse_threshold"  # PowerInfer's predictor threshold (f32)
 
 

@@ -41,24 +41,35 @@ def ranges_matmul(x: jax.Array, w: QuantArray, starts, count: int) -> jax.Array:
     return jnp.concatenate(parts, axis=-1)
 
 
-def expert_ffn(x: jax.Array, e, gate: QuantArray, up: QuantArray, down: QuantArray, activations) -> jax.Array:
+def expert_ffn(x: jax.Array, e, gate: QuantArray, up: QuantArray, down: QuantArray, activations, f: int) -> jax.Array:
     """Expert e's (traced) gated FFN of x [..., d] -> f32 [..., d]: down_e(gate_act(gate_e x) * up_act(up_e x)),
-    reading only its rows of the stacked projections ([n_expert * f, d], [n_expert * f, d], [n_expert * d, f])."""
+    reading only its rows of the stacked projections ([n_expert * f, d], [n_expert * f, d], [n_expert * d, f]; a
+    neuron-major down [n_expert * f, d]: its neurons, those the hidden values leave nonzero)."""
     gate_act, up_act = activations
-    f, d = down.shape[1], x.shape[-1]
+    d = x.shape[-1]
     hidden = gate_act(ranges_matmul(x, gate, e * f, f)) * up_act(ranges_matmul(x, up, e * f, f))
+    if down.layout == quant.NEURON_MAJOR:
+        return quant.masked_axpy(hidden, dynamic_row_range(down, e * f, f), hidden != 0)
     return ranges_matmul(hidden, down, e * d, d)
 
 
 def routed_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: QuantArray, up: QuantArray,
-               down: QuantArray, activations) -> jax.Array:
+               down: QuantArray, activations, f: int) -> jax.Array:
     """One token's mixture: x [1, d], chosen int [k], weights f32 [k] -> Σ_j weights[j] expert_ffn(x, chosen[j]),
     added in j's order. The k experts' gate and up rows are read in one call each, their down projections (each with
-    its own input) in one segmented call (cpu_ext's; XLA: one product per expert)."""
+    its own input) in one segmented call (cpu_ext's; XLA: one product per expert); a neuron-major down in one
+    product over every expert's neurons, the routing weights folded into the hidden values, so that only the routed
+    experts' nonzero neurons are read."""
     gate_act, up_act = activations
-    k, f, d = chosen.shape[0], down.shape[1], x.shape[-1]
+    k, d = chosen.shape[0], x.shape[-1]
     hidden = (gate_act(ranges_matmul(x, gate, chosen * f, f)) * up_act(ranges_matmul(x, up, chosen * f, f)))
     hidden = hidden.reshape(k, f)
+    if down.layout == quant.NEURON_MAJOR:
+        # Added, not set: an expert another part holds (chosen -1, weight 0, hidden 0) wraps to the last expert's
+        # neurons and adds zeros there.
+        values = (weights[:, None] * jax_compat.like(weights, hidden)).reshape(-1)
+        h = jax_compat.like(weights, jnp.zeros(down.shape[0], jnp.float32)).at[row_ranges(chosen * f, f)].add(values)
+        return quant.masked_axpy(h[None], down, h[None] != 0)
     kernels = quant._kernels(hidden, down, quant.DENSE_LAYOUTS)
     if kernels is not None:  # every expert's down rows in one call, each expert's with its own hidden values
         y = kernels.gather_matmul(hidden, down.data, row_ranges(chosen * d, d), qtype=down.qtype, rows=down.shape[0],

@@ -173,13 +173,20 @@ LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "at
 
 def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg: Config) -> moe.Experts:
     """Layer i's mixture of experts: its router, and its stacked projections each as one QuantArray (moe.stacked),
-    repacked where repack.packs_experts says; a shared expert's as the FFN's are (`packs`)."""
+    repacked where repack.packs_experts says, the down projection neuron-major where its zeros are skipped
+    (repack.packs_experts_neuron_major); a shared expert's as the FFN's are (`packs`)."""
     def stacked(tensor):
         name = f"blk.{i}.{tensor}.weight"
         t = gguf.tensors[name]
         view = np.asarray(t.data)
         w = dataclasses.replace(moe.stacked(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 3)), exact=exact)
-        return w if on_host else _held(w, view, repack.packs_experts(w, cfg.n_expert, cfg.plan))
+        if on_host:
+            return w
+        if tensor == "ffn_down_exps" and repack.packs_experts_neuron_major(w, cfg):
+            packed = jax.block_until_ready(moe.neuron_major_down(w, cfg.n_expert))
+            distributed.release_pages(view)
+            return packed
+        return _held(w, view, repack.packs_experts(w, cfg.n_expert, cfg.plan))
 
     shared = None
     if f"blk.{i}.ffn_gate_inp_shexp.weight" in gguf.tensors:  # Qwen2-MoE (validate.check_tensors: all or none)

@@ -35,16 +35,13 @@ def _rows(w: QuantArray | None, rows: np.ndarray) -> QuantArray | None:
     return dataclasses.replace(w, data=np.take(np.asarray(w.data), rows, axis=0), shape=(len(rows), w.shape[1]))
 
 
-NEURON_MAJOR_BLOCK = 32  # neurons per block of quant.pack_neuron_major
-
-
 def unit_neurons(layer: model.Layer) -> int:
     """How many consecutive neurons move together between accelerator and host, so that every part keeps the layer's
     own down projection bytes: 1 where it has one row per neuron (ffn_down_t, or a float ffn_down, transposed
     exactly); a quantized ffn_down [d, n_ff] has blocks running across neurons, and a neuron-major packing (quant.py)
     shares scales among 32 neurons, so their parts hold whole blocks."""
     if layer.ffn_down_t is not None:
-        return NEURON_MAJOR_BLOCK if layer.ffn_down_t.layout == NEURON_MAJOR else 1
+        return quant.NEURON_BLOCK if layer.ffn_down_t.layout == NEURON_MAJOR else 1
     return 1 if layer.ffn_down.qtype in FLOAT_TYPES else QUANT_SIZES[layer.ffn_down.qtype][0]
 
 
@@ -184,14 +181,11 @@ def split_weights(weights: model.Weights, hot: list[np.ndarray], cfg: Config) ->
 
 
 def _expert_rows(w: QuantArray, experts: np.ndarray, n_expert: int) -> QuantArray:
-    """The rows of `experts` (in that order) of a projection stacked over n_expert experts; repacked, their groups
-    (repack.packs_experts: an expert's rows are whole groups)."""
-    per_expert = w.shape[0] // n_expert
-    if w.layout == quant.ROWS_X8:
-        groups = per_expert // quant.INTERLEAVE
-        data = np.take(np.asarray(w.data), (experts[:, None] * groups + np.arange(groups)).reshape(-1), axis=0)
-        return dataclasses.replace(w, data=data, shape=(len(experts) * per_expert, w.shape[1]))
-    return _rows(w, (experts[:, None] * per_expert + np.arange(per_expert)).reshape(-1))
+    """The rows of `experts` (in that order) of a projection stacked over n_expert experts: each expert's data rows
+    (its rows; repacked, its groups; a neuron-major down projection, its spans of 32 neurons: moe.py)."""
+    per_expert = w.data.shape[0] // n_expert
+    data = np.take(np.asarray(w.data), (experts[:, None] * per_expert + np.arange(per_expert)).reshape(-1), axis=0)
+    return dataclasses.replace(w, data=data, shape=(len(experts) * w.shape[0] // n_expert, w.shape[1]))
 
 
 def split_experts(experts: moe.Experts, hot: np.ndarray, in_device, in_host) -> moe.Experts:

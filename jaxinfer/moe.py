@@ -52,13 +52,9 @@ class ExpertPart:
 
     gate: QuantArray  # [n_here * n_ff_exp, d]
     up: QuantArray  # [n_here * n_ff_exp, d]
-    down: QuantArray  # [n_here * d, n_ff_exp]
+    down: QuantArray  # [n_here * d, n_ff_exp]; neuron-major [n_here * n_ff_exp, d] (neuron_major_down)
     local: jax.Array | None  # int32 [n_expert]; None: every expert, in order (an unsplit mixture)
     on_host: bool = dataclasses.field(default=False, metadata=dict(static=True))  # in host memory, run there
-
-    @property
-    def n_here(self) -> int:
-        return self.gate.shape[0] // self.down.shape[1]
 
 
 @jax.tree_util.register_dataclass
@@ -86,6 +82,18 @@ class SharedExpert:
     gate: QuantArray  # [n_ff_shexp, d] blk.N.ffn_gate_shexp
     up: QuantArray  # [n_ff_shexp, d] blk.N.ffn_up_shexp
     down: QuantArray  # [d, n_ff_shexp] blk.N.ffn_down_shexp
+
+
+def neuron_major_down(down: QuantArray, n_expert: int) -> QuantArray:
+    """A stacked down projection [n_expert * d, f] as one neuron-major weight over every expert's neurons,
+    [n_expert * f, d] (quant.pack_neuron_major of the experts' projections side by side, [d, n_expert * f]: the same
+    bytes, no rounding): expert e's neurons are rows e f .. (e + 1) f - 1, whole data rows of 32 neurons. A ReLU
+    expert's zero neurons are then not read: a decode step's routed experts are one product over the neurons they
+    leave nonzero (expert_products.routed_ffn)."""
+    rows, f = down.shape
+    d = rows // n_expert
+    side_by_side = np.asarray(down.data).reshape(n_expert, d, -1).transpose(1, 0, 2).reshape(d, -1)
+    return quant.pack_neuron_major(dataclasses.replace(down, data=side_by_side, shape=(d, n_expert * f)))
 
 
 def stacked(view: np.ndarray, qtype, shape: tuple[int, int, int]) -> QuantArray:
@@ -165,7 +173,7 @@ def _part_work(weights, chosen, part: ExpertPart, routed: bool, tile: int, cfg: 
     if part.local is not None:
         chosen = part.local[chosen]
         weights = jnp.where(chosen >= 0, weights, 0.0)
-        n_here = part.n_here
+        n_here = part.gate.shape[0] // cfg.n_ff_exp
     return (chosen, weights) if routed else expert_tiles(weights, chosen, n_here, tile)
 
 
@@ -179,7 +187,7 @@ def _run_part(flat, work, projections, routed: bool, cfg: Config):
     """flat [N, d] through the experts of one part (their stacked projections) as `work` (_part_work) says."""
     if routed:
         chosen, weights = work
-        rows = [routed_ffn(flat[t:t + 1], chosen[t], weights[t], *projections, activations(cfg))
+        rows = [routed_ffn(flat[t:t + 1], chosen[t], weights[t], *projections, activations(cfg), cfg.n_ff_exp)
                 for t in range(flat.shape[0])]
         return jnp.concatenate(rows)
     return run_tiles(flat, *work, projections, cfg)
@@ -238,7 +246,8 @@ def run_tiles(flat, expert, tokens, weights, n_tiles, projections, cfg: Config):
     a [N, d] zero (token N: dropped). Only indexing and products: it runs in host memory as it does in device."""
     def add_tile(i, out):
         rows = jax.lax.dynamic_index_in_dim(tokens, i, keepdims=False)
-        y = expert_ffn(jnp.take(flat, rows, axis=0, mode="clip"), expert[i], *projections, activations(cfg))
+        y = expert_ffn(jnp.take(flat, rows, axis=0, mode="clip"), expert[i], *projections, activations(cfg),
+                       cfg.n_ff_exp)
         w = jax_compat.like(y, jax.lax.dynamic_index_in_dim(weights, i, keepdims=False))
         return out.at[rows].add(jax_compat.like(out, w[:, None] * y), mode="drop")
 

@@ -116,6 +116,7 @@ def dequantize(w: QuantArray) -> jax.Array:
 # (scale, min and q of W[o, 32b + k] are block b of row o's). As many bytes as W, no rounding; the shape stays that
 # of the transposed matrix, [n_ff, d], as ffn_down_t's. neuron_span picks S.
 NEURON_MAJOR_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0"))
+NEURON_BLOCK = 32  # neurons of a data row (block b)
 _SCALE_BYTES = {GGMLQuantizationType.Q4_0: 2, GGMLQuantizationType.Q4_1: 4, GGMLQuantizationType.Q8_0: 2}  # per block
 
 
@@ -392,11 +393,14 @@ def take_rows_in_layout(w: QuantArray, rows: np.ndarray) -> QuantArray:
 
 
 def dynamic_row_range(w: QuantArray, start, count: int) -> QuantArray:
-    """Rows start .. start + count - 1 (start traced; count static) of a weight in GGUF's rows or repacked (then
-    start and count multiples of INTERLEAVE, and the rows may run into the last group's padding): a piece of an
-    output head."""
+    """Rows start .. start + count - 1 (start traced; count static) of a weight in GGUF's rows, repacked (then
+    start and count multiples of INTERLEAVE, and the rows may run into the last group's padding) or neuron-major
+    (rows are neurons; start and count multiples of 32, whole data rows): a piece of an output head, an expert's
+    neurons."""
     if w.layout == ROWS_X8:
         data = jax.lax.dynamic_slice_in_dim(w.data, start // INTERLEAVE, count // INTERLEAVE)
+    elif w.layout == NEURON_MAJOR:
+        data = jax.lax.dynamic_slice_in_dim(w.data, start // NEURON_BLOCK, count // NEURON_BLOCK)
     elif w.layout == ROW_BLOCKS:
         data = jax.lax.dynamic_slice_in_dim(w.data, start, count)
     else:

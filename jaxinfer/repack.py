@@ -4,12 +4,14 @@ weight of quant.REPACKED_TYPES (Q4_0/Q4_1/Q8_0/IQ4_NL, and Q4_K/Q5_K/Q6_K/IQ4_XS
 dense products read.
 
     repacked    attention q/k/v/output; the FFN weights its sparsity mode multiplies densely (DENSE_FFN: all of
-                them dense, gate and up for hidden:S, gate for gate:S) when it is not split between devices; the predictor's fc1/fc2 (dense products every token: a quantized predictor read at the
-                dense kernels' pace); the output head, and the embedding when it is the output head too (tied): the
+                them dense, gate and up for hidden:S, gate for gate:S) when it is not split between devices; the
+                predictor's fc1/fc2 (dense products every token: a quantized predictor read at the dense kernels'
+                pace); the output head, and the embedding when it is the output head too (tied): the
                 head is the largest product of a perplexity window, and a lookup unpacks only the groups of the
                 rows it reads
     experts     a mixture's stacked expert projections, each expert's rows whole groups (packs_experts), split
-                between devices or not: an expert's rows of a projection are then consecutive groups
+                between devices or not: an expert's rows of a projection are then consecutive groups; a down
+                projection whose zeros are skipped is held neuron-major instead (packs_experts_neuron_major)
     kept        an embedding only looked up; weights marked exact (XLA's f32 products); a sparse or split FFN
                 (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives them back, without rounding,
                 where a model loaded dense is made sparse after)
@@ -25,6 +27,7 @@ import dataclasses
 from gguf import GGMLQuantizationType
 
 from jaxinfer import quant, sharding
+from jaxinfer.config import NATURAL_ZEROS, Config
 from jaxinfer.plan import Plan
 from jaxinfer.quant import QuantArray
 
@@ -55,6 +58,14 @@ def packs_experts(w: QuantArray, n_expert: int, plan: Plan) -> bool:
     type with repacked kernels, when each expert's rows are whole groups, so that its rows are consecutive groups the
     routed and grouped products read in place (expert_products.py)."""
     return plan.repack and quant.can_pack_rows_x8(w) and (w.shape[0] // n_expert) % quant.INTERLEAVE == 0
+
+
+def packs_experts_neuron_major(w: QuantArray, cfg: Config) -> bool:
+    """Whether a mixture's stacked down projection is held neuron-major (moe.neuron_major_down): where its experts'
+    gate activation leaves exact zeros (NATURAL_ZEROS) and the plan's neuron-major kernel is fast, so that a token
+    reads only its routed experts' active neurons of it, for a type and width the packing takes."""
+    return (cfg.gate_activation in NATURAL_ZEROS and cfg.plan.neuron_major and cfg.plan.tp == 1
+            and w.qtype in quant.NEURON_MAJOR_TYPES and not w.exact and (w.shape[0] // cfg.n_expert) % 64 == 0)
 
 
 def widens_tq1_0(qtype, plan: Plan, exact: bool = False) -> bool:

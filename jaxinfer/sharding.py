@@ -40,7 +40,8 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer import distributed
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
-from jaxinfer.quant import FLOAT_TYPES, INTERLEAVE, NEURON_MAJOR, ROWS_X8, QuantArray, placed_copy, take_rows
+from jaxinfer.quant import (FLOAT_TYPES, INTERLEAVE, NEURON_BLOCK, NEURON_MAJOR, ROWS_X8, QuantArray, placed_copy,
+                            take_rows)
 from jaxinfer.ternary import QUANT_SIZES
 
 AXIS = "tp"
@@ -54,7 +55,6 @@ ROWS, COLS = 0, 1  # the axis of a [rows, cols] weight that is cut over the devi
 LAYER_CUTS = {"attn_q": ROWS, "attn_k": ROWS, "attn_v": ROWS, "attn_output": COLS, "ffn_gate": ROWS, "ffn_up": ROWS,
               "ffn_down": COLS, "ffn_down_t": ROWS, "fc2": ROWS,
               "attn_q_bias": ROWS, "attn_k_bias": ROWS, "attn_v_bias": ROWS}  # a bias with its projection's rows
-NEURON_BLOCK = 32  # neurons per block of a neuron-major down projection (quant.pack_neuron_major)
 CACHE_SPEC = P(None, None, None, AXIS, None)  # KV caches [n_layer, B, max_len, n_head_kv, hd]: by KV heads
 
 

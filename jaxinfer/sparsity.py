@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from jaxinfer import model, quant, repack, sidecar
+from jaxinfer.config import NATURAL_ZEROS
 from jaxinfer.plan import SPARSITY_MODES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.plan import Plan
@@ -169,11 +170,10 @@ def packs_neuron_major(spec: SparsitySpec, plan: Plan) -> bool:
     return spec.mode in THRESHOLD_METHODS and spec.level <= NEURON_MAJOR_MAX_SPARSITY and plan.neuron_major
 
 
-# Gate activations whose zeros the dense mode skips (sparse_ffn: `active` is h != 0). A ternary down projection (BitNet
-# b1.58: squared ReLU, about half the neurons zero) is then stored one row per neuron, losslessly (quant.transpose_
-# ternary), so that their rows are not read; other types keep their down projection whole in the dense mode, as a
-# transposed copy would be rounded again.
-NATURAL_ZEROS = ("relu", "relu_sqr")
+# With a gate activation of NATURAL_ZEROS (config.py), a ternary down projection (BitNet b1.58: squared ReLU, about
+# half the neurons zero) is stored one row per neuron, losslessly (quant.transpose_ternary), so that the zero neurons'
+# rows are not read; other types keep their down projection whole in the dense mode, as a transposed copy would be
+# rounded again.
 
 
 def _with_ternary_down_t(path: str, layer):

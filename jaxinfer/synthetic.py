@@ -101,6 +101,7 @@ class SyntheticSpec:
     n_expert: int = 0  # a mixture of this many experts of n_ff neurons in place of the FFN (0: none)
     n_expert_used: int = 2  # the experts run per token (with n_expert)
     n_ff_shexp: int = 0  # the shared expert's neurons where the architecture has one (0: 2 n_ff)
+    gate_activation: str = ""  # written as jaxinfer.gate_activation where set (ReLU experts); "": the architecture's
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -290,6 +291,8 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
         if known and known.shared_expert:
             fields.append((f"{arch}.expert_shared_feed_forward_length", shared_width(spec), GGUFValueType.UINT32,
                            None))
+    if spec.gate_activation:
+        fields.append((GATE_ACTIVATION_KEY, spec.gate_activation, GGUFValueType.STRING, None))
     if spec.sliding_window:
         fields.append((f"{arch}.attention.sliding_window", spec.sliding_window, GGUFValueType.UINT32, None))
     if spec.swa_pattern:

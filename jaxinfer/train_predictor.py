@@ -33,7 +33,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from tqdm import tqdm
 
 from jaxinfer import powerinfer, quant, repack, sparsity
-from jaxinfer.config import GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY
+from jaxinfer.config import GATE_ACTIVATION_KEY, NATURAL_ZEROS, SPARSE_THRESHOLD_KEY
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.gguf_io import load_matrix
 from jaxinfer.powerinfer import PendingTensor
@@ -278,7 +278,7 @@ def _check_header(path: str, spec: sparsity.SparsitySpec, predictor_type: GGMLQu
         raise JaxinferError(f"--predictor_type {predictor_type.name.lower()} stores fc1's rows in blocks of {block} "
                             f"values, and this model's n_embd ({cfg.n_embd}) is not a multiple of {block}: use "
                             f"--predictor_type f16")
-    if spec.mode == "dense" and not {cfg.gate_activation, cfg.up_activation} & set(sparsity.NATURAL_ZEROS):
+    if spec.mode == "dense" and not {cfg.gate_activation, cfg.up_activation} & set(NATURAL_ZEROS):
         raise JaxinferError(f"--sparsity dense (the default) learns which neurons a ReLU-family model zeroes "
                             f"itself, and this {cfg.arch} model's FFN ({cfg.gate_activation} gate) has no natural "
                             f"zeros: every neuron is active. Give --sparsity hidden:S or gate:S (thresholds from "

@@ -32,6 +32,9 @@ qwen3moe's (it needs them), or Mixtral's in a llama file; e.g. Qwen3-30B-A3B's w
     python scripts/make_sparse_model.py --architecture qwen3moe --n_layer 2 --n_embd 2048 --n_ff 768 --n_head 32 \
         --n_head_kv 4 --head_dim 128 --n_expert 128 --n_expert_used 8 --n_vocab 151936 --sparsity 0 -o qwen3moe.gguf
 
+--gate_activation relu writes ReLU experts (jaxinfer.gate_activation; llama.cpp runs its own SiLU on the same bytes),
+whose zero neurons a decode step does not read.
+
 --dense_twin FILE writes the dense twin of the PowerInfer FILE instead (synthetic.write_dense_twin): the same weights
 as a plain GGUF that llama.cpp loads (no predictors, ffn_down [d, n_ff] quantized again along the neurons in place of
 ffn_down_t), for the dense baseline on the same weights (scripts/bench_sparse.py runs llama-bench on it):
@@ -47,7 +50,7 @@ from absl import app, flags
 from gguf import GGMLQuantizationType
 
 from jaxinfer.cli import check_range, parse_flags
-from jaxinfer.config import ARCHITECTURES
+from jaxinfer.config import ARCHITECTURES, GATE_ACTIVATIONS
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import SyntheticSpec, check_loadable, write_dense_twin, write_model
 from jaxinfer.ternary import BitNetType
@@ -83,6 +86,9 @@ flags.DEFINE_integer("sliding_window", 0, "attention.sliding_window, for an arch
                      "(gemma3)")
 flags.DEFINE_integer("n_expert", 0, "a mixture of this many experts of --n_ff neurons in place of the FFN (0: none)")
 flags.DEFINE_integer("n_expert_used", 2, "the experts each token runs, with --n_expert")
+flags.DEFINE_enum("gate_activation", "", ["", *GATE_ACTIVATIONS], "the gate activation, written as "
+                  "jaxinfer.gate_activation (relu: ReLU experts, whose zero neurons a decode step skips); default: the "
+                  "architecture's")
 check_range("head_dim", 0)
 check_range("n_expert", 0)
 check_range("n_expert_used", 1)
@@ -95,7 +101,7 @@ check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
 MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
                "seed", "architecture", "n_vocab", "head_dim", "sliding_window", "n_expert", "n_expert_used",
-               "predictor_type")  # what makes a synthetic model: not taken with --dense_twin
+               "predictor_type", "gate_activation")  # what makes a synthetic model: not taken with --dense_twin
 SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
 
@@ -132,7 +138,8 @@ def main(argv):
         embedding_type=GGMLQuantizationType.Q8_0 if weight_type != GGMLQuantizationType.F32 else weight_type,
         architecture=FLAGS.architecture, sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed,
         predictor_type=GGMLQuantizationType[FLAGS.predictor_type.upper()], head_dim=FLAGS.head_dim,
-        sliding_window=FLAGS.sliding_window, n_expert=FLAGS.n_expert, n_expert_used=FLAGS.n_expert_used)
+        sliding_window=FLAGS.sliding_window, n_expert=FLAGS.n_expert, n_expert_used=FLAGS.n_expert_used,
+        gate_activation=FLAGS.gate_activation)
     try:
         check_loadable(spec)  # a file that would not load is not written
     except JaxinferError as e:

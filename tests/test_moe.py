@@ -15,7 +15,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 from gguf import quants as gguf_quants
 
-from jaxinfer import activation_profile, engine, evaluation, hybrid, inspection, model, moe, placement, quant, sharding
+import cpu_ext
+from jaxinfer import (activation_profile, engine, evaluation, hybrid, inspection, model, moe, placement, quant,
+                      repack, sharding)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import QuantArray, dynamic_row_range
 from jaxinfer import sparsity
@@ -262,6 +264,60 @@ def test_a_decode_step_reads_only_its_routed_experts(tmp_path, qtype):
     assert len(poisoned) == cfg.n_expert_used, poisoned
 
 
+RELU_SPECS = {name: dataclasses.replace(SMALL_SPECS[name], gate_activation="relu", weight_type=qtype)
+              for name, qtype in (("qwen3moe", GGMLQuantizationType.Q8_0), ("mixtral", GGMLQuantizationType.Q4_0))}
+
+
+def load_without_neuron_major(monkeypatch, tmp_path, name, spec):
+    """The model with its experts' down projection held as the others are (repacked): the product over every neuron."""
+    with monkeypatch.context() as patch:
+        patch.setattr(repack, "packs_experts_neuron_major", lambda w, cfg: False)
+        return load(tmp_path, name + "_whole", spec)
+
+
+@pytest.mark.parametrize("name", RELU_SPECS)
+def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp_path, monkeypatch, name):
+    """ReLU experts (about half of each routed expert's neurons zero here) hold their down projection neuron-major
+    over every expert's neurons, the same bytes: a decode step's routed experts are one product over their nonzero
+    neurons, a prompt's tiles each expert's. Logits are the whole product's to float rounding (both round the hidden
+    values to 8 bits per 32 neurons), greedy tokens the same, incremental decode the full forward; an unrouted
+    expert's down bytes, poisoned, change nothing."""
+    if not cpu_ext.fast_neuron_major():
+        pytest.skip("the neuron-major kernel is the portable one here: the plan keeps the down projection whole")
+    m = load(tmp_path, name, RELU_SPECS[name])
+    whole = load_without_neuron_major(monkeypatch, tmp_path, name, RELU_SPECS[name])
+    cfg = m.config
+    down = m.weights.layers[0].experts.down
+    assert down.layout == quant.NEURON_MAJOR and down.shape == (cfg.n_expert * cfg.n_ff_exp, cfg.n_embd)
+    assert down.nbytes == whole.weights.layers[0].experts.down.nbytes
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
+    expected, got = prefill_then_decode(whole, prompt, steps), prefill_then_decode(m, prompt, steps)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+    assert greedy(m, prompt, 12) == greedy(whole, prompt, 12)
+    assert_incremental_decode_matches_full_forward(m, n_prompt=5)
+
+    cache = model.init_cache(cfg, 1, 16)
+    padded = np.zeros((1, 8), np.int32)
+    padded[0, :5] = prompt[:5]
+    _, cache = model.prefill(padded, jnp.int32(5), m.weights, cache, cfg)
+    token = jnp.asarray([42], jnp.int32)
+    clean, _ = model.decode_step(token, m.weights, jax.tree.map(jnp.copy, cache), cfg)
+    spans = down.data.shape[0] // cfg.n_expert  # data rows of one expert's neurons
+    poisoned = []
+    for e in range(cfg.n_expert):
+        experts = m.weights.layers[0].experts
+        bad = dataclasses.replace(down, data=down.data.at[e * spans:(e + 1) * spans].set(0xFF))  # NaN scales
+        layers = [dataclasses.replace(m.weights.layers[0], experts=dataclasses.replace(experts, down=bad)),
+                  *m.weights.layers[1:]]
+        logits, _ = model.decode_step(token, dataclasses.replace(m.weights, layers=layers),
+                                      jax.tree.map(jnp.copy, cache), cfg)
+        if np.isnan(logits).any():
+            poisoned.append(e)
+        else:
+            np.testing.assert_array_equal(logits, clean)
+    assert len(poisoned) == cfg.n_expert_used, poisoned
+
+
 def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     """Shared experts, another gating function, scaled weights, a qwen3moe file without experts, more experts used
     than there are, a dense FFN tensor beside the experts; and for now --tp, the sparsity modes and the per-neuron
@@ -305,8 +361,10 @@ def test_make_sparse_model_writes_a_mixture_that_inspect_says_runs(tmp_path):
     made = subprocess.run([sys.executable, "scripts/make_sparse_model.py", "-o", str(out), "--sparsity", "0",
                            "--architecture", "qwen3moe", "--n_layer", "1", "--n_embd", "64", "--n_ff", "32",
                            "--n_head", "4", "--head_dim", "32", "--n_expert", "4", "--n_expert_used", "2",
-                           "--weight_type", "Q8_0"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+                           "--weight_type", "Q8_0", "--gate_activation", "relu"], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
     assert made.returncode == 0, made.stderr
+    assert engine.load_model(str(out)).config.gate_activation == "relu"  # ReLU experts
     report = inspection.inspect_model(str(out))
     assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
     assert not report["hybrid_split"]["applies"]  # no activation profile yet
@@ -343,13 +401,19 @@ def test_profile_counts_each_experts_routings(tmp_path):
                                                                  minlength=m.config.n_expert))
 
 
-@pytest.mark.parametrize("name", SMALL_SPECS)
+SPLIT_SPECS = {**{name: dataclasses.replace(spec, weight_type=GGMLQuantizationType.Q8_0)
+                  for name, spec in SMALL_SPECS.items()},
+               "qwen3moe_relu": RELU_SPECS["qwen3moe"]}
+
+
+@pytest.mark.parametrize("name", SPLIT_SPECS)
 def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp_path, name):
     """--vram-budget on a mixture places whole experts, most routed per byte first, in device memory, the rest in
     host memory run under compute_on there, in the one program: what is placed is what was priced, within the budget;
     prefill and decode logits equal the unsplit model's to f32 rounding (the parts' sums are added in another order)
-    and greedy tokens are the same. The experts are held repacked, and each part keeps its experts' groups."""
-    m = load(tmp_path, name, dataclasses.replace(SMALL_SPECS[name], weight_type=GGMLQuantizationType.Q8_0))
+    and greedy tokens are the same. The experts are held repacked (a ReLU mixture's down projection neuron-major),
+    and each part keeps its experts' groups (spans of 32 neurons)."""
+    m = load(tmp_path, name, SPLIT_SPECS[name])
     counts, _ = profile_routings(m)
     costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, 32))
     per_expert = int(costs.unit_bytes[0])
@@ -367,7 +431,9 @@ def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp
     assert {p.on_host for p in parts} == {False, True}
     for p in parts:
         assert p.gate.data.sharding.memory_kind == ("pinned_host" if p.on_host else "device")
-        assert p.gate.layout == p.up.layout == p.down.layout == quant.ROWS_X8  # each part takes its experts' groups
+        assert p.gate.layout == p.up.layout == quant.ROWS_X8  # each part takes its experts' groups
+        assert p.down.layout == (quant.NEURON_MAJOR if m.config.gate_activation == "relu" and
+                                 cpu_ext.fast_neuron_major() else quant.ROWS_X8)
     assert "% of experts" in split.split.summary
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)
