@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import (activation_profile, attention, hybrid, model, neuron_order, placement, programs, quant, repack,
-                      runtime, sharding, sparse_ffn, sparsity)
+from jaxinfer import (activation_profile, attention, hybrid, model, moe, neuron_order, placement, programs, quant,
+                      repack, runtime, sharding, sparse_ffn, sparsity)
 from jaxinfer.config import CACHE_TYPES, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
@@ -55,6 +55,10 @@ class LoadedModel:
         types = sorted({t.tensor_type.name for t in self.gguf.reader.tensors})
         down_t = self.weights.layers[0].ffn_down_t if self.weights.layers else None
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
+        experts = self.weights.layers[0].experts if self.weights.layers else None
+        if experts is not None and moe.expert_parts(experts)[0].down.layout == quant.NEURON_MAJOR:
+            down = (f", experts' down projection neuron-major ({quant.layout_name(moe.expert_parts(experts)[0].down)}):"
+                    f" their zero neurons not read")
         thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
         order = f", FFN neurons hottest first {self.neuron_order}" if self.neuron_order else ""
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "

@@ -290,6 +290,8 @@ def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp
     down = m.weights.layers[0].experts.down
     assert down.layout == quant.NEURON_MAJOR and down.shape == (cfg.n_expert * cfg.n_ff_exp, cfg.n_embd)
     assert down.nbytes == whole.weights.layers[0].experts.down.nbytes
+    assert "experts' down projection neuron-major" in m.describe()
+    assert "neuron-major" not in whole.describe()
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(whole, prompt, steps), prefill_then_decode(m, prompt, steps)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
