@@ -32,6 +32,12 @@ inline std::string dims_string(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
+// Asks for a row that is read once (a gathered or active row, row_dots), every line of it, with the non-temporal
+// hint: it is not kept in the caches after.
+inline void prefetch_row_once(const uint8_t* row, int64_t row_bytes) {
+  for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
+}
+
 // A mask's bytes. XLA makes PRED bytes 0 or 1, but a caller can hand over any bytes as bool (a uint8 array viewed as
 // bool). Read as C++ bool, a byte of 2 is undefined behaviour: the compiler added it to the count of active rows, and
 // a count past the rows wrote past the row list. So the handlers read bytes, and any nonzero one means active, as

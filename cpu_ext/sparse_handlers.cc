@@ -118,7 +118,7 @@ void row_dots(ffi::ThreadPool& pool, const RowDot& dot, const WeightsAndOutputs&
         if (t == 0 && p + 2 < p1 && e + 2 < n_entries) {
           const int64_t r0 = entry(e).row, r1 = entry(e + 1).row, r2 = entry(e + 2).row;
           if (r2 != r1 + 1 || r1 != r0 + 1) {
-            for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(wo.ws[i] + r2 * row_bytes + b, 0, 0);
+            prefetch_row_once(wo.ws[i] + r2 * row_bytes, row_bytes);
           }
         }
         if (!take(t, e)) continue;
@@ -236,8 +236,7 @@ void segmented_row_dots(ffi::ThreadPool& pool, const RowDot& dot, const uint8_t*
     const int64_t e0 = task * band, e1 = std::min(n_valid, e0 + band);
     for (int64_t e = e0; e < e1; ++e) {
       if (e + 2 < e1 && idx[pos[e + 2]] != idx[pos[e + 1]] + 1) {
-        const uint8_t* next = w + idx[pos[e + 2]] * row_bytes;
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + b, 0, 0);
+        prefetch_row_once(w + idx[pos[e + 2]] * row_bytes, row_bytes);
       }
       const int64_t t = pos[e] / segment;
       ys[t * k + pos[e]] = dot(w + idx[pos[e]] * row_bytes, t);
