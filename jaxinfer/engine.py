@@ -84,19 +84,23 @@ class LoadedModel:
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1,
-               repack: bool = True) -> LoadedModel:
+               repack: bool = True, neuron_major: bool = True) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
     products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
     kernels. `cache_type` ("f32", "f16") is the KV cache's element type. `tp` > 1 cuts the weights over the first
     `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
     shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity). `repack`
-    False keeps every weight in GGUF's rows where the plan would repack them (repack.py), for comparisons."""
-    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp, repack=repack))
+    False keeps every weight in GGUF's rows where the plan would repack them (repack.py), `neuron_major` False packs
+    no down projection neuron-major where the plan would (a ReLU mixture's experts keep theirs whole), for
+    comparisons."""
+    return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp, repack=repack,
+                               neuron_major=neuron_major))
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
-                dp: int, repack: bool = True, repack_ffn: tuple[str, ...] = repack.FFN) -> LoadedModel:
+                dp: int, repack: bool = True, repack_ffn: tuple[str, ...] = repack.FFN,
+                neuron_major: bool = True) -> LoadedModel:
     """load_model's model before its weights are placed on the plan's devices (`_placed`), repacked where the plan
     says unless `repack` is False (of the FFN's, those in `repack_ffn`; repack.py). Over several processes the weights
     stay views of the file, so that each process reads only its own shards."""
@@ -107,6 +111,7 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     gguf = open_gguf(path)
     plan = make_plan(attn_max_batch_mib, tp, dp)
     plan = plan if repack else dataclasses.replace(plan, repack=False)
+    plan = plan if neuron_major else dataclasses.replace(plan, neuron_major=False)
     cfg = load_config(gguf)
     if cfg.attn_softcap:  # cpu_ext's and Pallas's attention kernels have no soft-capping: XLA's has
         plan = dataclasses.replace(plan, attention="xla")

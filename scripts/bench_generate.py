@@ -4,7 +4,7 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
 
     python scripts/bench_generate.py [-m MODEL] [--pp 128,512] [--tg 64] [--depth 0] [--repetitions 3] [--json]
         [--sparsity hidden:0.5 [--down_t_type same] [--compare_dense]]
-        [--vram-budget GIB [--activation-dir DIR]]
+        [--vram-budget GIB [--activation-dir DIR]] [--compare_whole_experts]
         [--llama_bench path/to/llama-bench [--threads 2] [--rounds 1]] [--norepack]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
@@ -20,7 +20,9 @@ weight bytes a decode step skips (counted from the neurons active on the generat
 and tg run after D tokens are already in the KV cache (llama-bench's -d, which --llama_bench passes on): the speed
 deep into a long context, where attention reads the cache. With --vram-budget the model is also split between
 device and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and
-tg of the unsplit and the split model are timed alternately and compared.
+tg of the unsplit and the split model are timed alternately and compared. With --compare_whole_experts, a mixture
+of ReLU experts is timed alternately with its zero neurons skipped (the plan's default) and with each expert's down
+projection read whole.
 """
 
 import json
@@ -33,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from jaxinfer import cli, decode_bytes, engine, model, receipt, runtime, sparsity
+from jaxinfer import cli, decode_bytes, engine, model, moe, quant, receipt, runtime, sparsity
 from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
@@ -53,6 +55,8 @@ flags.DEFINE_integer("rounds", 1, "with --llama_bench: rounds of our tests then 
                      "test's speeds and ratio are then the medians over the rounds")
 flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense and the sparse model alternately "
                   "(--repetitions each) and compare the speed-up with the share of weight bytes not read")
+flags.DEFINE_bool("compare_whole_experts", False, "for a mixture of ReLU experts: time tg of the model with its "
+                  "experts' down projection whole and with their zero neurons skipped (neuron-major) alternately")
 flags.DEFINE_float("vram_budget", None, "also split the model under this device memory budget (GiB), as generate "
                    "--vram-budget, and compare its tg with the unsplit model's")
 flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budget (default: beside the model)")
@@ -117,6 +121,22 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
     return {"dense_generation_tokens_per_s": dense_tg, "sparse_generation_tokens_per_s": sparse_tg,
             "sparse_speedup": sparse_tg / dense_tg, "bytes_saved_share": saved, "lines_saved_share": lines_saved,
             "active_share": active, "dense_active_share": dense_step.active_share}
+
+
+def compare_with_whole_experts(m) -> dict[str, float]:
+    """tg of a mixture of ReLU experts with their zero neurons skipped (the default) and with each expert's down
+    projection read whole, timed alternately."""
+    whole = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack, neuron_major=False)
+    n = FLAGS.tg
+    whole_rates, sparse_rates = [], []
+    for _ in range(FLAGS.repetitions):
+        whole_rates += decode_rates(whole, n, 1)[0]
+        sparse_rates += decode_rates(m, n, 1)[0]
+    whole_tg, sparse_tg = float(np.median(whole_rates)), float(np.median(sparse_rates))
+    print(f"tg{n}: experts whole {whole_tg:.2f} / zero neurons skipped {sparse_tg:.2f} tokens/s (medians of "
+          f"{len(sparse_rates)} alternating runs) = {sparse_tg / whole_tg:.3f}x", flush=True)
+    return {"whole_experts_generation_tokens_per_s": whole_tg, "sparse_experts_generation_tokens_per_s": sparse_tg,
+            "sparse_experts_speedup": sparse_tg / whole_tg}
 
 
 def compare_with_split(m) -> dict[str, float]:
@@ -212,6 +232,10 @@ def main(argv):
     dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
+    if FLAGS.compare_whole_experts and not (m.config.n_expert and any(
+            p.down.layout == quant.NEURON_MAJOR for layer in m.weights.layers for p in moe.expert_parts(layer.experts))):
+        raise JaxinferError("--compare_whole_experts needs a mixture of ReLU experts whose down projection the plan "
+                            "holds neuron-major (a gate activation with zeros, a fast neuron-major kernel)")
     runtime.freeze_loaded_objects()  # as generate and the server do after loading
     ours_rounds, llama_rounds = [], []
     for _ in range(FLAGS.rounds):
@@ -220,6 +244,8 @@ def main(argv):
             llama_rounds.append(run_llama_bench(m.path, FLAGS.pp, FLAGS.tg))
     results = median_rounds(ours_rounds)
     comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
+    if FLAGS.compare_whole_experts:
+        comparison |= compare_with_whole_experts(m)
     if FLAGS.vram_budget is not None:
         comparison |= compare_with_split(m)
     if llama_rounds:

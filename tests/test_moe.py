@@ -320,6 +320,29 @@ def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp
     assert len(poisoned) == cfg.n_expert_used, poisoned
 
 
+def test_bench_generate_compares_relu_experts_with_their_whole_down_projection(tmp_path):
+    """scripts/bench_generate.py --compare_whole_experts times a ReLU mixture with its zero neurons skipped against
+    the same file with its experts' down projections whole (load_model(neuron_major=False)); a mixture without
+    neuron-major experts is refused in one line."""
+    if not cpu_ext.fast_neuron_major():
+        pytest.skip("the neuron-major kernel is the portable one here: the plan keeps the down projection whole")
+    relu = write_model(str(tmp_path / "relu.gguf"), RELU_SPECS["qwen3moe"])
+    assert engine.load_model(relu, neuron_major=False).weights.layers[0].experts.down.layout == quant.ROWS_X8
+
+    def bench(path):
+        return subprocess.run([sys.executable, "scripts/bench_generate.py", "-m", path, "--pp", "8", "--tg", "4",
+                               "--repetitions", "1", "-c", "64", "--compare_whole_experts", "--json"],
+                              capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+    ran = bench(relu)
+    assert ran.returncode == 0, ran.stderr
+    result = json.loads(ran.stdout.strip().splitlines()[-1])
+    assert result["whole_experts_generation_tokens_per_s"] > 0 and result["sparse_experts_generation_tokens_per_s"] > 0
+    refused = bench(write_model(str(tmp_path / "silu.gguf"), SMALL_SPECS["qwen3moe"]))
+    assert refused.returncode != 0
+    assert refused.stderr.strip().splitlines()[-1].startswith("error: --compare_whole_experts needs a mixture of ReLU")
+
+
 def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     """Shared experts, another gating function, scaled weights, a qwen3moe file without experts, more experts used
     than there are, a dense FFN tensor beside the experts; and for now --tp, the sparsity modes and the per-neuron
