@@ -67,7 +67,7 @@ class Experts:
     router: QuantArray  # [n_expert, d] blk.N.ffn_gate_inp
     gate: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_gate_exps
     up: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_up_exps
-    down: QuantArray | None  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps
+    down: QuantArray | None  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps; ReLU experts: neuron_major_down
     parts: list[ExpertPart] | None = None
     shared: "SharedExpert | None" = None
 
