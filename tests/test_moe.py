@@ -17,7 +17,7 @@ from gguf import quants as gguf_quants
 
 import cpu_ext
 from jaxinfer import (activation_profile, engine, evaluation, hybrid, inspection, model, moe, placement, quant,
-                      repack, sharding)
+                      sharding)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import QuantArray, dynamic_row_range
 from jaxinfer import sparsity
@@ -228,6 +228,34 @@ POISON = {GGMLQuantizationType.F32: np.nan, GGMLQuantizationType.Q8_0: 0xFF}  # 
 POISON_ANY = {**POISON, GGMLQuantizationType.F16: np.nan}
 
 
+def experts_a_decode_step_reads(m, field: str, poison) -> list[int]:
+    """The experts of layer 0 whose `field` projection, poisoned (each expert's data rows set to `poison`), turns a
+    decode step's logits (after a 5-token prompt) into NaN; every other poisoning leaves them exactly as they were."""
+    cfg = m.config
+    prompt = np.zeros((1, 8), np.int32)
+    prompt[0, :5] = [5, 17, 250, 3, 99]
+    cache = model.init_cache(cfg, 1, 16)
+    _, cache = model.prefill(prompt, jnp.int32(5), m.weights, cache, cfg)
+    token = jnp.asarray([42], jnp.int32)
+    clean, _ = model.decode_step(token, m.weights, jax.tree.map(jnp.copy, cache), cfg)
+    assert np.isfinite(clean).all()
+    experts = m.weights.layers[0].experts
+    w = getattr(experts, field)
+    per_expert = w.data.shape[0] // cfg.n_expert  # an expert's data rows: rows, groups of eight, or spans of 32
+    poisoned = []
+    for e in range(cfg.n_expert):
+        bad = dataclasses.replace(w, data=w.data.at[e * per_expert:(e + 1) * per_expert].set(poison))
+        layers = [dataclasses.replace(m.weights.layers[0], experts=dataclasses.replace(experts, **{field: bad})),
+                  *m.weights.layers[1:]]
+        logits, _ = model.decode_step(token, dataclasses.replace(m.weights, layers=layers),
+                                      jax.tree.map(jnp.copy, cache), cfg)
+        if np.isnan(logits).any():
+            poisoned.append(e)
+        else:
+            np.testing.assert_array_equal(logits, clean)
+    return poisoned
+
+
 @pytest.mark.parametrize("qtype", POISON, ids=lambda t: t.name)
 def test_a_decode_step_reads_only_its_routed_experts(tmp_path, qtype):
     """Poisoning one expert of layer 0 (NaN, or a NaN scale in each Q8_0 block) changes a decode step's logits only
@@ -237,46 +265,18 @@ def test_a_decode_step_reads_only_its_routed_experts(tmp_path, qtype):
     e * n / n_expert .. (e + 1) * n / n_expert - 1 either way: groups of eight rows, or rows)."""
     spec = dataclasses.replace(SMALL_SPECS["mixtral"], weight_type=qtype)
     m = load(tmp_path, "mixtral", spec)
-    cfg = m.config
     assert m.weights.layers[0].experts.gate.layout == (quant.ROWS_X8 if qtype == GGMLQuantizationType.Q8_0
                                                        else quant.ROW_BLOCKS)
-    per_expert = m.weights.layers[0].experts.gate.data.shape[0] // cfg.n_expert
-    prompt = np.zeros((1, 8), np.int32)
-    prompt[0, :5] = [5, 17, 250, 3, 99]
-    cache = model.init_cache(cfg, 1, 16)
-    _, cache = model.prefill(prompt, jnp.int32(5), m.weights, cache, cfg)
-    token = jnp.asarray([42], jnp.int32)
-    clean, _ = model.decode_step(token, m.weights, jax.tree.map(jnp.copy, cache), cfg)
-    assert np.isfinite(clean).all()
-    poisoned = []
-    for e in range(cfg.n_expert):
-        experts = m.weights.layers[0].experts
-        gate = dataclasses.replace(experts.gate, data=experts.gate.data.at[e * per_expert:(e + 1) * per_expert].set(
-            POISON[qtype]))
-        layers = [dataclasses.replace(m.weights.layers[0], experts=dataclasses.replace(experts, gate=gate)),
-                  *m.weights.layers[1:]]
-        logits, _ = model.decode_step(token, dataclasses.replace(m.weights, layers=layers),
-                                      jax.tree.map(jnp.copy, cache), cfg)
-        if np.isnan(logits).any():
-            poisoned.append(e)
-        else:
-            np.testing.assert_array_equal(logits, clean)
-    assert len(poisoned) == cfg.n_expert_used, poisoned
+    poisoned = experts_a_decode_step_reads(m, "gate", POISON[qtype])
+    assert len(poisoned) == m.config.n_expert_used, poisoned
 
 
 RELU_SPECS = {name: dataclasses.replace(SMALL_SPECS[name], gate_activation="relu", weight_type=qtype)
               for name, qtype in (("qwen3moe", GGMLQuantizationType.Q8_0), ("mixtral", GGMLQuantizationType.Q4_0))}
 
 
-def load_without_neuron_major(monkeypatch, tmp_path, name, spec):
-    """The model with its experts' down projection held as the others are (repacked): the product over every neuron."""
-    with monkeypatch.context() as patch:
-        patch.setattr(repack, "packs_experts_neuron_major", lambda w, cfg: False)
-        return load(tmp_path, name + "_whole", spec)
-
-
 @pytest.mark.parametrize("name", RELU_SPECS)
-def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp_path, monkeypatch, name):
+def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp_path, name):
     """ReLU experts (about half of each routed expert's neurons zero here) hold their down projection neuron-major
     over every expert's neurons, the same bytes: a decode step's routed experts are one product over their nonzero
     neurons, a prompt's tiles each expert's. Logits are the whole product's to float rounding (both round the hidden
@@ -285,7 +285,7 @@ def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp
     if not cpu_ext.fast_neuron_major():
         pytest.skip("the neuron-major kernel is the portable one here: the plan keeps the down projection whole")
     m = load(tmp_path, name, RELU_SPECS[name])
-    whole = load_without_neuron_major(monkeypatch, tmp_path, name, RELU_SPECS[name])
+    whole = engine.load_model(m.path, neuron_major=False)  # the down projection repacked: every neuron read
     cfg = m.config
     down = m.weights.layers[0].experts.down
     assert down.layout == quant.NEURON_MAJOR and down.shape == (cfg.n_expert * cfg.n_ff_exp, cfg.n_embd)
@@ -298,25 +298,7 @@ def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp
     assert greedy(m, prompt, 12) == greedy(whole, prompt, 12)
     assert_incremental_decode_matches_full_forward(m, n_prompt=5)
 
-    cache = model.init_cache(cfg, 1, 16)
-    padded = np.zeros((1, 8), np.int32)
-    padded[0, :5] = prompt[:5]
-    _, cache = model.prefill(padded, jnp.int32(5), m.weights, cache, cfg)
-    token = jnp.asarray([42], jnp.int32)
-    clean, _ = model.decode_step(token, m.weights, jax.tree.map(jnp.copy, cache), cfg)
-    spans = down.data.shape[0] // cfg.n_expert  # data rows of one expert's neurons
-    poisoned = []
-    for e in range(cfg.n_expert):
-        experts = m.weights.layers[0].experts
-        bad = dataclasses.replace(down, data=down.data.at[e * spans:(e + 1) * spans].set(0xFF))  # NaN scales
-        layers = [dataclasses.replace(m.weights.layers[0], experts=dataclasses.replace(experts, down=bad)),
-                  *m.weights.layers[1:]]
-        logits, _ = model.decode_step(token, dataclasses.replace(m.weights, layers=layers),
-                                      jax.tree.map(jnp.copy, cache), cfg)
-        if np.isnan(logits).any():
-            poisoned.append(e)
-        else:
-            np.testing.assert_array_equal(logits, clean)
+    poisoned = experts_a_decode_step_reads(m, "down", 0xFF)  # NaN scales
     assert len(poisoned) == cfg.n_expert_used, poisoned
 
 
