@@ -11,6 +11,7 @@ the file mapping, read only where they are placed: a process of a run over sever
 
 import dataclasses
 import os
+from functools import partial
 
 import jax
 import numpy as np
@@ -150,15 +151,15 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
         tq2_0 = jax.block_until_ready(ternary.tq1_0_as_tq2_0(view))
         distributed.release_pages(view)
         return dataclasses.replace(w, data=np.asarray(tq2_0) if on_host else tq2_0, qtype=GGMLQuantizationType.TQ2_0)
-    return w if on_host else _held(w, view, packs(w))
+    return w if on_host else _held(w, view, quant.pack_rows_x8 if packs(w) else None)
 
 
-def _held(w: QuantArray, view: np.ndarray, packs: bool) -> QuantArray:
-    """w (its data the file's `view`) as the model holds it: placed (place), or repacked (quant.pack_rows_x8) and the
-    file's pages let go."""
-    if not packs:
+def _held(w: QuantArray, view: np.ndarray, pack=None) -> QuantArray:
+    """w (its data the file's `view`) as the model holds it: placed (place), or laid out anew by `pack` (QuantArray
+    -> QuantArray: quant.pack_rows_x8, moe.neuron_major_down) and the file's pages let go."""
+    if pack is None:
         return dataclasses.replace(w, data=place(w.data))
-    packed = quant.pack_rows_x8(w)
+    packed = pack(w)
     jax.block_until_ready(packed.data)  # the new layout has read the mapping: its pages are not needed again
     distributed.release_pages(view)
     return packed
@@ -183,10 +184,8 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg
         if on_host:
             return w
         if tensor == "ffn_down_exps" and repack.packs_experts_neuron_major(w, cfg):
-            packed = jax.block_until_ready(moe.neuron_major_down(w, cfg.n_expert))
-            distributed.release_pages(view)
-            return packed
-        return _held(w, view, repack.packs_experts(w, cfg.n_expert, cfg.plan))
+            return _held(w, view, partial(moe.neuron_major_down, n_expert=cfg.n_expert))
+        return _held(w, view, quant.pack_rows_x8 if repack.packs_experts(w, cfg.n_expert, cfg.plan) else None)
 
     shared = None
     if f"blk.{i}.ffn_gate_inp_shexp.weight" in gguf.tensors:  # Qwen2-MoE (validate.check_tensors: all or none)

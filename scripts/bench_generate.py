@@ -96,16 +96,22 @@ def decode_rates(m, n_tokens, repetitions) -> tuple[list[float], list[int]]:
     return decode_bytes.decode_rates(m, prompt, n_tokens, repetitions, FLAGS.ctx_size)
 
 
-def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
-    """tg of the dense and the sparse model, timed alternately so that load from other processes hits both alike,
-    against the share of weight bytes the sparse model does not read."""
-    n = FLAGS.tg
-    dense_rates, sparse_rates = [], []
+def alternating_tg(first, second) -> tuple[float, float, int, list[int]]:
+    """tg (FLAGS.tg steps) of two models timed alternately, --repetitions runs each, so that load from other processes
+    hits both alike -> (first's median tokens/s, second's, the runs each, the tokens the second generated)."""
+    first_rates, second_rates = [], []
     for _ in range(FLAGS.repetitions):
-        dense_rates += decode_rates(dense, n, 1)[0]
-        rates, tokens = decode_rates(sparse, n, 1)
-        sparse_rates += rates
-    dense_tg, sparse_tg = float(np.median(dense_rates)), float(np.median(sparse_rates))
+        first_rates += decode_rates(first, FLAGS.tg, 1)[0]
+        rates, tokens = decode_rates(second, FLAGS.tg, 1)
+        second_rates += rates
+    return float(np.median(first_rates)), float(np.median(second_rates)), len(second_rates), tokens
+
+
+def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
+    """tg of the dense and the sparse model, timed alternately, against the share of weight bytes the sparse model
+    does not read."""
+    n = FLAGS.tg
+    dense_tg, sparse_tg, runs, tokens = alternating_tg(dense, sparse)
     # Each model's bytes with its own active neurons on the same tokens: the dense mode of a ReLU model skips the
     # down projection's rows of its natural zeros, and reads no predictor (decode_bytes).
     dense_step = decode_bytes.step_bytes(dense, decode_bytes.active_shares(dense, tokens))
@@ -113,7 +119,7 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
     dense_bytes, sparse_bytes, active = dense_step.total, sparse_step.total, sparse_step.active_share
     saved, lines_saved = 1 - sparse_bytes / dense_bytes, 1 - sparse_step.total_lines / dense_step.total_lines
     print(f"tg{n}: dense {dense_tg:.2f} / --sparsity {spec} {sparse_tg:.2f} tokens/s (medians of "
-          f"{len(dense_rates)} alternating runs) = {sparse_tg / dense_tg:.3f}x", flush=True)
+          f"{runs} alternating runs) = {sparse_tg / dense_tg:.3f}x", flush=True)
     print(f"weights read per decode step: dense {dense_bytes / 2**20:.1f} MiB, sparse {sparse_bytes / 2**20:.1f} MiB "
           f"({100 * active:.1f}% of FFN neurons active on these tokens): {100 * saved:.1f}% fewer bytes, "
           f"{1 / (1 - saved):.3f}x if speed followed bytes; in whole 64-byte lines (neurons firing independently) "
@@ -127,14 +133,9 @@ def compare_with_whole_experts(m) -> dict[str, float]:
     """tg of a mixture of ReLU experts with their zero neurons skipped (the default) and with each expert's down
     projection read whole, timed alternately."""
     whole = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack, neuron_major=False)
-    n = FLAGS.tg
-    whole_rates, sparse_rates = [], []
-    for _ in range(FLAGS.repetitions):
-        whole_rates += decode_rates(whole, n, 1)[0]
-        sparse_rates += decode_rates(m, n, 1)[0]
-    whole_tg, sparse_tg = float(np.median(whole_rates)), float(np.median(sparse_rates))
-    print(f"tg{n}: experts whole {whole_tg:.2f} / zero neurons skipped {sparse_tg:.2f} tokens/s (medians of "
-          f"{len(sparse_rates)} alternating runs) = {sparse_tg / whole_tg:.3f}x", flush=True)
+    whole_tg, sparse_tg, runs, _ = alternating_tg(whole, m)
+    print(f"tg{FLAGS.tg}: experts whole {whole_tg:.2f} / zero neurons skipped {sparse_tg:.2f} tokens/s (medians of "
+          f"{runs} alternating runs) = {sparse_tg / whole_tg:.3f}x", flush=True)
     return {"whole_experts_generation_tokens_per_s": whole_tg, "sparse_experts_generation_tokens_per_s": sparse_tg,
             "sparse_experts_speedup": sparse_tg / whole_tg}
 
@@ -144,14 +145,9 @@ def compare_with_split(m) -> dict[str, float]:
     split = engine.split_model(m, FLAGS.vram_budget, min(FLAGS.ctx_size, m.config.n_ctx_train), FLAGS.activation_dir,
                                reset=False)
     print(split.split.summary, file=sys.stderr)
-    n = FLAGS.tg
-    unsplit_rates, split_rates = [], []
-    for _ in range(FLAGS.repetitions):
-        unsplit_rates += decode_rates(m, n, 1)[0]
-        split_rates += decode_rates(split, n, 1)[0]
-    unsplit_tg, split_tg = float(np.median(unsplit_rates)), float(np.median(split_rates))
-    print(f"tg{n}: unsplit {unsplit_tg:.2f} / split under {FLAGS.vram_budget:g} GiB {split_tg:.2f} tokens/s (medians "
-          f"of {len(split_rates)} alternating runs) = {split_tg / unsplit_tg:.3f}x", flush=True)
+    unsplit_tg, split_tg, runs, _ = alternating_tg(m, split)
+    print(f"tg{FLAGS.tg}: unsplit {unsplit_tg:.2f} / split under {FLAGS.vram_budget:g} GiB {split_tg:.2f} tokens/s "
+          f"(medians of {runs} alternating runs) = {split_tg / unsplit_tg:.3f}x", flush=True)
     return {"unsplit_generation_tokens_per_s": unsplit_tg, "split_generation_tokens_per_s": split_tg,
             "split_speed_ratio": split_tg / unsplit_tg,
             "split_hot_neuron_share": split.split.plan.hot_share(m.config.n_ff)}
