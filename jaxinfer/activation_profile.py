@@ -7,6 +7,7 @@ import hashlib
 import os
 import re
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import sidecar, sparsity, torch_format
@@ -18,8 +19,27 @@ PROFILE_FILE = re.compile(r"activation_\d+\.pt|profile\.json|activation\.png")
 
 def profile_counts(m, windows: np.ndarray, n_seq: int = 4) -> np.ndarray:
     """[n_layer, n_ff] int64 activation counts over the windows' tokens."""
-    counts = sparsity.reduce_over_windows(m, windows, sparsity.count_active, n_seq, desc="profiling")
-    return np.stack(counts).astype(np.int64)
+    return profile(m, windows, n_seq)[0]
+
+
+def profile(m, windows: np.ndarray, n_seq: int = 4) -> tuple[np.ndarray, np.ndarray | None]:
+    """(profile_counts, and for a mixture of experts with natural zeros the share of its routed experts' neurons
+    the tokens left nonzero, [n_layer] f64; None for other models), in one pass over the windows."""
+    observed = sparsity.reduce_over_windows(m, windows, _count, n_seq, desc="profiling")
+    counts = np.stack([layer[0] for layer in observed]).astype(np.int64)
+    if len(observed[0]) == 1:
+        return counts, None
+    nonzero = np.array([float(layer[1]) for layer in observed])
+    return counts, nonzero / np.maximum(counts.sum(axis=1), 1) / m.config.n_ff_exp
+
+
+def _count(trace, valid):
+    """One layer's activation counts, and the nonzero neurons of its routed experts summed where the trace has them
+    (FFNTrace.nonzero)."""
+    counts = sparsity.count_active(trace, valid)
+    if trace.nonzero is None:
+        return (counts,)
+    return counts, jnp.sum(jnp.where(valid[:, None, None], trace.nonzero, 0), dtype=jnp.float32)
 
 
 def default_directory(model_path: str, create: bool = False) -> str:
@@ -39,16 +59,20 @@ def check_output_directory(directory: str) -> None:
                                 f"a profile replaces the whole folder: choose another -o")
 
 
-def write_profile(directory: str, model_path: str, counts: np.ndarray, n_tokens: int, spec: str) -> dict:
+def write_profile(directory: str, model_path: str, counts: np.ndarray, n_tokens: int, spec: str,
+                  expert_active: np.ndarray | None = None) -> dict:
     """Write the profile into a new folder that then replaces `directory` as one unit (sidecar.atomic_directory):
     a killed run leaves the previous profile whole. profile.json records each layer file's SHA-256, so that files
-    from different runs put together by hand are rejected by read_profile."""
+    from different runs put together by hand are rejected by read_profile; for a mixture of ReLU experts, each
+    layer's `expert_neurons_active` (`profile`'s second value), which decides how its experts are held
+    (expert_neuron_share)."""
     summary = {
         "tokens": n_tokens,
         "sparsity": spec,
         "layers": [
             {"layer": i, "mean_active": float(c.sum() / (n_tokens * len(c))),
-             "coverage": {f"{s:g}": v for s, v in sparsity.coverage(c, COVERAGE_SHARES).items()}}
+             "coverage": {f"{s:g}": v for s, v in sparsity.coverage(c, COVERAGE_SHARES).items()},
+             **({} if expert_active is None else {"expert_neurons_active": float(expert_active[i])})}
             for i, c in enumerate(counts)
         ],
     }
@@ -66,6 +90,24 @@ def write_profile(directory: str, model_path: str, counts: np.ndarray, n_tokens:
 def _digest(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def expert_neuron_share(directory: str, model_path: str) -> tuple[float | None, str]:
+    """(the share of its routed experts' neurons a mixture of ReLU experts left nonzero over the tokens of its
+    profile in `directory`, the mean of the layers' `expert_neurons_active`; where it came from), or (None, why not)
+    where there is no profile of this model that measured it."""
+    path = os.path.join(directory, "profile.json")
+    if not os.path.exists(path):
+        return None, f"no activation profile in {directory}"
+    try:
+        layers = sidecar.read_json(path, model_path).get("layers")
+    except JaxinferError as e:
+        return None, f"the activation profile in {directory} was not used: {e}"
+    shares = [layer.get("expert_neurons_active") if isinstance(layer, dict) else None
+              for layer in (layers if isinstance(layers, list) else [None])]
+    if not shares or not all(isinstance(share, float) and 0 <= share <= 1 for share in shares):
+        return None, f"the activation profile in {directory} does not measure the experts' neurons"
+    return float(np.mean(shares)), f"in the activation profile in {directory}"
 
 
 def read_profile(directory: str, model_path: str, n_layer: int, n_ff: int) -> np.ndarray:

@@ -57,6 +57,17 @@ class Architecture:
     # The chosen experts' weights renormalized over them (llama.cpp's build_moe_ffn norm_w, which its graphs fix per
     # architecture: true for llama and qwen3moe, false for qwen2moe); `{arch}.expert_weights_norm` overrides it.
     expert_weights_norm: bool = True
+    # How router logits become expert weights is `{arch}.expert_gating_func` (required): the softmax or the sigmoid,
+    # as llama.cpp's smallthinker graph reads it (its llama and qwen3moe graphs take the softmax whatever the file
+    # says). False: the softmax.
+    expert_gating_from_file: bool = False
+    # The router reads the layer's input, before the attention, instead of the FFN's normed input (SmallThinker: the
+    # experts a token needs are known before its attention runs).
+    router_reads_layer_input: bool = False
+    # Sliding-window layers where the file has a window: every layer but the first of each period slides, and the
+    # global layers rotate nothing (NoPE), as llama.cpp's smallthinker graph; the period
+    # `{arch}.attention.sliding_window_pattern` or swa_period.
+    swa_global_first_nope: bool = False
     # llama.cpp's soft-caps when the file gives none: attention scores (q·k times the query scale) -> c * tanh(s / c)
     # before the softmax, with c `{arch}.attn_logit_softcapping` (0: the architecture has none, and a file giving
     # one is refused), and the logits so with `{arch}.final_logit_softcapping` (0: none).
@@ -97,6 +108,12 @@ ARCHITECTURES = {
     "qwen2moe": Architecture(gate_activation="silu", rope_type="neox", experts=True, shared_expert=True,
                              expert_weights_norm=False),
     # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
+    # SmallThinker (PowerInfer's MoE models): llama attention with NEOX RoPE, ReGLU experts whose router reads the
+    # layer's input before the attention, softmax or sigmoid gating from the file; with a sliding window (21B-A3B),
+    # three sliding layers with RoPE after each global layer without.
+    "smallthinker": Architecture(gate_activation="relu", rope_type="neox", experts=True, expert_gating_from_file=True,
+                                 router_reads_layer_input=True, swa_period=4, swa_global_first_nope=True,
+                                 swa_rope_global=True),
     "phi3": Architecture(gate_activation="silu", rope_type="neox", ffn_layout="fused", ignores_sliding_window=True),
     # Falcon 7B/40B: parallel attention and FFN, LayerNorm with bias, fused QKV (multi-query for 7B), GELU FFN
     # without a gate (ggml's tanh-approximated GELU).
@@ -166,6 +183,9 @@ class Config:
     n_ff_exp: int = 0
     expert_weights_norm: bool = True
     n_ff_shexp: int = 0  # the shared expert's neurons (Architecture.shared_expert; 0: none)
+    expert_gating: str = "softmax"  # router logits -> expert probabilities, one of EXPERT_GATINGS
+    router_reads_layer_input: bool = False  # Architecture.router_reads_layer_input
+    nope_layers: tuple[bool, ...] = ()  # per layer: whether it rotates nothing (Architecture.swa_global_first_nope)
     # How it runs on this machine: kernels and placement, decided once at load (plan.py).
     plan: Plan = Plan()
     # The KV cache's element type, one of CACHE_TYPES: "f16" halves its memory and the bytes a decode step reads
@@ -180,6 +200,10 @@ class Config:
     def n_group(self) -> int:
         """Query heads per KV head (GQA)."""
         return self.n_head // self.n_head_kv
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer `layer` applies RoPE to q and k (all do but the NoPE layers, cfg.nope_layers)."""
+        return not (self.nope_layers and self.nope_layers[layer])
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer`, or None when it attends to every position before it."""
@@ -252,8 +276,8 @@ class Config:
         if window and not spec.swa_period:
             raise JaxinferError(f"{arch}.attention.sliding_window is {window}: sliding-window attention is not "
                                 f"implemented for {arch}")
-        swa_layers = _swa_layers(meta, f"{arch}.attention.sliding_window_pattern", spec.swa_period, n_layer) \
-            if window else ()
+        swa_layers = _swa_layers(meta, f"{arch}.attention.sliding_window_pattern", spec.swa_period, n_layer,
+                                 spec.swa_global_first_nope) if window else ()
         query_width = n_embd // n_head if n_layer in spec.query_scale_by_width else head_dim
         rope_theta = metadata.number(meta, f"{arch}.rope.freq_base", 10000.0, positive=True)
         rope_freq_scale = 1.0 / factor if scaling == "linear" and factor else 1.0
@@ -292,12 +316,15 @@ class Config:
             ffn_layout=spec.ffn_layout,
             layer_norm=spec.layer_norm,
             parallel_block=spec.parallel_block,
+            router_reads_layer_input=spec.router_reads_layer_input,
+            nope_layers=tuple(not flag for flag in swa_layers) if spec.swa_global_first_nope else (),
             **_experts(meta, arch, spec, count("feed_forward_length")),
         )
 
 
-# How llama.cpp's build_moe_ffn turns router logits into expert weights ({arch}.expert_gating_func): jaxinfer computes
-# the softmax only, which llama.cpp's llama and qwen3moe graphs use whatever the file says.
+# How llama.cpp's build_moe_ffn turns router logits into expert probabilities ({arch}.expert_gating_func): those
+# jaxinfer computes, by their number there.
+EXPERT_GATINGS = {1: "softmax", 2: "sigmoid"}
 EXPERT_GATING_SOFTMAX = 1
 
 
@@ -317,10 +344,13 @@ def _experts(meta: dict, arch: str, spec: Architecture, n_ff: int) -> dict:
     if metadata.integer(meta, f"{arch}.expert_shared_count", 0, minimum=0) > int(spec.shared_expert):
         raise JaxinferError(f"{arch}.expert_shared_count: shared experts are not implemented"
                             + (" beyond one" if spec.shared_expert else ""))
-    gating = metadata.integer(meta, f"{arch}.expert_gating_func", EXPERT_GATING_SOFTMAX, minimum=0)
-    if gating != EXPERT_GATING_SOFTMAX:
-        raise JaxinferError(f"{arch}.expert_gating_func {gating}: only the softmax ({EXPERT_GATING_SOFTMAX}) is "
-                            f"implemented")
+    key = f"{arch}.expert_gating_func"
+    gating = metadata.integer(meta, key, metadata.REQUIRED if spec.expert_gating_from_file else EXPERT_GATING_SOFTMAX,
+                              minimum=0)
+    allowed = EXPERT_GATINGS if spec.expert_gating_from_file else {EXPERT_GATING_SOFTMAX: "softmax"}
+    if gating not in allowed:
+        raise JaxinferError(f"{key} {gating}: not implemented for {arch} (implemented: "
+                            f"{', '.join(f'{number} {name}' for number, name in allowed.items())})")
     if metadata.number(meta, f"{arch}.expert_weights_scale", 1.0) not in (0.0, 1.0):
         raise JaxinferError(f"{arch}.expert_weights_scale: scaled expert weights are not implemented")
     # llama.cpp's qwen3moe: the experts' width, or the FFN's shared among those used; its llama: the FFN's.
@@ -329,13 +359,13 @@ def _experts(meta: dict, arch: str, spec: Architecture, n_ff: int) -> dict:
     # llama.cpp's qwen2moe: the shared expert's width, or the FFN's.
     shared = (metadata.integer(meta, f"{arch}.expert_shared_feed_forward_length", n_ff, minimum=1)
               if spec.shared_expert else 0)
-    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=width, n_ff_shexp=shared,
+    return dict(n_expert=n_expert, n_expert_used=used, n_ff_exp=width, n_ff_shexp=shared, expert_gating=allowed[gating],
                 expert_weights_norm=metadata.boolean(meta, f"{arch}.expert_weights_norm", spec.expert_weights_norm))
 
 
-def _swa_layers(meta: dict, key: str, period: int, n_layer: int) -> tuple[bool, ...]:
+def _swa_layers(meta: dict, key: str, period: int, n_layer: int, global_first: bool = False) -> tuple[bool, ...]:
     """Which layers slide, as llama.cpp's load_swa_pattern reads them: `key` as one flag per layer, or as a period
-    (the architecture's when absent) of which every layer but the last slides."""
+    (the architecture's when absent) of which every layer but the last (with `global_first`, the first) slides."""
     flags = meta.get(key)
     if isinstance(flags, list):
         if len(flags) != n_layer or not all(isinstance(flag, bool) for flag in flags):
@@ -343,4 +373,6 @@ def _swa_layers(meta: dict, key: str, period: int, n_layer: int) -> tuple[bool, 
                                 f"{metadata.describe(flags)}")
         return tuple(flags)
     period = metadata.integer(meta, key, period, minimum=1)
+    if global_first:
+        return tuple(i % period != 0 for i in range(n_layer))
     return tuple(i % period < period - 1 for i in range(n_layer))

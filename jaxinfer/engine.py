@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 
 from jaxinfer import (activation_profile, attention, hybrid, model, moe, neuron_order, placement, programs, quant,
                       repack, runtime, sharding, sparse_ffn, sparsity)
-from jaxinfer.config import CACHE_TYPES, Config
+from jaxinfer.config import CACHE_TYPES, NATURAL_ZEROS, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
 from jaxinfer.plan import make_plan
@@ -48,6 +48,7 @@ class LoadedModel:
     split: "Split | None" = None  # hot/cold placement across accelerator and host, when --vram-budget is given
     thresholds_path: str | None = None  # the calibrated thresholds file a gate:S / hidden:S sparsity came from
     neuron_order: str | None = None  # where its FFN neurons' order came from, when they are hottest first
+    experts_held: str | None = None  # why a mixture of ReLU experts holds its down projection as it does (_experts)
 
     def describe(self) -> str:
         c = self.config
@@ -56,9 +57,11 @@ class LoadedModel:
         down_t = self.weights.layers[0].ffn_down_t if self.weights.layers else None
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
         experts = self.weights.layers[0].experts if self.weights.layers else None
-        if experts is not None and moe.expert_parts(experts)[0].down.layout == quant.NEURON_MAJOR:
-            down = (f", experts' down projection neuron-major ({quant.layout_name(moe.expert_parts(experts)[0].down)}):"
-                    f" their zero neurons not read")
+        if experts is not None and self.experts_held:
+            expert_down = moe.expert_parts(experts)[0].down
+            held = (f"neuron-major ({quant.layout_name(expert_down)}), their zero neurons not read"
+                    if expert_down.layout == quant.NEURON_MAJOR else "whole")
+            down = f", experts' down projection {held}: {self.experts_held}"
         thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
         order = f", FFN neurons hottest first {self.neuron_order}" if self.neuron_order else ""
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
@@ -84,7 +87,8 @@ class LoadedModel:
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1,
-               repack: bool = True, neuron_major: bool = True) -> LoadedModel:
+               repack: bool = True, neuron_major: bool | None = None,
+               activation_dir: str | None = None) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
     products with their dequantized values (as an F32 model computes) where the plan would run 8-bit-activation
@@ -92,15 +96,16 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
     shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity). `repack`
     False keeps every weight in GGUF's rows where the plan would repack them (repack.py), `neuron_major` False packs
-    no down projection neuron-major where the plan would (a ReLU mixture's experts keep theirs whole), for
-    comparisons."""
+    no down projection neuron-major where the plan would, True holds a ReLU mixture's experts' neuron-major where the
+    kernel is fast whatever their activation profile (in `activation_dir`, by default the model's) says (_experts),
+    for comparisons."""
     return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp, repack=repack,
-                               neuron_major=neuron_major))
+                               neuron_major=neuron_major, activation_dir=activation_dir))
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
                 dp: int, repack: bool = True, repack_ffn: tuple[str, ...] = repack.FFN,
-                neuron_major: bool = True) -> LoadedModel:
+                neuron_major: bool | None = None, activation_dir: str | None = None) -> LoadedModel:
     """load_model's model before its weights are placed on the plan's devices (`_placed`), repacked where the plan
     says unless `repack` is False (of the FFN's, those in `repack_ffn`; repack.py). Over several processes the weights
     stay views of the file, so that each process reads only its own shards."""
@@ -111,15 +116,42 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     gguf = open_gguf(path)
     plan = make_plan(attn_max_batch_mib, tp, dp)
     plan = plan if repack else dataclasses.replace(plan, repack=False)
-    plan = plan if neuron_major else dataclasses.replace(plan, neuron_major=False)
+    plan = plan if neuron_major is not False else dataclasses.replace(plan, neuron_major=False)
     cfg = load_config(gguf)
+    plan, experts_held = _experts(plan, cfg, path, neuron_major, activation_dir)
     if cfg.attn_softcap:  # cpu_ext's and Pallas's attention kernels have no soft-capping: XLA's has
         plan = dataclasses.replace(plan, attention="xla")
     cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)
     weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1, repack_ffn=repack_ffn)
     tokenizer = load_tokenizer(gguf)
-    return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start)
+    return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start, experts_held=experts_held)
+
+
+# A mixture of ReLU experts holds its down projection neuron-major where its activation profile measured at most this
+# share of its routed experts' neurons nonzero. Measured on the 8 routed experts' down projections of a Qwen3-30B-A3B
+# layer (Q4_0, d = 2048, 768 neurons each, read from memory by 2 cores): neuron-major 372-390, 229, 175, 152 and
+# 113 us with 50, 25, 15, 10 and 5% of the neurons nonzero, whole 227-242 us. Each active neuron's run is read with
+# the scales its block of 32 shares, so it pays below a quarter.
+NEURON_MAJOR_EXPERTS_MAX_ACTIVE = 0.25
+
+
+def _experts(plan, cfg, path: str, neuron_major: bool | None, activation_dir: str | None):
+    """(plan with Plan.neuron_major_experts decided, why) for a mixture of ReLU experts where the neuron-major kernel
+    is fast: as `neuron_major` asks, else from the share of their neurons its activation profile measured nonzero
+    (NEURON_MAJOR_EXPERTS_MAX_ACTIVE), whole where there is none; (plan, None) for other models."""
+    if not (cfg.n_expert and cfg.gate_activation in NATURAL_ZEROS and plan.neuron_major):
+        return plan, None
+    if neuron_major is not None:
+        return dataclasses.replace(plan, neuron_major_experts=neuron_major), "as asked"
+    directory = activation_dir or activation_profile.default_directory(path)
+    share, source = activation_profile.expert_neuron_share(directory, path)
+    if share is None:
+        return plan, f"{source} measures their zeros (python -m jaxinfer.profile)"
+    held = share <= NEURON_MAJOR_EXPERTS_MAX_ACTIVE
+    return (dataclasses.replace(plan, neuron_major_experts=held),
+            f"{share:.1%} of the routed experts' neurons nonzero {source} (neuron-major pays below "
+            f"{NEURON_MAJOR_EXPERTS_MAX_ACTIVE:.0%})")
 
 
 def _placed(m: LoadedModel) -> LoadedModel:
@@ -152,7 +184,8 @@ def build_model(path: str | None, *, sparsity_spec: sparsity.SparsitySpec = spar
     # The FFN weights the mode multiplies densely are repacked as they are read, unless the FFN is to be split; the
     # rest are read in GGUF's rows.
     m = _read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp,
-                    repack_ffn=repack.DENSE_FFN[sparsity_spec.mode] if vram_budget_gib is None else ())
+                    repack_ffn=repack.DENSE_FFN[sparsity_spec.mode] if vram_budget_gib is None else (),
+                    activation_dir=activation_dir)
     # Placed once a sparse mode has stored the down projections anew (transposed or neuron-major): they are cut like
     # the others.
     if m.config.n_expert and sparsity_spec.mode != "dense":

@@ -15,7 +15,9 @@ Every architecture (config.ARCHITECTURES) is this one forward with options, each
   * Falcon's parallel block (cfg.parallel_block: attention and FFN read one norm and join the residual together)
     and LayerNorm with bias (cfg.layer_norm); fused tensors (attn_qkv, Phi-3's ffn_up) are cut into the fields at
     load (Config.fused_parts), and an FFN without a gate (Falcon's) has no ffn_up;
-  * a mixture of experts in place of the FFN (cfg.n_expert: Qwen3-MoE, Mixtral), routed inside the step (moe.py).
+  * a mixture of experts in place of the FFN (cfg.n_expert: Qwen3-MoE, Mixtral, SmallThinker), routed inside the
+    step (moe.py), by a router that reads the FFN's normed input or the layer's input (SmallThinker); layers
+    without RoPE (cfg.rotates: SmallThinker's global layers).
 
 Weights keep GGUF's [out, in] layout and storage format; `quant.matmul` hides the format. Activations are f32.
 How it runs here (which kernels, where a split's parts live) is `cfg.plan`, decided once at load (plan.py).
@@ -199,7 +201,8 @@ def attention_block(x, layer: Layer, index: int, positions, rotation, cache: KVC
     q, k, v = (p.reshape(b, t, -1, cfg.head_dim) for p in (q, k, v))
     if cfg.qk_norm:
         q, k = rms_norm(q, layer.attn_q_norm, cfg.rms_eps), rms_norm(k, layer.attn_k_norm, cfg.rms_eps)
-    q, k = rope(q, rotation, cfg), rope(k, rotation, cfg)
+    if rotation is not None:  # None: a NoPE layer (cfg.rotates)
+        q, k = rope(q, rotation, cfg), rope(k, rotation, cfg)
     if cfg.query_scale is not None:  # every attention kernel divides q·k by sqrt(head_dim)
         q = q * np.float32(cfg.query_scale * np.sqrt(cfg.head_dim))
     window = cfg.window(index)
@@ -258,15 +261,17 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
     for index, layer in enumerate(weights.layers):
         with jax.named_scope(f"layer_{index}"):
             normed = norm(x, layer.attn_norm, layer.attn_norm_b, cfg)
-            attn_out, cache = attention_block(normed, layer, index, positions,
-                                              rotations[cfg.window(index) is not None], cache, cfg, written, row)
+            rotation = rotations[cfg.window(index) is not None] if cfg.rotates(index) else None
+            attn_out, cache = attention_block(normed, layer, index, positions, rotation, cache, cfg, written, row)
+            router_input = x  # SmallThinker's router reads the layer's input (cfg.router_reads_layer_input)
             if not cfg.parallel_block:  # Falcon's FFN reads the attention's input, both join the residual at once
                 x = x + _post_norm(attn_out, layer.attn_post_norm, cfg)
                 normed = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
             hidden_norm = None if layer.ffn_sub_norm is None else partial(rms_norm, gamma=layer.ffn_sub_norm,
                                                                           eps=cfg.rms_eps)
             if layer.experts is not None:
-                ffn_out, trace = moe.ffn(normed, layer.experts, cfg, trace=observe is not None)
+                ffn_out, trace = moe.ffn(normed, layer.experts, cfg, trace=observe is not None,
+                                         router_input=router_input if cfg.router_reads_layer_input else None)
             else:
                 ffn_out, trace = sparse_ffn.ffn(normed, x, layer, cfg, trace=observe is not None,
                                                 hidden_norm=hidden_norm)

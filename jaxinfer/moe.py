@@ -1,7 +1,7 @@
 """The mixture-of-experts FFN (llama.cpp's build_moe_ffn for qwen3moe and Mixtral-style llama files): each token's
 router picks the experts that run for it, inside the compiled step.
 
-    p = softmax(x W_routerᵀ)                        [n_expert] per token
+    p = softmax(x W_routerᵀ)                        [n_expert] per token (sigmoid: cfg.expert_gating)
     chosen = top-k of p, w = p[chosen]              k = cfg.n_expert_used; w / Σw where cfg.expert_weights_norm
     out = Σ_j w_j down_e(gate_act(gate_e(x)) * up_e(x)),  e = chosen_j
 
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import jax_compat, quant
-from jaxinfer.config import Config
+from jaxinfer.config import NATURAL_ZEROS, Config
 from jaxinfer.expert_products import expert_ffn, routed_ffn
 from jaxinfer.quant import QuantArray, from_gguf_data, matmul
 from jaxinfer.sparse_ffn import ACTIVATIONS, FFNTrace
@@ -106,7 +106,8 @@ def stacked(view: np.ndarray, qtype, shape: tuple[int, int, int]) -> QuantArray:
 def route(x, router: QuantArray, cfg: Config):
     """x [N, d] -> (weights [N, k] f32, chosen [N, k] int32): the k experts of highest probability for each token
     (top_k: the first of equal ones) and their weights (see the module docstring)."""
-    probs = jax.nn.softmax(matmul(x, router), axis=-1)
+    logits = matmul(x, router)
+    probs = jax.nn.sigmoid(logits) if cfg.expert_gating == "sigmoid" else jax.nn.softmax(logits, axis=-1)
     weights, chosen = jax.lax.top_k(probs, cfg.n_expert_used)
     if cfg.expert_weights_norm:
         weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), np.float32(MIN_WEIGHT_SUM))
@@ -118,13 +119,14 @@ def activations(cfg: Config):
     return ACTIVATIONS[cfg.gate_activation], ACTIVATIONS[cfg.up_activation]
 
 
-def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
+def ffn(x, experts: Experts, cfg: Config, trace: bool = False, router_input=None):
     """x [..., d] (the normed FFN input) -> ([..., d], FFNTrace or None): the mixture's output, summed over the parts
     its experts are held in (one, unless split: hybrid.py), a part in host memory run there, inside the one compiled
-    step. With `trace`, what model.forward's `observe` records: `active` [..., n_expert] the experts each token was
-    routed to, `gate` and `hidden` their routing weights (0 elsewhere)."""
+    step. The router reads `router_input` [..., d] where given (SmallThinker's: the layer's input), else x. With
+    `trace`, what model.forward's `observe` records: `active` [..., n_expert] the experts each token was routed to,
+    `gate` and `hidden` their routing weights (0 elsewhere)."""
     flat = x.reshape(-1, x.shape[-1])
-    weights, chosen = route(flat, experts.router, cfg)
+    weights, chosen = route(flat if router_input is None else router_input.reshape(flat.shape), experts.router, cfg)
     routed = flat.shape[0] * cfg.n_expert_used < cfg.n_expert  # a decode step: see the module docstring
     outs = []
     for part in expert_parts(experts):
@@ -146,7 +148,19 @@ def ffn(x, experts: Experts, cfg: Config, trace: bool = False):
     rows, shape = jnp.arange(flat.shape[0])[:, None], (*x.shape[:-1], cfg.n_expert)
     share = jnp.zeros((flat.shape[0], cfg.n_expert), jnp.float32).at[rows, chosen].set(weights).reshape(shape)
     routed_to = jnp.zeros((flat.shape[0], cfg.n_expert), bool).at[rows, chosen].set(True).reshape(shape)
-    return out, FFNTrace(x, share, share, routed_to)
+    nonzero = None
+    if cfg.gate_activation in NATURAL_ZEROS and experts.gate is not None:
+        nonzero = jnp.where(routed_to, nonzero_neurons(flat, experts.gate, cfg).reshape(shape), 0)
+    return out, FFNTrace(x, share, share, routed_to, nonzero)
+
+
+def nonzero_neurons(flat, gate: QuantArray, cfg: Config):
+    """[N, n_expert] int32: how many of each expert's neurons flat [N, d] leaves nonzero through the gate activation
+    (a ReLU expert's zeros, which a neuron-major down projection does not read; an exact zero of up is not counted).
+    Every expert's gate is multiplied: for profiling (FFNTrace.nonzero), not inference."""
+    gate_act, _ = activations(cfg)
+    fired = gate_act(matmul(flat, gate)) != 0
+    return jnp.sum(fired.reshape(flat.shape[0], cfg.n_expert, cfg.n_ff_exp), axis=-1, dtype=jnp.int32)
 
 
 def shared_expert(flat, shared: SharedExpert, cfg: Config):

@@ -7,7 +7,8 @@ sidecar.derived_path) or `-o DIR`, replacing the folder as one unit (PowerInfer'
                         tokens activated each neuron (PowerInfer's format; read it with torch.load or
                         jaxinfer.torch_format.load_tensor). Layers are numbered in numeric order.
     profile.json        model fingerprint, tokens profiled, sparsity spec, per-layer share of neurons that cover
-                        50/80/95% of activations, SHA-256 of each layer file
+                        50/80/95% of activations (a mixture of ReLU experts: also the share of its routed experts'
+                        neurons left nonzero, expert_neurons_active), SHA-256 of each layer file
     activation.png      sorted firing frequency per layer, and the coverage shares
 "Active" is what the inference path computes under `--sparsity` (ReLU models: nonzero activations).
 """
@@ -25,8 +26,8 @@ def _cli_main(argv):
     from absl import flags
 
     from jaxinfer import cli, engine, runtime, sparsity
-    from jaxinfer.activation_profile import (COVERAGE_SHARES, check_output_directory, default_directory,
-                                             profile_counts, write_profile)
+    from jaxinfer.activation_profile import (COVERAGE_SHARES, check_output_directory, default_directory, profile,
+                                             write_profile)
     from jaxinfer.evaluation import make_windows
 
     f = flags.FLAGS
@@ -45,12 +46,15 @@ def _cli_main(argv):
     n_ctx = cli.capped_context(f.ctx_size, m.config.n_ctx_train)
     windows = make_windows(tokens, n_ctx, f.chunks, m.tokenizer.bos_id if m.tokenizer.add_bos else None)
     start = time.perf_counter()
-    counts = profile_counts(m, windows, cli.windows_per_batch(f.batch_size, n_ctx, len(windows)))
+    counts, expert_active = profile(m, windows, cli.windows_per_batch(f.batch_size, n_ctx, len(windows)))
     seconds = time.perf_counter() - start
-    summary = write_profile(directory, m.path, counts, windows.size, str(spec))
-    print(f"{'layer':>5} {'active':>7} " + " ".join(f"{'cover ' + format(s, '.0%'):>10}" for s in COVERAGE_SHARES))
+    summary = write_profile(directory, m.path, counts, windows.size, str(spec), expert_active)
+    neurons = "" if expert_active is None else f" {'neurons':>8}"  # a ReLU mixture: its routed experts' nonzero share
+    print(f"{'layer':>5} {'active':>7}{neurons} " + " ".join(f"{'cover ' + format(s, '.0%'):>10}"
+                                                             for s in COVERAGE_SHARES))
     for entry in summary["layers"]:
-        print(f"{entry['layer']:>5} {entry['mean_active']:>7.3f} "
+        share = f" {entry['expert_neurons_active']:>8.3f}" if neurons else ""
+        print(f"{entry['layer']:>5} {entry['mean_active']:>7.3f}{share} "
               + " ".join(f"{entry['coverage'][format(s, 'g')]:>10.3f}" for s in COVERAGE_SHARES))
     print(f"profiled {windows.size} tokens with --sparsity {spec} in {seconds:.1f} s "
           f"({windows.size / seconds:.0f} tokens/s); wrote {directory}/activation_{{0..{len(counts) - 1}}}.pt, "

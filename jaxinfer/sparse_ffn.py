@@ -47,6 +47,9 @@ class FFNTrace:
     gate: jax.Array  # [..., n_ff] gate_act(gate projection)
     hidden: jax.Array  # [..., n_ff] h before masking
     active: jax.Array  # [..., n_ff] bool
+    # A mixture of experts with natural zeros (moe.ffn): [..., n_expert] int32, how many of each routed expert's
+    # neurons the token leaves nonzero (0 for the experts it was not routed to); None otherwise.
+    nonzero: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -12,9 +12,9 @@ reads (config.ARCHITECTURES): QKV biases (`qkv_bias`; Qwen2's by default), QK-no
 own (`head_dim`), sliding-window layers (`sliding_window`), llama's rope_freqs (`rope_freqs`: Llama 3's factors),
 soft-caps (`attn_softcap`, `final_softcap`: Gemma 2's).
 With `n_expert` the FFN is a mixture of experts (moe.py: qwen3moe's and qwen2moe's, the latter with a shared expert
-of `n_ff_shexp` neurons, or for llama Mixtral's layout): a router
-(ffn_gate_inp) and `n_expert` SwiGLU experts of `n_ff` neurons stacked in ffn_{gate,up,down}_exps, `n_expert_used`
-of them run per token.
+of `n_ff_shexp` neurons, smallthinker's with its gating function `expert_gating`, or for llama Mixtral's layout): a
+router (ffn_gate_inp) and `n_expert` gated experts (the architecture's activation) of `n_ff` neurons stacked in
+ffn_{gate,up,down}_exps, `n_expert_used` of them run per token.
 
 Sparse models (`sparsity` set) are PowerInfer files of a ReLU-gated llama (ReluLLaMA-like) whose neuron firing
 frequencies follow a power law with a chosen mean, with exact predictors:
@@ -39,7 +39,7 @@ import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from jaxinfer import blocks, gguf_io, powerinfer, ternary, validate
-from jaxinfer.config import ARCHITECTURES, GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY, Config
+from jaxinfer.config import ARCHITECTURES, EXPERT_GATINGS, GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.powerinfer import PendingTensor, write_gguf
 
@@ -102,6 +102,8 @@ class SyntheticSpec:
     n_expert_used: int = 2  # the experts run per token (with n_expert)
     n_ff_shexp: int = 0  # the shared expert's neurons where the architecture has one (0: 2 n_ff)
     gate_activation: str = ""  # written as jaxinfer.gate_activation where set (ReLU experts); "": the architecture's
+    # {arch}.expert_gating_func where the architecture reads it (Architecture.expert_gating_from_file: SmallThinker)
+    expert_gating: str = "softmax"
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -288,6 +290,9 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
                    (f"{arch}.expert_used_count", spec.n_expert_used, GGUFValueType.UINT32, None)]
         if known and known.experts:  # llama.cpp's llama takes its experts' width from feed_forward_length
             fields.append((f"{arch}.expert_feed_forward_length", spec.n_ff, GGUFValueType.UINT32, None))
+        if known and known.expert_gating_from_file:
+            number = {name: number for number, name in EXPERT_GATINGS.items()}[spec.expert_gating]
+            fields.append((f"{arch}.expert_gating_func", number, GGUFValueType.UINT32, None))
         if known and known.shared_expert:
             fields.append((f"{arch}.expert_shared_feed_forward_length", shared_width(spec), GGUFValueType.UINT32,
                            None))

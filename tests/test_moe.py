@@ -1,6 +1,7 @@
-"""Mixtures of experts (moe.py): qwen3moe and Mixtral-style llama files against llama.cpp's logits for synthetic files
-of the project's own writer (tests/data/README.md says how they were made), incremental decode against the full
-forward, a decode step that reads only its routed experts, what the file's metadata says, and what is refused."""
+"""Mixtures of experts (moe.py): qwen3moe, qwen2moe, smallthinker and Mixtral-style llama files against llama.cpp's
+logits for synthetic files of the project's own writer (tests/data/README.md says how they were made), incremental
+decode against the full forward, a decode step that reads only its routed experts, what the file's metadata says, and
+what is refused."""
 
 import dataclasses
 import json
@@ -16,8 +17,9 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from gguf import quants as gguf_quants
 
 import cpu_ext
-from jaxinfer import (activation_profile, engine, evaluation, hybrid, inspection, model, moe, placement, quant,
-                      sharding)
+from jaxinfer import (activation_profile, engine, evaluation, gguf_io, hybrid, inspection, model, moe, placement,
+                      quant, sharding)
+from jaxinfer.config import Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import QuantArray, dynamic_row_range
 from jaxinfer import sparsity
@@ -41,11 +43,19 @@ LLAMA_CPP = {
     "mixtral": (SyntheticSpec(architecture="llama", **BASE), 551.5850, 1e-5, 0.99),
     "mixtral_q4_0": (SyntheticSpec(architecture="llama", **BASE, **Q4_0), 577.7698, 1e-3, 0.95),
     "qwen2moe": (SyntheticSpec(architecture="qwen2moe", tied_output=False, **BASE), 532.2499, 1e-5, 0.99),
+    "smallthinker": (SyntheticSpec(architecture="smallthinker", seed=2, **BASE), 494.8246, 1e-5, 0.99),
+    "smallthinker_swa": (SyntheticSpec(architecture="smallthinker", seed=3, expert_gating="sigmoid",
+                                       sliding_window=4096, **BASE), 468.4837, 1e-5, 0.99),
+    "smallthinker_q4_0": (SyntheticSpec(architecture="smallthinker", seed=4, expert_gating="sigmoid", **BASE, **Q4_0),
+                          459.3685, 1e-3, 0.95),
 }
 SMALL = dict(n_embd=64, n_ff=32, n_head=4, n_head_kv=2, n_layer=2, n_expert=8, n_expert_used=2)
 SMALL_SPECS = {"qwen3moe": SyntheticSpec(architecture="qwen3moe", head_dim=32, **SMALL),
                "mixtral": SyntheticSpec(architecture="llama", **SMALL),
-               "qwen2moe": SyntheticSpec(architecture="qwen2moe", tied_output=False, **SMALL)}
+               "qwen2moe": SyntheticSpec(architecture="qwen2moe", tied_output=False, **SMALL),
+               # a window of 4 and a global layer without RoPE, before 12 positions of incremental decode
+               "smallthinker": SyntheticSpec(architecture="smallthinker", expert_gating="sigmoid", sliding_window=4,
+                                             **SMALL)}
 
 
 def load(tmp_path, name: str, spec: SyntheticSpec, **kwargs):
@@ -60,7 +70,8 @@ def kl_against_llama_cpp(m, name: str, cfg=None):
 
 @pytest.mark.parametrize("name", LLAMA_CPP)
 def test_each_mixture_gives_llama_cpp_s_logits(tmp_path, name):
-    """Measured: KL 0 (qwen3moe), 1e-7 (mixtral), 4e-4 (Q4_0); top-1 100%, 100%, 97.6%."""
+    """Measured: KL 0 (qwen3moe), 1e-7 (mixtral), 4e-4 (Q4_0), 0, 2e-7 and 1.2e-4 (smallthinker, with a sliding
+    window, Q4_0 with its ReLU experts read neuron-major); top-1 100%, 100%, 97.6%, 100%, 100%, 97.6%."""
     spec, ppl, max_kl, min_top = LLAMA_CPP[name]
     m = load(tmp_path, name, spec)
     result = kl_against_llama_cpp(m, name)
@@ -81,6 +92,22 @@ def test_qwen2moe_s_shared_expert_and_unnormalized_weights_are_visible_against_l
     assert kl_against_llama_cpp(without_shared, "qwen2moe").kl.mean > 1e-3
     normalized = kl_against_llama_cpp(m, "qwen2moe", dataclasses.replace(m.config, expert_weights_norm=True))
     assert normalized.kl.mean > 1e-3
+
+
+def test_smallthinker_s_options_are_each_visible_against_llama_cpp(tmp_path):
+    """SmallThinker's router reads the layer's input before the attention; its gating function is the file's
+    (sigmoid here); with a sliding window its global layer 0 rotates nothing and its sliding layer 1 takes the global
+    RoPE base. Each changed alone moves the KL divergence from llama.cpp's logits far from the 2e-7 of the file as
+    read (measured: 0.43, 0.0075, 0.19, 0.017); its experts are ReGLU (relu(gate) * up)."""
+    m = load(tmp_path, "smallthinker_swa", LLAMA_CPP["smallthinker_swa"][0])
+    cfg = m.config
+    assert (cfg.expert_gating, cfg.router_reads_layer_input, cfg.gate_activation) == ("sigmoid", True, "relu")
+    assert (cfg.swa_layers, cfg.nope_layers, cfg.sliding_window, cfg.rope_theta_swa) == ((False, True), (True, False),
+                                                                                         4096, 1e6)
+    changes = [dict(router_reads_layer_input=False), dict(expert_gating="softmax"), dict(nope_layers=()),
+               dict(rope_theta_swa=1e4)]
+    for change, least in zip(changes, (0.1, 2e-3, 0.05, 5e-3)):
+        assert kl_against_llama_cpp(m, "smallthinker_swa", dataclasses.replace(cfg, **change)).kl.mean > least, change
 
 
 def test_unnormalized_expert_weights_are_visible_against_llama_cpp(tmp_path):
@@ -284,14 +311,14 @@ def test_relu_experts_read_only_their_nonzero_neurons_of_the_down_projection(tmp
     expert's down bytes, poisoned, change nothing."""
     if not cpu_ext.fast_neuron_major():
         pytest.skip("the neuron-major kernel is the portable one here: the plan keeps the down projection whole")
-    m = load(tmp_path, name, RELU_SPECS[name])
+    m = load(tmp_path, name, RELU_SPECS[name], neuron_major=True)  # as a profile measuring few nonzero ones would
     whole = engine.load_model(m.path, neuron_major=False)  # the down projection repacked: every neuron read
     cfg = m.config
     down = m.weights.layers[0].experts.down
     assert down.layout == quant.NEURON_MAJOR and down.shape == (cfg.n_expert * cfg.n_ff_exp, cfg.n_embd)
     assert down.nbytes == whole.weights.layers[0].experts.down.nbytes
     assert "experts' down projection neuron-major" in m.describe()
-    assert "neuron-major" not in whole.describe()
+    assert "neuron-major" not in whole.describe() and "neuron-major" not in engine.load_model(m.path).describe()
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(whole, prompt, steps), prefill_then_decode(m, prompt, steps)
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
@@ -333,7 +360,7 @@ def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     cases = [
         ([], [("qwen3moe.expert_shared_count", 1, GGUFValueType.UINT32, None)], "shared experts are not implemented$"),
         ([], [("qwen3moe.expert_gating_func", 2, GGUFValueType.UINT32, None)],
-         r"expert_gating_func 2: only the softmax \(1\) is implemented"),
+         r"qwen3moe.expert_gating_func 2: not implemented for qwen3moe \(implemented: 1 softmax\)$"),
         ([], [("qwen3moe.expert_weights_scale", 2.5, GGUFValueType.FLOAT32, None)],
          "scaled expert weights are not implemented"),
         ([], [("qwen3moe.expert_used_count", 9, GGUFValueType.UINT32, None)],
@@ -350,6 +377,13 @@ def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
                            [("qwen2moe.expert_shared_count", 2, GGUFValueType.UINT32, None)])
     with pytest.raises(JaxinferError, match="shared experts are not implemented beyond one"):
         engine.load_model(two_shared)
+    smallthinker = write_model(str(tmp_path / "smallthinker.gguf"), SMALL_SPECS["smallthinker"])
+    meta = gguf_io.open_gguf(smallthinker).metadata
+    with pytest.raises(JaxinferError, match=r"^smallthinker.expert_gating_func 3: not implemented for smallthinker "
+                                            r"\(implemented: 1 softmax, 2 sigmoid\)$"):
+        Config.from_metadata({**meta, "smallthinker.expert_gating_func": 3}, 263)
+    with pytest.raises(JaxinferError, match="lacks smallthinker.expert_gating_func"):
+        Config.from_metadata({k: v for k, v in meta.items() if k != "smallthinker.expert_gating_func"}, 263)
     no_experts = write_model(str(tmp_path / "no-experts.gguf"), dataclasses.replace(SMALL_SPECS["qwen3moe"],
                                                                                       n_expert=0))
     with pytest.raises(JaxinferError, match=r"lacks qwen3moe.expert_count \(a qwen3moe model is a mixture"):
@@ -394,6 +428,52 @@ def profile_routings(m, n_tokens: int = 4 * 32):
     return counts, windows
 
 
+def test_a_relu_mixture_s_profile_measures_its_zeros_and_decides_how_its_experts_are_held(tmp_path, monkeypatch):
+    """`profile` of a mixture of ReLU experts (SmallThinker's) also measures, per layer, the share of its routed
+    experts' neurons the tokens leave nonzero (the gate activations of the experts each token was routed to,
+    recomputed here from the FFN inputs the forward observed and the file's gate weights); profile.json holds it and
+    the CLI prints it. A load holds the experts' down projection neuron-major only where the measured share is at
+    most engine.NEURON_MAJOR_EXPERTS_MAX_ACTIVE (random experts: about half nonzero, so whole), and says why; no
+    profile, or a profile of another file, leaves it whole."""
+    if not cpu_ext.fast_neuron_major():
+        pytest.skip("the neuron-major kernel is the portable one here: the plan keeps the down projection whole")
+    spec = dataclasses.replace(SMALL_SPECS["smallthinker"], weight_type=GGMLQuantizationType.Q8_0)
+    m = load(tmp_path, "smallthinker", spec)
+    cfg = m.config
+    assert not cfg.plan.neuron_major_experts and "down projection whole: no activation profile in" in m.describe()
+    windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 250, size=64), 32, -1, None)
+    counts, shares = activation_profile.profile(m, windows)
+    assert np.array_equal(counts, activation_profile.profile_counts(m, windows))
+    _, _, observed = model.forward(jnp.asarray(windows), m.weights, cfg,
+                                   observe=lambda i, trace: (trace.ffn_inp, trace.active))
+    reader = gguf_io.open_gguf(m.path).reader
+    for layer, (ffn_inp, routed) in enumerate(observed):
+        flat, routed = np.asarray(ffn_inp).reshape(-1, cfg.n_embd), np.asarray(routed).reshape(-1, cfg.n_expert)
+        tensor = next(t for t in reader.tensors if t.name == f"blk.{layer}.ffn_gate_exps.weight")
+        gate = gguf_quants.dequantize(tensor.data, tensor.tensor_type).reshape(cfg.n_expert * cfg.n_ff_exp, -1)
+        fired = (flat @ gate.T > 0).reshape(len(flat), cfg.n_expert, cfg.n_ff_exp).sum(-1)
+        expected = fired[routed].sum() / routed.sum() / cfg.n_ff_exp
+        assert shares[layer] == pytest.approx(expected, abs=0.01) and 0.4 < shares[layer] < 0.6
+    ran = subprocess.run([sys.executable, "-m", "jaxinfer.profile", "-m", m.path, "-f",
+                          str(DATA / "wiki.test.head.raw"), "-c", "32", "--chunks", "2"],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
+    assert "neurons" in ran.stdout.splitlines()[0]
+    measured = json.loads((pathlib.Path(m.path + ".activation") / "profile.json").read_text())
+    share = np.mean([layer["expert_neurons_active"] for layer in measured["layers"]])
+    whole = engine.load_model(m.path)
+    assert not whole.config.plan.neuron_major_experts
+    assert f"down projection whole: {share:.1%} of the routed experts' neurons nonzero in the activation profile" \
+        in whole.describe()
+    monkeypatch.setattr(engine, "NEURON_MAJOR_EXPERTS_MAX_ACTIVE", 0.9)
+    held = engine.load_model(m.path)
+    assert held.config.plan.neuron_major_experts and held.weights.layers[0].experts.down.layout == quant.NEURON_MAJOR
+    other = write_model(str(tmp_path / "other.gguf"), dataclasses.replace(spec, seed=9))
+    (pathlib.Path(other + ".activation")).symlink_to(m.path + ".activation")
+    stale = engine.load_model(other)
+    assert not stale.config.plan.neuron_major_experts and "was not used" in stale.describe()
+
+
 def test_profile_counts_each_experts_routings(tmp_path):
     """`profile` of a mixture counts, per layer, how many tokens were routed to each expert: k per token, the experts
     moe.route picks from the layer's FFN input (recomputed from what the forward observed)."""
@@ -420,7 +500,7 @@ def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp
     prefill and decode logits equal the unsplit model's to f32 rounding (the parts' sums are added in another order)
     and greedy tokens are the same. The experts are held repacked (a ReLU mixture's down projection neuron-major),
     and each part keeps its experts' groups (spans of 32 neurons)."""
-    m = load(tmp_path, name, SPLIT_SPECS[name])
+    m = load(tmp_path, name, SPLIT_SPECS[name], neuron_major=True)  # a ReLU mixture's down projection neuron-major
     counts, _ = profile_routings(m)
     costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, 32))
     per_expert = int(costs.unit_bytes[0])
@@ -439,8 +519,8 @@ def test_a_split_places_the_most_routed_experts_and_equals_the_unsplit_model(tmp
     for p in parts:
         assert p.gate.data.sharding.memory_kind == ("pinned_host" if p.on_host else "device")
         assert p.gate.layout == p.up.layout == quant.ROWS_X8  # each part takes its experts' groups
-        assert p.down.layout == (quant.NEURON_MAJOR if m.config.gate_activation == "relu" and
-                                 cpu_ext.fast_neuron_major() else quant.ROWS_X8)
+        assert p.down.layout == (quant.NEURON_MAJOR if m.config.plan.neuron_major_experts else quant.ROWS_X8)
+    assert m.config.plan.neuron_major_experts == (m.config.gate_activation == "relu" and cpu_ext.fast_neuron_major())
     assert "% of experts" in split.split.summary
     prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
     expected, got = prefill_then_decode(m, prompt, steps), prefill_then_decode(split, prompt, steps)
