@@ -14,7 +14,9 @@ soft-caps (`attn_softcap`, `final_softcap`: Gemma 2's).
 With `n_expert` the FFN is a mixture of experts (moe.py: qwen3moe's and qwen2moe's, the latter with a shared expert
 of `n_ff_shexp` neurons, smallthinker's with its gating function `expert_gating`, or for llama Mixtral's layout): a
 router (ffn_gate_inp) and `n_expert` gated experts (the architecture's activation) of `n_ff` neurons stacked in
-ffn_{gate,up,down}_exps, `n_expert_used` of them run per token.
+ffn_{gate,up,down}_exps, `n_expert_used` of them run per token. ReLU experts leave about half their neurons zero;
+with `expert_sparsity` S, about S of them: residual dimension 0 is held constant as for sparse models (below), and
+column 0 of each expert's gate is a bias that makes each neuron fire with probability ~1 - S.
 
 Sparse models (`sparsity` set) are PowerInfer files of a ReLU-gated llama (ReluLLaMA-like) whose neuron firing
 frequencies follow a power law with a chosen mean, with exact predictors:
@@ -39,7 +41,8 @@ import scipy.special
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from jaxinfer import blocks, gguf_io, powerinfer, ternary, validate
-from jaxinfer.config import ARCHITECTURES, EXPERT_GATINGS, GATE_ACTIVATION_KEY, SPARSE_THRESHOLD_KEY, Config
+from jaxinfer.config import (ARCHITECTURES, EXPERT_GATINGS, GATE_ACTIVATION_KEY, NATURAL_ZEROS, SPARSE_THRESHOLD_KEY,
+                             Config)
 from jaxinfer.errors import JaxinferError
 from jaxinfer.powerinfer import PendingTensor, write_gguf
 
@@ -104,6 +107,9 @@ class SyntheticSpec:
     gate_activation: str = ""  # written as jaxinfer.gate_activation where set (ReLU experts); "": the architecture's
     # {arch}.expert_gating_func where the architecture reads it (Architecture.expert_gating_from_file: SmallThinker)
     expert_gating: str = "softmax"
+    # ReLU experts (a gate activation with zeros) that leave about this share of their neurons zero for a token (0:
+    # random experts, about half): the constant-dimension bias below, in each expert's gate.
+    expert_sparsity: float = 0.0
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -253,6 +259,11 @@ def check_loadable(spec: SyntheticSpec) -> None:
 def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     """The metadata fields (key, value, type, array element type) and the tensors, made when written, of `spec`."""
     sparse = spec.sparsity is not None
+    if spec.expert_sparsity and not (spec.n_expert and 0 < spec.expert_sparsity < 1 and not sparse and (
+            spec.gate_activation or ARCHITECTURES[spec.architecture].gate_activation) in NATURAL_ZEROS):
+        raise JaxinferError(f"expert_sparsity {spec.expert_sparsity}: a share in (0, 1) of the zeros of a mixture's "
+                         f"experts whose gate activation leaves zeros ({', '.join(NATURAL_ZEROS)})")
+    bias_input = sparse or spec.expert_sparsity > 0  # residual dimension 0 held constant (see the module docstring)
     head_dim = spec.head_dim or spec.n_embd // spec.n_head
     known = ARCHITECTURES.get(spec.architecture)  # other names: files for unsupported-architecture tests
     tokens, token_types, merges = vocabulary(spec.n_vocab)
@@ -327,6 +338,11 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
         def make():
             rng = _rng(spec, name)
             values = rng.normal(size=(spec.n_expert * rows, cols)).astype(np.float32) / np.float32(np.sqrt(cols))
+            if spec.expert_sparsity and "_gate_" in name:  # column 0 reads the constant dimension: each row's bias
+                values[:, 0] = (np.linalg.norm(values[:, 1:], axis=1) * scipy.special.ndtri(1 - spec.expert_sparsity)
+                                / BIAS_VALUE)
+            if spec.expert_sparsity and "_down_" in name:  # no expert writes the constant dimension
+                values.reshape(spec.n_expert, rows, cols)[:, 0] = 0
             encoded = encode_tensor(values, qtype, rng)
             return encoded.reshape(spec.n_expert, rows, -1)
 
@@ -336,7 +352,7 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
         def make():
             rng = _rng(spec, name)
             values = rng.normal(size=(n_vocab, spec.n_embd)).astype(np.float32)
-            if sparse:
+            if bias_input:
                 values[:, 0] = BIAS_VALUE  # unit-variance other dims: the bias derivation assumes |x_rest|² ~ d-1
             else:
                 values /= np.sqrt(spec.n_embd)
@@ -386,8 +402,8 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             matrix(f"{blk}.attn_q.weight", spec.n_head * head_dim, d, w),
             matrix(f"{blk}.attn_k.weight", spec.n_head_kv * head_dim, d, w),
             matrix(f"{blk}.attn_v.weight", spec.n_head_kv * head_dim, d, w),
-            matrix(f"{blk}.attn_output.weight", d, spec.n_head * head_dim, w, zero_row0=sparse),
-            norm(f"{blk}.ffn_norm.weight", ones=sparse),
+            matrix(f"{blk}.attn_output.weight", d, spec.n_head * head_dim, w, zero_row0=bias_input),
+            norm(f"{blk}.ffn_norm.weight", ones=bias_input),
         ]
         if spec.n_expert:
             tensors += [matrix(f"{blk}.ffn_gate_inp.weight", spec.n_expert, d, w),

@@ -35,7 +35,8 @@ qwen3moe's (it needs them), or Mixtral's in a llama file; e.g. Qwen3-30B-A3B's w
 --gate_activation relu writes ReLU experts (jaxinfer.gate_activation; llama.cpp runs its own SiLU on the same bytes),
 whose zero neurons a decode step does not read. A smallthinker mixture has ReLU experts of its own (llama.cpp runs
 them so), its router before the attention, and the gating function --expert_gating (softmax or sigmoid); e.g.
-SmallThinker-4B-A0.6B's width and experts in 4 layers:
+SmallThinker-4B-A0.6B's width and experts in 4 layers (--expert_sparsity 0.85: experts that leave about 85% of their
+neurons zero, as sparse-trained ones do; random ones leave about half):
 
     python scripts/make_sparse_model.py --architecture smallthinker --n_layer 4 --n_embd 1536 --n_ff 768 \
         --n_head 12 --n_head_kv 2 --n_expert 32 --n_expert_used 4 --n_vocab 151936 --sparsity 0 -o smallthinker.gguf
@@ -94,6 +95,8 @@ flags.DEFINE_integer("n_expert_used", 2, "the experts each token runs, with --n_
 flags.DEFINE_enum("gate_activation", "", ["", *GATE_ACTIVATIONS], "the gate activation, written as "
                   "jaxinfer.gate_activation (relu: ReLU experts, whose zero neurons a decode step skips); default: the "
                   "architecture's")
+flags.DEFINE_float("expert_sparsity", 0.0, "ReLU experts that leave about this share of their neurons zero for a "
+                   "token (0: random experts, about half)")
 flags.DEFINE_enum("expert_gating", "softmax", sorted(EXPERT_GATINGS.values()), "the router's gating function, for "
                   "an architecture that reads it from the file (smallthinker)")
 check_range("head_dim", 0)
@@ -108,7 +111,7 @@ check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
 MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
                "seed", "architecture", "n_vocab", "head_dim", "sliding_window", "n_expert", "n_expert_used",
-               "predictor_type", "gate_activation", "expert_gating")  # a synthetic model's: not with --dense_twin
+               "predictor_type", "gate_activation", "expert_gating", "expert_sparsity")  # not with --dense_twin
 SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
 
@@ -146,7 +149,8 @@ def main(argv):
         architecture=FLAGS.architecture, sparsity=FLAGS.sparsity or None, power_law=FLAGS.power_law, seed=FLAGS.seed,
         predictor_type=GGMLQuantizationType[FLAGS.predictor_type.upper()], head_dim=FLAGS.head_dim,
         sliding_window=FLAGS.sliding_window, n_expert=FLAGS.n_expert, n_expert_used=FLAGS.n_expert_used,
-        gate_activation=FLAGS.gate_activation, expert_gating=FLAGS.expert_gating)
+        gate_activation=FLAGS.gate_activation, expert_gating=FLAGS.expert_gating,
+        expert_sparsity=FLAGS.expert_sparsity)
     try:
         check_loadable(spec)  # a file that would not load is not written
     except JaxinferError as e:

@@ -474,6 +474,22 @@ def test_a_relu_mixture_s_profile_measures_its_zeros_and_decides_how_its_experts
     assert not stale.config.plan.neuron_major_experts and "was not used" in stale.describe()
 
 
+def test_synthetic_relu_experts_leave_the_share_of_zeros_asked_for(tmp_path):
+    """SyntheticSpec.expert_sparsity: ReLU experts whose gate rows carry a bias through the constant residual
+    dimension leave about that share of their neurons zero (random ones about half), as the profile measures it; a
+    share outside (0, 1), or experts without zeros, are refused."""
+    base = dataclasses.replace(SMALL_SPECS["smallthinker"], weight_type=GGMLQuantizationType.Q8_0)
+    windows = evaluation.make_windows(np.random.default_rng(2).integers(3, 250, size=128), 32, -1, None)
+    for sparsity_asked, lo, hi in ((0.0, 0.4, 0.6), (0.8, 0.1, 0.35)):
+        m = load(tmp_path, f"s{sparsity_asked}", dataclasses.replace(base, expert_sparsity=sparsity_asked))
+        _, shares = activation_profile.profile(m, windows)
+        assert all(lo < share < hi for share in shares), (sparsity_asked, shares)
+    for bad in (dataclasses.replace(base, expert_sparsity=1.0), dataclasses.replace(SMALL_SPECS["qwen3moe"],
+                                                                                   expert_sparsity=0.5)):
+        with pytest.raises(JaxinferError, match="expert_sparsity"):
+            write_model(str(tmp_path / "bad.gguf"), bad)
+
+
 def test_profile_counts_each_experts_routings(tmp_path):
     """`profile` of a mixture counts, per layer, how many tokens were routed to each expert: k per token, the experts
     moe.route picks from the layer's FFN input (recomputed from what the forward observed)."""
