@@ -436,6 +436,8 @@ def _block_options(c: dict, rope_freqs: bool) -> list[str]:
     if c["swa_layers"]:
         options.append(f"sliding window {c['sliding_window']} in {sum(c['swa_layers'])} of {c['n_layer']} layers "
                        f"(rope theta {c['rope_theta_swa']:g})")
+    if any(c["nope_layers"]):
+        options.append(f"no RoPE in {sum(c['nope_layers'])} of {c['n_layer']} layers")
     if c["rope_freq_scale"] != 1.0:
         options.append(f"linear RoPE scaling x {c['rope_freq_scale']:g}")
     if rope_freqs:
@@ -447,7 +449,9 @@ def _block_options(c: dict, rope_freqs: bool) -> list[str]:
     if c["n_expert"]:
         options.append(f"mixture of {c['n_expert']} experts of {c['n_ff_exp']} neurons, {c['n_expert_used']} per token"
                        f"{'' if c['expert_weights_norm'] else ' (weights not renormalized)'}"
-                       f"{', a shared expert of ' + str(c['n_ff_shexp']) + ' neurons' if c['n_ff_shexp'] else ''}")
+                       f"{', a shared expert of ' + str(c['n_ff_shexp']) + ' neurons' if c['n_ff_shexp'] else ''}"
+                       f", {c['expert_gating']} gating"
+                       f"{', the router before the attention' if c['router_reads_layer_input'] else ''}")
     return options
 
 

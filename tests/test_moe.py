@@ -108,6 +108,9 @@ def test_smallthinker_s_options_are_each_visible_against_llama_cpp(tmp_path):
                dict(rope_theta_swa=1e4)]
     for change, least in zip(changes, (0.1, 2e-3, 0.05, 5e-3)):
         assert kl_against_llama_cpp(m, "smallthinker_swa", dataclasses.replace(cfg, **change)).kl.mean > least, change
+    assert ("block: sliding window 4096 in 1 of 2 layers (rope theta 1e+06), no RoPE in 1 of 2 layers, mixture of 8 "
+            "experts of 128 neurons, 2 per token, sigmoid gating, the router before the attention"
+            in inspection.format_report(inspection.inspect_model(m.path)))
 
 
 def test_unnormalized_expert_weights_are_visible_against_llama_cpp(tmp_path):
@@ -410,7 +413,8 @@ def test_make_sparse_model_writes_a_mixture_that_inspect_says_runs(tmp_path):
     assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
     assert not report["hybrid_split"]["applies"]  # no activation profile yet
     assert report["hybrid_split"]["tensors"] == ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
-    assert "block: QK-norm, mixture of 4 experts of 32 neurons, 2 per token" in inspection.format_report(report)
+    assert "block: QK-norm, mixture of 4 experts of 32 neurons, 2 per token, softmax gating" in \
+        inspection.format_report(report)
     refused = subprocess.run([sys.executable, "scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"),
                               "--n_expert", "4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert refused.returncode != 0
