@@ -131,9 +131,10 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
 # A mixture of ReLU experts holds its down projection neuron-major where its activation profile measured at most this
 # share of its routed experts' neurons nonzero. The kernel alone pays from about a quarter (the 8 routed experts of a
 # Qwen3-30B-A3B layer, Q4_0, d = 2048: 372-390, 229, 152 and 113 us at 50, 25, 10 and 5% nonzero, whole 227-242 us),
-# but not a decode step, whose call also visits every expert's blocks of neurons, not only the routed ones'
-# (SmallThinker-4B width, 32 experts of 768, top-4, Q4_0, 8 layers, tg64 against the experts whole: 0.884, 0.851,
-# 0.885 and 0.942x at 50, 24, 14 and 7% nonzero). Parity is where that trend leads, below what was measured.
+# but not a decode step (SmallThinker-4B width, 32 experts of 768, top-4, Q4_0, 8 layers, tg64 against the experts
+# whole: 0.884, 0.851, 0.885 and 0.942x at 50, 24, 14 and 7% nonzero): each block of 32 neurons with one active still
+# costs a pass over all d outputs' scales (Q4_0's scales run along the neurons), and the call visits every expert's
+# blocks, not only the routed ones'. Parity is where that trend leads, below what was measured.
 NEURON_MAJOR_EXPERTS_MAX_ACTIVE = 0.03
 
 
