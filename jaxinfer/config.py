@@ -107,13 +107,13 @@ ARCHITECTURES = {
     # whose weights are not renormalized, and a shared expert gated per token.
     "qwen2moe": Architecture(gate_activation="silu", rope_type="neox", experts=True, shared_expert=True,
                              expert_weights_norm=False),
-    # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
     # SmallThinker (PowerInfer's MoE models): llama attention with NEOX RoPE, ReGLU experts whose router reads the
     # layer's input before the attention, softmax or sigmoid gating from the file; with a sliding window (21B-A3B),
     # three sliding layers with RoPE after each global layer without.
     "smallthinker": Architecture(gate_activation="relu", rope_type="neox", experts=True, expert_gating_from_file=True,
                                  router_reads_layer_input=True, swa_period=4, swa_global_first_nope=True,
                                  swa_rope_global=True),
+    # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
     "phi3": Architecture(gate_activation="silu", rope_type="neox", ffn_layout="fused", ignores_sliding_window=True),
     # Falcon 7B/40B: parallel attention and FFN, LayerNorm with bias, fused QKV (multi-query for 7B), GELU FFN
     # without a gate (ggml's tanh-approximated GELU).

@@ -263,7 +263,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
             normed = norm(x, layer.attn_norm, layer.attn_norm_b, cfg)
             rotation = rotations[cfg.window(index) is not None] if cfg.rotates(index) else None
             attn_out, cache = attention_block(normed, layer, index, positions, rotation, cache, cfg, written, row)
-            router_input = x  # SmallThinker's router reads the layer's input (cfg.router_reads_layer_input)
+            router_input = x if cfg.router_reads_layer_input else None  # SmallThinker's: the layer's input
             if not cfg.parallel_block:  # Falcon's FFN reads the attention's input, both join the residual at once
                 x = x + _post_norm(attn_out, layer.attn_post_norm, cfg)
                 normed = rms_norm(x, layer.ffn_norm, cfg.rms_eps)
@@ -271,7 +271,7 @@ def _forward(tokens, weights: Weights, cfg: Config, cache: KVCache | None, obser
                                                                           eps=cfg.rms_eps)
             if layer.experts is not None:
                 ffn_out, trace = moe.ffn(normed, layer.experts, cfg, trace=observe is not None,
-                                         router_input=router_input if cfg.router_reads_layer_input else None)
+                                         router_input=router_input)
             else:
                 ffn_out, trace = sparse_ffn.ffn(normed, x, layer, cfg, trace=observe is not None,
                                                 hidden_norm=hidden_norm)

@@ -55,8 +55,9 @@ class Plan:
     attn_max_batch_mib: float | None = None  # bound on XLA attention's K·Q scores per step (attention.py); None: none
     hot_ffn: str = "xla"  # a split's device part with a predictor, one of HOT_FFN (sparse_ffn.ffn)
     neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
-    # A mixture of ReLU experts holds its down projection neuron-major (repack.packs_experts_neuron_major): where its
-    # activation profile measured few enough of the routed experts' neurons nonzero for that to pay (engine.py).
+    # A mixture of ReLU experts holds its down projection neuron-major (repack.packs_experts_neuron_major): set at
+    # load (engine._experts) only for experts with natural zeros where neuron_major is, and where their activation
+    # profile measured few enough of the routed experts' neurons nonzero for that to pay.
     neuron_major_experts: bool = False
     down_rows: bool = False  # a Q4_0/Q8_0 down projection held one row per neuron takes cpu_ext's integer axpy
     repack: bool = False  # dense products' weights repacked eight rows to a group at load (repack.py)

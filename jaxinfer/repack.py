@@ -27,7 +27,7 @@ import dataclasses
 from gguf import GGMLQuantizationType
 
 from jaxinfer import quant, sharding
-from jaxinfer.config import NATURAL_ZEROS, Config
+from jaxinfer.config import Config
 from jaxinfer.plan import Plan
 from jaxinfer.quant import QuantArray
 
@@ -61,13 +61,12 @@ def packs_experts(w: QuantArray, n_expert: int, plan: Plan) -> bool:
 
 
 def packs_experts_neuron_major(w: QuantArray, cfg: Config) -> bool:
-    """Whether a mixture's stacked down projection is held neuron-major (moe.neuron_major_down): where its experts'
-    gate activation leaves exact zeros (NATURAL_ZEROS), the plan's neuron-major kernel is fast and the plan holds
-    them so (Plan.neuron_major_experts: enough zeros measured), so that a token reads only its routed experts' active
-    neurons of it, for a type and width the packing takes."""
-    return (cfg.gate_activation in NATURAL_ZEROS and cfg.plan.neuron_major and cfg.plan.neuron_major_experts
-            and cfg.plan.tp == 1
-            and w.qtype in quant.NEURON_MAJOR_TYPES and not w.exact and (w.shape[0] // cfg.n_expert) % 64 == 0)
+    """Whether a mixture's stacked down projection is held neuron-major (moe.neuron_major_down): where the plan holds
+    its ReLU experts so (Plan.neuron_major_experts, decided at load: the neuron-major kernel is fast and enough zeros
+    were measured), so that a token reads only its routed experts' active neurons of it, for a type and width the
+    packing takes."""
+    return (cfg.plan.neuron_major_experts and cfg.plan.tp == 1 and w.qtype in quant.NEURON_MAJOR_TYPES
+            and not w.exact and (w.shape[0] // cfg.n_expert) % 64 == 0)
 
 
 def widens_tq1_0(qtype, plan: Plan, exact: bool = False) -> bool:

@@ -262,7 +262,7 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     if spec.expert_sparsity and not (spec.n_expert and 0 < spec.expert_sparsity < 1 and not sparse and (
             spec.gate_activation or ARCHITECTURES[spec.architecture].gate_activation) in NATURAL_ZEROS):
         raise JaxinferError(f"expert_sparsity {spec.expert_sparsity}: a share in (0, 1) of the zeros of a mixture's "
-                         f"experts whose gate activation leaves zeros ({', '.join(NATURAL_ZEROS)})")
+                            f"experts whose gate activation leaves zeros ({', '.join(NATURAL_ZEROS)})")
     bias_input = sparse or spec.expert_sparsity > 0  # residual dimension 0 held constant (see the module docstring)
     head_dim = spec.head_dim or spec.n_embd // spec.n_head
     known = ARCHITECTURES.get(spec.architecture)  # other names: files for unsupported-architecture tests
@@ -334,14 +334,14 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
 
         return PendingTensor(name, (rows, cols), qtype, make)
 
-    def stacked(name, rows, cols, qtype):  # [n_expert, rows, cols]: each expert's matrix, as GGUF stacks them
+    def stacked(name, rows, cols, qtype, bias_col0=False, zero_row0=False):  # [n_expert, rows, cols], as GGUF stacks
         def make():
             rng = _rng(spec, name)
             values = rng.normal(size=(spec.n_expert * rows, cols)).astype(np.float32) / np.float32(np.sqrt(cols))
-            if spec.expert_sparsity and "_gate_" in name:  # column 0 reads the constant dimension: each row's bias
+            if bias_col0:  # column 0 reads the constant dimension: each row's bias, for ~1 - expert_sparsity firing
                 values[:, 0] = (np.linalg.norm(values[:, 1:], axis=1) * scipy.special.ndtri(1 - spec.expert_sparsity)
                                 / BIAS_VALUE)
-            if spec.expert_sparsity and "_down_" in name:  # no expert writes the constant dimension
+            if zero_row0:  # no expert writes the constant dimension
                 values.reshape(spec.n_expert, rows, cols)[:, 0] = 0
             encoded = encode_tensor(values, qtype, rng)
             return encoded.reshape(spec.n_expert, rows, -1)
@@ -407,8 +407,9 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
         ]
         if spec.n_expert:
             tensors += [matrix(f"{blk}.ffn_gate_inp.weight", spec.n_expert, d, w),
-                        *(stacked(f"{blk}.ffn_{proj}_exps.weight", f, d, w) for proj in ("gate", "up")),
-                        stacked(f"{blk}.ffn_down_exps.weight", d, f, w)]
+                        stacked(f"{blk}.ffn_gate_exps.weight", f, d, w, bias_col0=spec.expert_sparsity > 0),
+                        stacked(f"{blk}.ffn_up_exps.weight", f, d, w),
+                        stacked(f"{blk}.ffn_down_exps.weight", d, f, w, zero_row0=spec.expert_sparsity > 0)]
             if known and known.shared_expert:
                 shared = shared_width(spec)
                 tensors += [bias(f"{blk}.ffn_gate_inp_shexp.weight", d),

@@ -21,8 +21,8 @@ and tg run after D tokens are already in the KV cache (llama-bench's -d, which -
 deep into a long context, where attention reads the cache. With --vram-budget the model is also split between
 device and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and
 tg of the unsplit and the split model are timed alternately and compared. With --compare_whole_experts, a mixture
-of ReLU experts is timed alternately with its zero neurons skipped (the plan's default) and with each expert's down
-projection read whole.
+of ReLU experts is timed alternately with its zero neurons skipped (held neuron-major, whatever its profile says)
+and with each expert's down projection read whole.
 """
 
 import json
