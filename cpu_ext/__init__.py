@@ -16,9 +16,9 @@ Row-sparse kernels for a sparse FFN (PowerInfer-style) read only the weight rows
 and `gather_matmul` (up/gate projections, the same 8-bit activation path) and `masked_axpy` and `gather_axpy` (the
 down projection stored transposed, one row per neuron; h stays f32, so these match their references to f32
 rounding), `neuron_major_axpy` (a Q4_0/Q4_1/Q8_0 down projection repacked neuron-major without rounding; h in 8
-bits and integer dots, as the dense kernels) and `down_rows_axpy` (a transposed Q4_0/Q8_0 down projection with each
-row's scales in front; each group of 32 active neurons' coefficients rounded to 8 bits per block and dotted in
-integers).
+bits and integer dots, as the dense kernels) and `down_rows_axpy` / `down_rows_gather_axpy` (a transposed Q4_0/Q8_0
+down projection with each row's scales in front, over a mask or the rows an index names; each group of 32 active
+neurons' coefficients rounded to 8 bits per block and dotted in integers).
 
 Each kernel has a plain-jnp `*_reference` beside it, the semantics it is tested against. The references take the
 weight already dequantized to f32 (jaxinfer.quant.dequantize reads every format): this package is a leaf that imports
@@ -88,6 +88,7 @@ _OPS = {
     "gather_axpy": ("GatherAxpy", (True, False, False), lambda rows, cols, h, data_t, index: cols),
     "neuron_major_axpy": ("NeuronMajorAxpy", (True, False, True), lambda rows, cols, h, packed, mask: cols),
     "down_rows_axpy": ("DownRowsAxpy", (True, False, True), lambda rows, cols, h, rows_data, mask: cols),
+    "down_rows_gather_axpy": ("DownRowsGatherAxpy", (True, False, False), lambda rows, cols, h, rows_data, index: cols),
 }
 
 
@@ -358,6 +359,19 @@ def down_rows_axpy(h: jax.Array, rows_data: jax.Array, mask: jax.Array, *, qtype
     return call(jnp.asarray(h, jnp.float32), rows_data, _mask("down_rows_axpy", mask))
 
 
+def down_rows_gather_axpy(h: jax.Array, rows_data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType,
+                          rows: int, cols: int) -> jax.Array:
+    """gather_axpy for a Q4_0/Q8_0 W_t given as `jaxinfer.quant.pack_down_rows(W_t).data`: sum over i of h[..., i]
+    W_t[index[i]] for h f32 [..., k], index int [k] (entries outside [0, rows) are skipped, entries outside int32
+    raise), with down_rows_axpy's arithmetic over the named rows in the index's order: only the rows of entries whose
+    h is nonzero are read (a mixture's routed experts' neurons, expert_products.ranges_axpy)."""
+    qtype = GGMLQuantizationType(qtype)
+    if qtype not in DOWN_ROWS_TYPES:
+        raise ValueError(f"cpu_ext.down_rows_gather_axpy: unsupported type {qtype.name} (Q4_0 or Q8_0)")
+    call = _batched_call("down_rows_gather_axpy", qtype, int(rows), int(cols))
+    return call(jnp.asarray(h, jnp.float32), rows_data, _index("down_rows_gather_axpy", index))
+
+
 def down_rows_axpy_reference(h, scales, values, mask) -> jax.Array:
     """down_rows_axpy's arithmetic in plain jnp, for one token h [rows]: W_t given as its block scales f32 [rows,
     cols / 32] and its values q - offset, int32 [rows, cols]. The nonzero active neurons in order, in groups of
@@ -377,6 +391,15 @@ def down_rows_axpy_reference(h, scales, values, mask) -> jax.Array:
         isum = jnp.einsum("nb,nbj->bj", g8, values[group].reshape(len(group), -1, 32))
         y = y + ((amax / 127.0).astype(jnp.float32)[:, None] * isum.astype(jnp.float32)).reshape(-1)
     return y
+
+
+def down_rows_gather_axpy_reference(h, scales, values, index) -> jax.Array:
+    """down_rows_gather_axpy's arithmetic in plain jnp, for one token h [k]: down_rows_axpy_reference over the rows
+    `index` names (scales and values as there), in the index's order, its out-of-range entries left out."""
+    index = np.asarray(index)
+    valid = (index >= 0) & (index < np.shape(scales)[0])
+    rows = np.where(valid, index, 0)
+    return down_rows_axpy_reference(h, jnp.asarray(scales)[rows], jnp.asarray(values)[rows], valid)
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start, row=0) -> jax.Array:

@@ -1,6 +1,7 @@
-// The down_rows_axpy handler (down_rows.h): the sparse down projection of a Q4_0/Q8_0 weight laid out as down rows,
-// the coefficients of each group of active neurons rounded to 8 bits and dotted in integers; the portable kernel
-// that defines its bits; and the choice of kernel.
+// The down_rows_axpy and down_rows_gather_axpy handlers (down_rows.h): the sparse down projection of a Q4_0/Q8_0
+// weight laid out as down rows, over a token's active neurons (a mask over all of them, or the rows an index names),
+// the coefficients of each group of them rounded to 8 bits and dotted in integers; the portable kernel that defines
+// its bits; and the choice of kernel.
 #include <cmath>
 #include <cstring>
 
@@ -80,16 +81,14 @@ struct GroupItem {
   int64_t t, begin, end;
 };
 
-ffi::Error DownRowsAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
-                            ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
-                            int64_t cols) {
-  const std::string op = "down_rows_axpy";
-  DownType type;
+// The type of a down_rows call (Q4_0 or Q8_0) and its rows' bytes, its shape checked against the weight's.
+ffi::Error down_rows_weight(const std::string& op, const ffi::Buffer<ffi::U8>& w, int64_t qtype, int64_t rows,
+                            int64_t cols, DownType* type, int64_t* row_bytes) {
   int block_bytes;
   if (qtype == kQ4_0) {
-    type = DownType::kQ4_0, block_bytes = 18;
+    *type = DownType::kQ4_0, block_bytes = 18;
   } else if (qtype == kQ8_0) {
-    type = DownType::kQ8_0, block_bytes = 34;
+    *type = DownType::kQ8_0, block_bytes = 34;
   } else {
     return ffi::Error::InvalidArgument(op + ": unsupported GGML type " + std::to_string(qtype) + " (Q4_0 or Q8_0)");
   }
@@ -97,55 +96,94 @@ ffi::Error DownRowsAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::
     return ffi::Error::InvalidArgument(op + ": rows=" + std::to_string(rows) + " must be positive and cols=" +
                                        std::to_string(cols) + " a positive multiple of 32");
   }
-  const int64_t row_bytes = cols / kQK * block_bytes;
+  *row_bytes = cols / kQK * block_bytes;
   const auto w_dims = w.dimensions();
-  if (w_dims.size() != 2 || w_dims[0] != rows || w_dims[1] != row_bytes) {
+  if (w_dims.size() != 2 || w_dims[0] != rows || w_dims[1] != *row_bytes) {
     return ffi::Error::InvalidArgument(op + ": weight must be uint8 [" + std::to_string(rows) + ", " +
-                                       std::to_string(row_bytes) + "], got " + dims_string(w_dims));
+                                       std::to_string(*row_bytes) + "], got " + dims_string(w_dims));
   }
-  int64_t m;
-  if (ffi::Error error = check_masked_axpy(op, h, mask, *y, rows, cols, &m); error.failure()) return error;
+  return ffi::Error::Success();
+}
 
-  // Each token's nonzero active neurons, in order, cut into groups: a neuron whose h is 0 adds nothing, and its row
-  // is not read.
+// y[t] = sum over token t's entries e < k with row_of(e) in [0, rows) and h[t, e] != 0 of h[t, e] W_t[row_of(e)]
+// (row_of(e) < 0 where a mask leaves entry e out), in the entries' order: the neurons listed branch-free (as
+// active_rows), cut into groups of kDownGroup per token, the groups summed over the threads.
+template <typename RowOf>
+void sum_down_rows(ffi::ThreadPool& pool, DownType type, const uint8_t* ws, int64_t row_bytes, int64_t rows,
+                   int64_t cols, const float* hs, int64_t m, int64_t k, RowOf row_of, float* y) {
   Scratch& s = thread_scratch();
-  const float* hs = h.typed_data();
-  const uint8_t* ms = mask_bytes(mask);
-  s.rows.resize(static_cast<size_t>(m * rows));
+  s.rows.resize(static_cast<size_t>(m * k));
+  s.masked.resize(static_cast<size_t>(m * k));
   std::vector<GroupItem> items;
   int64_t n = 0;
   for (int64_t t = 0; t < m; ++t) {
     const int64_t first = n;
-    for (int64_t j = 0; j < rows; ++j) {  // branch-free, as active_rows
-      s.rows[n] = static_cast<int32_t>(j);
-      n += ms[t * rows + j] != 0 && hs[t * rows + j] != 0.0f;
+    for (int64_t e = 0; e < k; ++e) {
+      const int64_t row = row_of(t, e);
+      s.rows[n] = static_cast<int32_t>(row);
+      s.masked[n] = hs[t * k + e];
+      n += row >= 0 && row < rows && hs[t * k + e] != 0.0f;
     }
-    for (int64_t begin = first; begin < n; begin += kDownGroup) items.push_back({t, begin, std::min(n, begin + kDownGroup)});
+    for (int64_t begin = first; begin < n; begin += kDownGroup) {
+      items.push_back({t, begin, std::min(n, begin + kDownGroup)});
+    }
   }
   const DownGroupKernel kernel = group_kernel(type);
-  const uint8_t* ws = w.typed_data();
   const int32_t* neurons = s.rows.data();
+  const float* values = s.masked.data();
   const GroupItem* groups = items.data();
-  sum_over_groups(pool, static_cast<int64_t>(items.size()), m * cols, y->typed_data(), s,
-                  [=](int64_t i0, int64_t i1, float* ys) {
-                    thread_local DownCoefficients coefficients;
-                    coefficients.resize(static_cast<int>(cols / kQK));
-                    DownGroup group;
-                    for (int64_t i = i0; i < i1; ++i) {
-                      const GroupItem& item = groups[i];
-                      group.n = static_cast<int>(item.end - item.begin);
-                      for (int e = 0; e < group.n; ++e) {
-                        const int64_t j = neurons[item.begin + e];
-                        group.rows[e] = ws + j * row_bytes;
-                        group.h[e] = hs[item.t * rows + j];
-                      }
-                      for (; group.n % 4; ++group.n) {
-                        group.rows[group.n] = group.rows[0];
-                        group.h[group.n] = 0.0f;
-                      }
-                      kernel(group, static_cast<int>(cols), coefficients, ys + item.t * cols);
-                    }
-                  });
+  sum_over_groups(pool, static_cast<int64_t>(items.size()), m * cols, y, s, [=](int64_t i0, int64_t i1, float* ys) {
+    thread_local DownCoefficients coefficients;
+    coefficients.resize(static_cast<int>(cols / kQK));
+    DownGroup group;
+    for (int64_t i = i0; i < i1; ++i) {
+      const GroupItem& item = groups[i];
+      group.n = static_cast<int>(item.end - item.begin);
+      for (int e = 0; e < group.n; ++e) {
+        group.rows[e] = ws + neurons[item.begin + e] * row_bytes;
+        group.h[e] = values[item.begin + e];
+      }
+      for (; group.n % 4; ++group.n) {
+        group.rows[group.n] = group.rows[0];
+        group.h[group.n] = 0.0f;
+      }
+      kernel(group, static_cast<int>(cols), coefficients, ys + item.t * cols);
+    }
+  });
+}
+
+ffi::Error DownRowsAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
+                            int64_t cols) {
+  const std::string op = "down_rows_axpy";
+  DownType type;
+  int64_t row_bytes, m;
+  if (ffi::Error error = down_rows_weight(op, w, qtype, rows, cols, &type, &row_bytes); error.failure()) return error;
+  if (ffi::Error error = check_masked_axpy(op, h, mask, *y, rows, cols, &m); error.failure()) return error;
+  const uint8_t* ms = mask_bytes(mask);
+  sum_down_rows(pool, type, w.typed_data(), row_bytes, rows, cols, h.typed_data(), m, rows,
+                [=](int64_t t, int64_t j) { return ms[t * rows + j] != 0 ? j : int64_t{-1}; }, y->typed_data());
+  return ffi::Error::Success();
+}
+
+ffi::Error DownRowsGatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
+                                  ffi::AnyBuffer index, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
+                                  int64_t cols) {
+  const std::string op = "down_rows_gather_axpy";
+  DownType type;
+  int64_t row_bytes, m, k;
+  const int32_t* idx;
+  if (ffi::Error error = down_rows_weight(op, w, qtype, rows, cols, &type, &row_bytes); error.failure()) return error;
+  if (ffi::Error error = index_entries(op, index, thread_scratch(), &idx, &k); error.failure()) return error;
+  if (!tokens_of(h.dimensions(), k, &m)) {
+    return ffi::Error::InvalidArgument(op + ": h must be [..., " + std::to_string(k) + "] (k = len(index)), got " +
+                                       dims_string(h.dimensions()));
+  }
+  if (!holds(y->element_count(), m, cols)) {
+    return ffi::Error::InvalidArgument(op + ": output must be [..., " + std::to_string(cols) + "]");
+  }
+  sum_down_rows(pool, type, w.typed_data(), row_bytes, rows, cols, h.typed_data(), m, k,
+                [=](int64_t, int64_t e) { return int64_t{idx[e]}; }, y->typed_data());
   return ffi::Error::Success();
 }
 
@@ -160,6 +198,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DownRowsAxpy, jaxinfer_cpu::DownRowsAxpyImpl,
                                   .Arg<ffi::Buffer<ffi::U8>>()    // W_t as down rows
                                   .Arg<ffi::Buffer<ffi::PRED>>()  // mask [..., rows]
                                   .Ret<ffi::Buffer<ffi::F32>>()   // y [..., cols]
+                                  .Attr<int64_t>("qtype")
+                                  .Attr<int64_t>("rows")
+                                  .Attr<int64_t>("cols"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DownRowsGatherAxpy, jaxinfer_cpu::DownRowsGatherAxpyImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // h [..., k]
+                                  .Arg<ffi::Buffer<ffi::U8>>()   // W_t as down rows
+                                  .Arg<ffi::AnyBuffer>()         // index [k], as GatherAxpy's
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // y [..., cols]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
                                   .Attr<int64_t>("cols"));

@@ -210,7 +210,7 @@ struct Scratch {
   std::vector<int32_t> rows;
   std::vector<int32_t> index;  // a gather's wider index, narrowed (sparse_handlers.cc)
   std::vector<float> acc;
-  std::vector<float> masked;  // a token's masked h (neuron_major_axpy)
+  std::vector<float> masked;  // a token's masked h (neuron_major_axpy), the listed neurons' h (down_rows.cc)
 };
 
 inline Scratch& thread_scratch() {

@@ -14,8 +14,6 @@
 // active row into an f32 accumulator (Kernels::axpy_*): h is what the sparse FFN saves work on, and quantizing it
 // would add the 8-bit rounding a second time for no saving in bytes read.
 #include <cstring>
-#include <limits>
-#include <type_traits>
 
 #include "gathered_groups.h"
 #include "repacked_products.h"
@@ -24,57 +22,6 @@
 
 namespace jaxinfer_cpu {
 namespace {
-
-// Whether an index entry of type T is an int32 value.
-template <typename T>
-bool fits_int32(T value) {
-  if constexpr (std::is_signed_v<T>) {
-    if (value < std::numeric_limits<int32_t>::min()) return false;
-  }
-  return value <= static_cast<T>(std::numeric_limits<int32_t>::max());
-}
-
-// The k entries of a wider index as int32 into s.index; false if one does not fit, as a cast would wrap it into
-// [0, rows) and read a row nobody asked for.
-template <typename T>
-bool narrow_index(const void* data, int64_t k, Scratch& s) {
-  const T* wide = static_cast<const T*>(data);
-  s.index.resize(k);
-  bool fits = true;
-  for (int64_t i = 0; i < k; ++i) {
-    fits &= fits_int32(wide[i]);
-    s.index[i] = static_cast<int32_t>(wide[i]);
-  }
-  return fits;
-}
-
-// Checks a gather's index [k] (int32, or int64 / uint32 / uint64 whose entries fit in int32: entries outside
-// [0, rows) are padding, but one int32 cannot hold is a caller's error) and points *entries at it as int32.
-ffi::Error index_entries(const std::string& op, const ffi::AnyBuffer& index, Scratch& s, const int32_t** entries,
-                         int64_t* k) {
-  if (index.dimensions().size() != 1) {
-    return ffi::Error::InvalidArgument(op + ": index must be 1-D, got " + dims_string(index.dimensions()));
-  }
-  *k = index.dimensions()[0];
-  if (*k > std::numeric_limits<int32_t>::max()) {  // positions are listed as int32 (valid_positions)
-    return ffi::Error::InvalidArgument(op + ": index has " + std::to_string(*k) + " entries, more than int32 holds");
-  }
-  const void* data = index.untyped_data();
-  bool fits = true;
-  switch (index.element_type()) {
-    case ffi::DataType::S32: *entries = static_cast<const int32_t*>(data); return ffi::Error::Success();
-    case ffi::DataType::S64: fits = narrow_index<int64_t>(data, *k, s); break;
-    case ffi::DataType::U32: fits = narrow_index<uint32_t>(data, *k, s); break;
-    case ffi::DataType::U64: fits = narrow_index<uint64_t>(data, *k, s); break;
-    default: return ffi::Error::InvalidArgument(op + ": index must be int32, int64, uint32 or uint64");
-  }
-  if (!fits) {
-    return ffi::Error::InvalidArgument(op + ": an index entry is outside the int32 range (entries outside [0, rows) "
-                                       "are padding, but these would wrap)");
-  }
-  *entries = s.index.data();
-  return ffi::Error::Success();
-}
 
 // Positions i < k whose index[i] is in [0, rows), in order, into s.rows; returns how many.
 int64_t valid_positions(const int32_t* index, int64_t k, int64_t rows, Scratch& s) {

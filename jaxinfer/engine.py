@@ -59,8 +59,8 @@ class LoadedModel:
         experts = self.weights.layers[0].experts if self.weights.layers else None
         if experts is not None and self.experts_held:
             expert_down = moe.expert_parts(experts)[0].down
-            held = (f"neuron-major ({quant.layout_name(expert_down)}), their zero neurons not read"
-                    if expert_down.layout == quant.NEURON_MAJOR else "whole")
+            held = (f"a row per neuron ({quant.layout_name(expert_down)}), their zero neurons not read"
+                    if expert_down.layout == quant.DOWN_ROWS else "whole")
             down = f", experts' down projection {held}: {self.experts_held}"
         thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
         order = f", FFN neurons hottest first {self.neuron_order}" if self.neuron_order else ""
@@ -87,7 +87,7 @@ class LoadedModel:
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,
                exact: bool = False, cache_type: str = "f32", tp: int = 1, dp: int = 1,
-               repack: bool = True, neuron_major: bool | None = None,
+               repack: bool = True, neuron_major: bool | None = None, expert_rows: bool | None = None,
                activation_dir: str | None = None) -> LoadedModel:
     """Load a GGUF model. Kernels and placement are chosen here, once, by the model's Plan (plan.py), with XLA
     attention's K·Q scores bounded by `attn_max_batch_mib` MiB (None: unbounded); `exact` marks the weights for f32
@@ -96,16 +96,17 @@ def load_model(path: str | None = None, attn_max_batch_mib: float | None = atten
     `tp` devices (tensor parallelism, sharding.py: a JaxinferError when there are fewer devices or the model's
     shapes cannot be cut so); `dp` > 1 places them whole on the first `dp` (data parallelism, perplexity). `repack`
     False keeps every weight in GGUF's rows where the plan would repack them (repack.py), `neuron_major` False packs
-    no down projection neuron-major where the plan would, True holds a ReLU mixture's experts' neuron-major where the
-    kernel is fast whatever their activation profile (in `activation_dir`, by default the model's) says (_experts),
-    for comparisons."""
+    no down projection neuron-major where the plan would; `expert_rows` True holds a ReLU mixture's experts' down
+    projection a row per neuron where the kernels run, False whole, whatever their activation profile (in
+    `activation_dir`, by default the model's) says (_experts), for comparisons."""
     return _placed(_read_model(path, attn_max_batch_mib, exact, cache_type, tp, dp, repack=repack,
-                               neuron_major=neuron_major, activation_dir=activation_dir))
+                               neuron_major=neuron_major, expert_rows=expert_rows, activation_dir=activation_dir))
 
 
 def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool, cache_type: str, tp: int,
                 dp: int, repack: bool = True, repack_ffn: tuple[str, ...] = repack.FFN,
-                neuron_major: bool | None = None, activation_dir: str | None = None) -> LoadedModel:
+                neuron_major: bool | None = None, expert_rows: bool | None = None,
+                activation_dir: str | None = None) -> LoadedModel:
     """load_model's model before its weights are placed on the plan's devices (`_placed`), repacked where the plan
     says unless `repack` is False (of the FFN's, those in `repack_ffn`; repack.py). Over several processes the weights
     stay views of the file, so that each process reads only its own shards."""
@@ -118,7 +119,7 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     plan = plan if repack else dataclasses.replace(plan, repack=False)
     plan = plan if neuron_major is not False else dataclasses.replace(plan, neuron_major=False)
     cfg = load_config(gguf)
-    plan, experts_held = _experts(plan, cfg, path, neuron_major, activation_dir)
+    plan, experts_held = _experts(plan, cfg, path, expert_rows, activation_dir)
     if cfg.attn_softcap:  # cpu_ext's and Pallas's attention kernels have no soft-capping: XLA's has
         plan = dataclasses.replace(plan, attention="xla")
     cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
@@ -128,32 +129,30 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     return LoadedModel(path, gguf, cfg, weights, tokenizer, time.perf_counter() - start, experts_held=experts_held)
 
 
-# A mixture of ReLU experts holds its down projection neuron-major where its activation profile measured at most this
-# share of its routed experts' neurons nonzero. The kernel alone pays from about a quarter (the 8 routed experts of a
-# Qwen3-30B-A3B layer, Q4_0, d = 2048: 372-390, 229, 152 and 113 us at 50, 25, 10 and 5% nonzero, whole 227-242 us),
-# but not a decode step (SmallThinker-4B width, 32 experts of 768, top-4, Q4_0, 8 layers, tg64 against the experts
-# whole: 0.884, 0.851, 0.885 and 0.942x at 50, 24, 14 and 7% nonzero): each block of 32 neurons with one active still
-# costs a pass over all d outputs' scales (Q4_0's scales run along the neurons), and the call visits every expert's
-# blocks, not only the routed ones'. Parity is where that trend leads, below what was measured.
-NEURON_MAJOR_EXPERTS_MAX_ACTIVE = 0.03
+# A mixture of ReLU experts holds its down projection a row per neuron where its activation profile measured at most
+# this share of its routed experts' neurons nonzero. Measured end to end (SmallThinker-4B width, 32 experts of 768,
+# top-4, Q4_0, 8 layers, tg against the experts whole, alternating): 1.10x, 1.065x and 0.97x at 7, 14 and 50% nonzero;
+# the down projection alone (4 routed experts from memory, microbenchmark) 23, 34, 51 and 94 us against 71-80 us
+# whole at 7, 14, 25 and 50%. Parity lies near 35-40%; below it the rows of the zero neurons are the bytes saved.
+EXPERT_ROWS_MAX_ACTIVE = 0.3
 
 
-def _experts(plan, cfg, path: str, neuron_major: bool | None, activation_dir: str | None):
-    """(plan with Plan.neuron_major_experts decided, why) for a mixture of ReLU experts where the neuron-major kernel
-    is fast: as `neuron_major` asks, else from the share of their neurons its activation profile measured nonzero
-    (NEURON_MAJOR_EXPERTS_MAX_ACTIVE), whole where there is none; (plan, None) for other models."""
-    if not (cfg.n_expert and cfg.gate_activation in NATURAL_ZEROS and plan.neuron_major):
+def _experts(plan, cfg, path: str, expert_rows: bool | None, activation_dir: str | None):
+    """(plan with Plan.expert_rows decided, why) for a mixture of ReLU experts where cpu_ext's down_rows kernels run:
+    as `expert_rows` asks, else from the share of their neurons its activation profile measured nonzero
+    (EXPERT_ROWS_MAX_ACTIVE), whole where there is none; (plan, None) for other models."""
+    if not (cfg.n_expert and cfg.gate_activation in NATURAL_ZEROS and plan.down_rows):
         return plan, None
-    if neuron_major is not None:
-        return dataclasses.replace(plan, neuron_major_experts=neuron_major), "as asked"
+    if expert_rows is not None:
+        return dataclasses.replace(plan, expert_rows=expert_rows), "as asked"
     directory = activation_dir or activation_profile.default_directory(path)
     share, source = activation_profile.expert_neuron_share(directory, path)
     if share is None:
         return plan, f"{source} measures their zeros (python -m jaxinfer.profile)"
-    held = share <= NEURON_MAJOR_EXPERTS_MAX_ACTIVE
-    return (dataclasses.replace(plan, neuron_major_experts=held),
-            f"{share:.1%} of the routed experts' neurons nonzero {source} (neuron-major pays below "
-            f"{NEURON_MAJOR_EXPERTS_MAX_ACTIVE:.0%})")
+    held = share <= EXPERT_ROWS_MAX_ACTIVE
+    return (dataclasses.replace(plan, expert_rows=held),
+            f"{share:.1%} of the routed experts' neurons nonzero {source} (a row per neuron pays below "
+            f"{EXPERT_ROWS_MAX_ACTIVE:.0%})")
 
 
 def _placed(m: LoadedModel) -> LoadedModel:

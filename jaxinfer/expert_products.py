@@ -9,7 +9,8 @@ gather_matmul reads the rows through an index, in the stacked weight itself, wit
 (8-bit activations, as quant.matmul's kernels on the sliced rows): in GGUF's rows a row at a time, and where the
 weight is repacked (repack.packs_experts: each expert's rows whole groups of eight) through the repacked kernels, an
 expert's rows being consecutive groups. Elsewhere (XLA; F32, BF16 or exact weights) the rows are sliced and
-multiplied.
+multiplied. A down projection held a row per neuron (moe.down_rows_per_neuron) is summed over the experts' rows whose
+hidden values are nonzero by cpu_ext's down_rows_gather_axpy, reading no other row (ranges_axpy).
 """
 
 import jax
@@ -41,15 +42,31 @@ def ranges_matmul(x: jax.Array, w: QuantArray, starts, count: int) -> jax.Array:
     return jnp.concatenate(parts, axis=-1)
 
 
+def ranges_axpy(h: jax.Array, w_t: QuantArray, starts, count: int) -> jax.Array:
+    """Σ_i h[..., i] w_t[rows[i]] -> f32 [..., cols] for h [..., len(starts) * count], rows = row_ranges(starts,
+    count) (starts traced; a range starting below 0: an expert another part of a split holds, left out): a product
+    with a transposed weight (one row per neuron) over some experts' neurons. cpu_ext reads only the rows whose h is
+    nonzero (w_t laid out as DOWN_ROWS); XLA multiplies by the slices."""
+    kernels = quant._kernels(h, w_t, (quant.DOWN_ROWS,))
+    if kernels is not None:
+        return kernels.down_rows_gather_axpy(h, w_t.data, row_ranges(starts, count), qtype=w_t.qtype,
+                                             rows=w_t.shape[0], cols=w_t.shape[1])
+    starts = jnp.asarray(starts, jnp.int32).reshape(-1)
+    parts = [jax_compat.where_zero(starts[i] >= 0, quant.masked_axpy(h[..., i * count:(i + 1) * count],
+                                                                      dynamic_row_range(w_t, starts[i], count), True))
+             for i in range(starts.shape[0])]
+    return sum(parts[1:], parts[0])
+
+
 def expert_ffn(x: jax.Array, e, gate: QuantArray, up: QuantArray, down: QuantArray, activations, f: int) -> jax.Array:
     """Expert e's (traced) gated FFN of x [..., d] -> f32 [..., d]: down_e(gate_act(gate_e x) * up_act(up_e x)),
     reading only its rows of the stacked projections ([n_expert * f, d], [n_expert * f, d], [n_expert * d, f]; a
-    neuron-major down [n_expert * f, d]: its neurons, those the hidden values leave nonzero)."""
+    down projection a row per neuron [n_expert * f, d]: the rows of the neurons the hidden values leave nonzero)."""
     gate_act, up_act = activations
     d = x.shape[-1]
     hidden = gate_act(ranges_matmul(x, gate, e * f, f)) * up_act(ranges_matmul(x, up, e * f, f))
-    if down.layout == quant.NEURON_MAJOR:
-        return quant.masked_axpy(hidden, dynamic_row_range(down, e * f, f), hidden != 0)
+    if down.layout == quant.DOWN_ROWS:
+        return ranges_axpy(hidden, down, e * f, f)
     return ranges_matmul(hidden, down, e * d, d)
 
 
@@ -57,19 +74,18 @@ def routed_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: QuantA
                down: QuantArray, activations, f: int) -> jax.Array:
     """One token's mixture: x [1, d], chosen int [k], weights f32 [k] -> Σ_j weights[j] expert_ffn(x, chosen[j]),
     added in j's order. The k experts' gate and up rows are read in one call each, their down projections (each with
-    its own input) in one segmented call (cpu_ext's; XLA: one product per expert); a neuron-major down in one
-    product over every expert's neurons, the routing weights folded into the hidden values, so that only the routed
-    experts' nonzero neurons are read."""
+    its own input) in one segmented call (cpu_ext's; XLA: one product per expert); a down projection a row per neuron
+    in one call over the routed experts' rows, expert j's hidden values set only at its own rows for "token" j, so
+    that only the rows of their nonzero neurons are read, each once, with expert_ffn's arithmetic."""
     gate_act, up_act = activations
     k, d = chosen.shape[0], x.shape[-1]
     hidden = (gate_act(ranges_matmul(x, gate, chosen * f, f)) * up_act(ranges_matmul(x, up, chosen * f, f)))
     hidden = hidden.reshape(k, f)
-    if down.layout == quant.NEURON_MAJOR:
-        # Added, not set: an expert another part holds (chosen -1, weight 0, hidden 0) wraps to the last expert's
-        # neurons and adds zeros there.
-        values = (weights[:, None] * jax_compat.like(weights, hidden)).reshape(-1)
-        h = jax_compat.like(weights, jnp.zeros(down.shape[0], jnp.float32)).at[row_ranges(chosen * f, f)].add(values)
-        return quant.masked_axpy(h[None], down, h[None] != 0)
+    if down.layout == quant.DOWN_ROWS:  # [k, k f], the blocks off the diagonal zeros: never read
+        own = jnp.kron(jnp.eye(k, dtype=hidden.dtype), jnp.ones((1, f), hidden.dtype)) * jnp.tile(hidden, (1, k))
+        per_expert = ranges_axpy(own, down, chosen * f, f)
+        outs = [weights[j] * per_expert[j:j + 1] for j in range(k)]
+        return sum(outs[1:], outs[0])
     kernels = quant._kernels(hidden, down, quant.DENSE_LAYOUTS)
     if kernels is not None:  # every expert's down rows in one call, each expert's with its own hidden values
         y = kernels.gather_matmul(hidden, down.data, row_ranges(chosen * d, d), qtype=down.qtype, rows=down.shape[0],

@@ -11,7 +11,6 @@ the file mapping, read only where they are placed: a process of a run over sever
 
 import dataclasses
 import os
-from functools import partial
 
 import jax
 import numpy as np
@@ -156,7 +155,7 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
 
 def _held(w: QuantArray, view: np.ndarray, pack=None) -> QuantArray:
     """w (its data the file's `view`) as the model holds it: placed (place), or laid out anew by `pack` (QuantArray
-    -> QuantArray: quant.pack_rows_x8, moe.neuron_major_down) and the file's pages let go."""
+    -> QuantArray: quant.pack_rows_x8, moe.down_rows_per_neuron) and the file's pages let go."""
     if pack is None:
         return dataclasses.replace(w, data=place(w.data))
     packed = pack(w)
@@ -174,8 +173,8 @@ LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "at
 
 def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg: Config) -> moe.Experts:
     """Layer i's mixture of experts: its router, and its stacked projections each as one QuantArray (moe.stacked),
-    repacked where repack.packs_experts says, the down projection neuron-major where its zeros are skipped
-    (repack.packs_experts_neuron_major); a shared expert's as the FFN's are (`packs`)."""
+    repacked where repack.packs_experts says, the down projection a row per neuron where its zeros are skipped
+    (repack.holds_expert_rows); a shared expert's as the FFN's are (`packs`)."""
     def stacked(tensor):
         name = f"blk.{i}.{tensor}.weight"
         t = gguf.tensors[name]
@@ -183,8 +182,9 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg
         w = dataclasses.replace(moe.stacked(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 3)), exact=exact)
         if on_host:
             return w
-        if tensor == "ffn_down_exps" and repack.packs_experts_neuron_major(w, cfg):
-            return _held(w, view, partial(moe.neuron_major_down, n_expert=cfg.n_expert))
+        if tensor == "ffn_down_exps" and repack.holds_expert_rows(w, cfg):
+            return _held(w, view, lambda w: moe.down_rows_per_neuron(view, w.qtype, cfg.n_expert, cfg.n_ff_exp,
+                                                                     cfg.n_embd))
         return _held(w, view, quant.pack_rows_x8 if repack.packs_experts(w, cfg.n_expert, cfg.plan) else None)
 
     shared = None

@@ -19,6 +19,10 @@ Two ways to the same sum, chosen by the number of (token, expert) pairs a call h
                work plus the tiles' padding, where running every expert over every token was n_expert / k times it
                (16x at Qwen3-30B-A3B's 128 experts, 8 per token).
 
+A mixture of ReLU experts (SmallThinker's) whose activation profile measured few of their neurons nonzero holds its
+down projection a row per neuron (down_rows_per_neuron; engine._experts decides): each token then reads only the
+rows of its routed experts' nonzero neurons, in decode and prompt tiles alike.
+
 Experts as hot and cold parts (hybrid.py, placed by how often `profile` counted them routed to): each part holds
 some experts stacked as the file stacks all of them, and a map from expert id to its place among them (-1: held
 elsewhere). The routing is computed once; each part runs the pairs whose experts it holds (the others' weights 0,
@@ -32,6 +36,8 @@ from functools import partial
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from jaxinfer import jax_compat, quant
 from jaxinfer.config import NATURAL_ZEROS, Config
@@ -52,7 +58,7 @@ class ExpertPart:
 
     gate: QuantArray  # [n_here * n_ff_exp, d]
     up: QuantArray  # [n_here * n_ff_exp, d]
-    down: QuantArray  # [n_here * d, n_ff_exp]; neuron-major [n_here * n_ff_exp, d] (neuron_major_down)
+    down: QuantArray  # [n_here * d, n_ff_exp]; a row per neuron [n_here * n_ff_exp, d] (down_rows_per_neuron)
     local: jax.Array | None  # int32 [n_expert]; None: every expert, in order (an unsplit mixture)
     on_host: bool = dataclasses.field(default=False, metadata=dict(static=True))  # in host memory, run there
 
@@ -67,7 +73,7 @@ class Experts:
     router: QuantArray  # [n_expert, d] blk.N.ffn_gate_inp
     gate: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_gate_exps
     up: QuantArray | None  # [n_expert * n_ff_exp, d] blk.N.ffn_up_exps
-    down: QuantArray | None  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps; ReLU experts: neuron_major_down
+    down: QuantArray | None  # [n_expert * d, n_ff_exp] blk.N.ffn_down_exps; sparse ReLU experts down_rows_per_neuron
     parts: list[ExpertPart] | None = None
     shared: "SharedExpert | None" = None
 
@@ -84,16 +90,17 @@ class SharedExpert:
     down: QuantArray  # [d, n_ff_shexp] blk.N.ffn_down_shexp
 
 
-def neuron_major_down(down: QuantArray, n_expert: int) -> QuantArray:
-    """A stacked down projection [n_expert * d, f] as one neuron-major weight over every expert's neurons,
-    [n_expert * f, d] (quant.pack_neuron_major of the experts' projections side by side, [d, n_expert * f]: the same
-    bytes, no rounding): expert e's neurons are rows e f .. (e + 1) f - 1, whole data rows of 32 neurons. A ReLU
-    expert's zero neurons are then not read: a decode step's routed experts are one product over the neurons they
-    leave nonzero (expert_products.routed_ffn)."""
-    rows, f = down.shape
-    d = rows // n_expert
-    side_by_side = np.asarray(down.data).reshape(n_expert, d, -1).transpose(1, 0, 2).reshape(d, -1)
-    return quant.pack_neuron_major(dataclasses.replace(down, data=side_by_side, shape=(d, n_expert * f)))
+def down_rows_per_neuron(view: np.ndarray, qtype, n_expert: int, f: int, d: int) -> QuantArray:
+    """A stacked down projection ([n_expert * d, f] in the file's bytes, `view`) as one weight of a row per neuron
+    over every expert's neurons, [n_expert * f, d] (expert e's neurons rows e f .. (e + 1) f - 1), laid out for
+    cpu_ext's down_rows kernels (quant.pack_down_rows): a ReLU expert's zero neurons are then not read. Each expert's
+    projection is decoded, transposed and quantized again (gguf-py) in Q8_0, whatever the file's type: a second
+    rounding across the file's blocks. In Q4_0, as PowerInfer's ffn_down_t is, the rows would be half the bytes but
+    far from the file's values (a Q4_0 SmallThinker-shaped file against llama.cpp's logits: KL 9.6e-3 and 84% the same
+    top token, in Q8_0 1.7e-3 and 99%, whole 1.2e-4 and 98%)."""
+    values = gguf_quants.dequantize(view, qtype).reshape(n_expert, d, f).transpose(0, 2, 1).reshape(n_expert * f, d)
+    data = gguf_quants.quantize(np.ascontiguousarray(values, np.float32), GGMLQuantizationType.Q8_0)
+    return quant.pack_down_rows(QuantArray(data, GGMLQuantizationType.Q8_0, (n_expert * f, d)))
 
 
 def stacked(view: np.ndarray, qtype, shape: tuple[int, int, int]) -> QuantArray:

@@ -393,15 +393,12 @@ def take_rows_in_layout(w: QuantArray, rows: np.ndarray) -> QuantArray:
 
 
 def dynamic_row_range(w: QuantArray, start, count: int) -> QuantArray:
-    """Rows start .. start + count - 1 (start traced; count static) of a weight in GGUF's rows, repacked (then
-    start and count multiples of INTERLEAVE, and the rows may run into the last group's padding) or neuron-major
-    (rows are neurons; start and count multiples of 32, whole data rows): a piece of an output head, an expert's
-    neurons."""
+    """Rows start .. start + count - 1 (start traced; count static) of a weight whose data rows are its rows
+    (ROW_LAYOUTS) or repacked (then start and count multiples of INTERLEAVE, and the rows may run into the last
+    group's padding): a piece of an output head, an expert's rows."""
     if w.layout == ROWS_X8:
         data = jax.lax.dynamic_slice_in_dim(w.data, start // INTERLEAVE, count // INTERLEAVE)
-    elif w.layout == NEURON_MAJOR:
-        data = jax.lax.dynamic_slice_in_dim(w.data, start // NEURON_BLOCK, count // NEURON_BLOCK)
-    elif w.layout == ROW_BLOCKS:
+    elif w.layout in ROW_LAYOUTS:
         data = jax.lax.dynamic_slice_in_dim(w.data, start, count)
     else:
         raise ValueError(f"no row range of a {w.layout} weight")

@@ -11,7 +11,7 @@ dense products read.
                 rows it reads
     experts     a mixture's stacked expert projections, each expert's rows whole groups (packs_experts), split
                 between devices or not: an expert's rows of a projection are then consecutive groups; a down
-                projection whose zeros are skipped is held neuron-major instead (packs_experts_neuron_major)
+                projection whose zeros are skipped is held a row per neuron instead (holds_expert_rows)
     kept        an embedding only looked up; weights marked exact (XLA's f32 products); a sparse or split FFN
                 (row-sparse kernels and row cuts read GGUF's rows: `ffn_rows` gives them back, without rounding,
                 where a model loaded dense is made sparse after)
@@ -60,13 +60,14 @@ def packs_experts(w: QuantArray, n_expert: int, plan: Plan) -> bool:
     return plan.repack and quant.can_pack_rows_x8(w) and (w.shape[0] // n_expert) % quant.INTERLEAVE == 0
 
 
-def packs_experts_neuron_major(w: QuantArray, cfg: Config) -> bool:
-    """Whether a mixture's stacked down projection is held neuron-major (moe.neuron_major_down): where the plan holds
-    its ReLU experts so (Plan.neuron_major_experts, decided at load: the neuron-major kernel is fast and enough zeros
-    were measured), so that a token reads only its routed experts' active neurons of it, for a type and width the
-    packing takes."""
-    return (cfg.plan.neuron_major_experts and cfg.plan.tp == 1 and w.qtype in quant.NEURON_MAJOR_TYPES
-            and not w.exact and (w.shape[0] // cfg.n_expert) % 64 == 0)
+def holds_expert_rows(w: QuantArray, cfg: Config) -> bool:
+    """Whether a mixture's stacked down projection is held a row per neuron (moe.down_rows_per_neuron): where the plan
+    holds its ReLU experts so (Plan.expert_rows, decided at load: cpu_ext's down_rows kernels run here and few enough
+    of their neurons were measured nonzero), so that a token reads only the rows of its routed experts' nonzero
+    neurons, for a block-quantized weight (not ternary) not marked exact and not cut over devices, its rows' width a
+    whole number of Q4_0/Q8_0 blocks."""
+    return (cfg.plan.expert_rows and cfg.plan.tp == 1 and not w.exact and w.qtype not in quant.FLOAT_TYPES
+            and w.qtype not in quant.TERNARY_TYPES and (w.shape[0] // cfg.n_expert) % 32 == 0)
 
 
 def widens_tq1_0(qtype, plan: Plan, exact: bool = False) -> bool:

@@ -21,8 +21,8 @@ and tg run after D tokens are already in the KV cache (llama-bench's -d, which -
 deep into a long context, where attention reads the cache. With --vram-budget the model is also split between
 device and host memory as generate splits it (its activation profile is needed: python -m jaxinfer.profile), and
 tg of the unsplit and the split model are timed alternately and compared. With --compare_whole_experts, a mixture
-of ReLU experts is timed alternately with its zero neurons skipped (held neuron-major, whatever its profile says)
-and with each expert's down projection read whole.
+of ReLU experts is timed alternately with its zero neurons skipped (its down projection held a row per neuron,
+whatever its profile says) and with each expert's down projection read whole.
 """
 
 import json
@@ -56,7 +56,7 @@ flags.DEFINE_integer("rounds", 1, "with --llama_bench: rounds of our tests then 
 flags.DEFINE_bool("compare_dense", False, "with --sparsity: time tg of the dense and the sparse model alternately "
                   "(--repetitions each) and compare the speed-up with the share of weight bytes not read")
 flags.DEFINE_bool("compare_whole_experts", False, "for a mixture of ReLU experts: time tg of the model with its "
-                  "experts' down projection whole and with their zero neurons skipped (neuron-major) alternately")
+                  "experts' down projection whole and with their zero neurons skipped (a row per neuron) alternately")
 flags.DEFINE_float("vram_budget", None, "also split the model under this device memory budget (GiB), as generate "
                    "--vram-budget, and compare its tg with the unsplit model's")
 flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budget (default: beside the model)")
@@ -130,9 +130,9 @@ def compare_with_dense(dense, sparse, spec) -> dict[str, float]:
 
 
 def compare_with_whole_experts(m) -> dict[str, float]:
-    """tg of a mixture of ReLU experts with their zero neurons skipped (held neuron-major) and with each expert's
-    down projection read whole, timed alternately."""
-    whole = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack, neuron_major=False)
+    """tg of a mixture of ReLU experts with their zero neurons skipped (down projection a row per neuron) and with
+    each expert's down projection read whole, timed alternately."""
+    whole = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack, expert_rows=False)
     whole_tg, sparse_tg, runs, _ = alternating_tg(whole, m)
     print(f"tg{FLAGS.tg}: experts whole {whole_tg:.2f} / zero neurons skipped {sparse_tg:.2f} tokens/s (medians of "
           f"{runs} alternating runs) = {sparse_tg / whole_tg:.3f}x", flush=True)
@@ -225,15 +225,15 @@ def main(argv):
     if FLAGS.rounds < 1 or (FLAGS.rounds > 1 and not FLAGS.llama_bench):
         raise JaxinferError(f"--rounds must be >= 1, and more than 1 only with --llama_bench, got {FLAGS.rounds}")
     receipt.check_path(FLAGS.receipt)
-    # Compared with their whole down projection, ReLU experts are held neuron-major whatever their profile says.
+    # Compared with their whole down projection, ReLU experts are held a row per neuron whatever their profile says.
     dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack,
-                              neuron_major=True if FLAGS.compare_whole_experts else None)
+                              expert_rows=True if FLAGS.compare_whole_experts else None)
     m = sparsity.apply(dense, spec, sparsity.parse_down_t_type(FLAGS.down_t_type))
     print(m.describe() + f", --sparsity {spec}", file=sys.stderr)
     if FLAGS.compare_whole_experts and not (m.config.n_expert and any(
-            p.down.layout == quant.NEURON_MAJOR for layer in m.weights.layers for p in moe.expert_parts(layer.experts))):
+            p.down.layout == quant.DOWN_ROWS for layer in m.weights.layers for p in moe.expert_parts(layer.experts))):
         raise JaxinferError("--compare_whole_experts needs a mixture of ReLU experts whose down projection the plan "
-                            "holds neuron-major (a gate activation with zeros, a fast neuron-major kernel)")
+                            "holds a row per neuron (a gate activation with zeros, cpu_ext's down_rows kernels)")
     runtime.freeze_loaded_objects()  # as generate and the server do after loading
     ours_rounds, llama_rounds = [], []
     for _ in range(FLAGS.rounds):

@@ -1,5 +1,6 @@
-"""cpu_ext.down_rows_axpy, the integer sparse down projection (cpu_ext/down_rows.h), against its plain-jnp reference
-on every instruction set this CPU runs, and the DOWN_ROWS layout (quant.pack_down_rows) against GGUF's rows."""
+"""cpu_ext.down_rows_axpy and down_rows_gather_axpy, the integer sparse down projection (cpu_ext/down_rows.h), against
+their plain-jnp references on every instruction set this CPU runs, and the DOWN_ROWS layout (quant.pack_down_rows)
+against GGUF's rows."""
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +51,50 @@ def test_matches_reference_on_every_isa(qtype, rows, cols, active, isa):
         exact = np.where(mask[t], h[t], 0) @ np.asarray(quant.dequantize(w))
         scale = np.linalg.norm(exact) or 1.0
         assert np.linalg.norm(y[t] - exact) / scale < 2e-2  # the coefficients' 8-bit rounding
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows, cols, k", [(1, 32, 1), (64, 64, 40), (300, 1024, 96)])
+def test_gather_matches_reference_on_every_isa(qtype, rows, cols, k, isa):
+    """The rows an index names, in its order (repeats and out-of-range padding included): the reference over those
+    rows, and, gathered by hand, down_rows_axpy's bits."""
+    rng = np.random.default_rng(rows + k)
+    w = weight(qtype, rows, cols, rng)
+    packed = quant.pack_down_rows(w)
+    index = rng.integers(-3, rows + 3, size=k).astype(np.int32)
+    h = rng.normal(size=(2, k)).astype(np.float32)
+    h[:, ::5] = 0.0
+    y = np.asarray(cpu_ext.down_rows_gather_axpy(h, packed.data, index, qtype=qtype, rows=rows, cols=cols))
+    scales, values = scales_and_values(w)
+    valid = (index >= 0) & (index < rows)
+    taken = quant.QuantArray(np.asarray(packed.data)[np.where(valid, index, 0)], qtype, (k, cols),
+                             layout=quant.DOWN_ROWS)
+    for t in range(2):
+        reference = np.asarray(cpu_ext.down_rows_gather_axpy_reference(h[t], scales, values, index))
+        np.testing.assert_allclose(y[t], reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max(initial=1.0))
+    by_mask = cpu_ext.down_rows_axpy(h, taken.data, np.broadcast_to(valid, h.shape), qtype=qtype, rows=k, cols=cols)
+    np.testing.assert_array_equal(y, np.asarray(by_mask))
+
+
+def test_gather_reads_only_the_named_rows_and_checks_its_index():
+    rng = np.random.default_rng(8)
+    rows, cols = 64, 128
+    w = weight(Q.Q4_0, rows, cols, rng)
+    index = np.array([5, 9, 70, -1, 33], np.int32)
+    h = rng.normal(size=5).astype(np.float32)
+    h[1] = 0.0  # row 9 is named but its h is 0: not read
+    poisoned = np.asarray(quant.pack_down_rows(w).data).copy()
+    for j in set(range(rows)) - {5, 33}:
+        poisoned[j, :2 * cols // 32] = np.frombuffer(np.full(cols // 32, np.nan, np.float16).tobytes(), np.uint8)
+    clean = cpu_ext.down_rows_gather_axpy(h, quant.pack_down_rows(w).data, index, qtype=Q.Q4_0, rows=rows, cols=cols)
+    dirty = cpu_ext.down_rows_gather_axpy(h, poisoned, index, qtype=Q.Q4_0, rows=rows, cols=cols)
+    np.testing.assert_array_equal(np.asarray(clean), np.asarray(dirty))
+    assert np.isfinite(np.asarray(clean)).all()
+    with pytest.raises(ValueError, match="index entries must fit in int32"):
+        cpu_ext.down_rows_gather_axpy(h, poisoned, np.array([2**32 + 3] * 5), qtype=Q.Q4_0, rows=rows, cols=cols)
+    with pytest.raises(Exception, match=r"h must be \[\.\.\., 4\]"):
+        jax.block_until_ready(cpu_ext.down_rows_gather_axpy(h, poisoned, index[:4], qtype=Q.Q4_0, rows=rows,
+                                                            cols=cols))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
