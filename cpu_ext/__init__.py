@@ -360,15 +360,16 @@ def down_rows_axpy(h: jax.Array, rows_data: jax.Array, mask: jax.Array, *, qtype
 
 
 def down_rows_gather_axpy(h: jax.Array, rows_data: jax.Array, index: jax.Array, *, qtype: GGMLQuantizationType,
-                          rows: int, cols: int) -> jax.Array:
+                          rows: int, cols: int, segment: int = 0) -> jax.Array:
     """gather_axpy for a Q4_0/Q8_0 W_t given as `jaxinfer.quant.pack_down_rows(W_t).data`: sum over i of h[..., i]
     W_t[index[i]] for h f32 [..., k], index int [k] (entries outside [0, rows) are skipped, entries outside int32
     raise), with down_rows_axpy's arithmetic over the named rows in the index's order: only the rows of entries whose
-    h is nonzero are read (a mixture's routed experts' neurons, expert_products.ranges_axpy)."""
+    h is nonzero are read (a mixture's routed experts' neurons, expert_products.ranges_axpy). With `segment`, the
+    entries are taken `segment` at a time, a group of neurons never spanning two (an expert's rounding its own)."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in DOWN_ROWS_TYPES:
         raise ValueError(f"cpu_ext.down_rows_gather_axpy: unsupported type {qtype.name} (Q4_0 or Q8_0)")
-    call = _batched_call("down_rows_gather_axpy", qtype, int(rows), int(cols))
+    call = _batched_call("down_rows_gather_axpy", qtype, int(rows), int(cols), segment=int(segment))
     return call(jnp.asarray(h, jnp.float32), rows_data, _index("down_rows_gather_axpy", index))
 
 
@@ -393,13 +394,18 @@ def down_rows_axpy_reference(h, scales, values, mask) -> jax.Array:
     return y
 
 
-def down_rows_gather_axpy_reference(h, scales, values, index) -> jax.Array:
+def down_rows_gather_axpy_reference(h, scales, values, index, segment: int = 0) -> jax.Array:
     """down_rows_gather_axpy's arithmetic in plain jnp, for one token h [k]: down_rows_axpy_reference over the rows
-    `index` names (scales and values as there), in the index's order, its out-of-range entries left out."""
-    index = np.asarray(index)
+    `index` names (scales and values as there), in the index's order, its out-of-range entries left out, segment by
+    segment."""
+    index, h = np.asarray(index), np.asarray(h)
     valid = (index >= 0) & (index < np.shape(scales)[0])
     rows = np.where(valid, index, 0)
-    return down_rows_axpy_reference(h, jnp.asarray(scales)[rows], jnp.asarray(values)[rows], valid)
+    segment = segment or len(index)
+    parts = [down_rows_axpy_reference(h[s:s + segment], jnp.asarray(scales)[rows[s:s + segment]],
+                                      jnp.asarray(values)[rows[s:s + segment]], valid[s:s + segment])
+             for s in range(0, len(index), segment)]
+    return sum(parts[1:], parts[0])
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start, row=0) -> jax.Array:

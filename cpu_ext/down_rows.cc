@@ -107,25 +107,28 @@ ffi::Error down_rows_weight(const std::string& op, const ffi::Buffer<ffi::U8>& w
 
 // y[t] = sum over token t's entries e < k with row_of(e) in [0, rows) and h[t, e] != 0 of h[t, e] W_t[row_of(e)]
 // (row_of(e) < 0 where a mask leaves entry e out), in the entries' order: the neurons listed branch-free (as
-// active_rows), cut into groups of kDownGroup per token, the groups summed over the threads.
+// active_rows), cut into groups of kDownGroup per token and per segment of `segment` entries (a group never spans
+// two), the groups summed over the threads.
 template <typename RowOf>
 void sum_down_rows(ffi::ThreadPool& pool, DownType type, const uint8_t* ws, int64_t row_bytes, int64_t rows,
-                   int64_t cols, const float* hs, int64_t m, int64_t k, RowOf row_of, float* y) {
+                   int64_t cols, const float* hs, int64_t m, int64_t k, int64_t segment, RowOf row_of, float* y) {
   Scratch& s = thread_scratch();
   s.rows.resize(static_cast<size_t>(m * k));
   s.masked.resize(static_cast<size_t>(m * k));
   std::vector<GroupItem> items;
   int64_t n = 0;
   for (int64_t t = 0; t < m; ++t) {
-    const int64_t first = n;
-    for (int64_t e = 0; e < k; ++e) {
-      const int64_t row = row_of(t, e);
-      s.rows[n] = static_cast<int32_t>(row);
-      s.masked[n] = hs[t * k + e];
-      n += row >= 0 && row < rows && hs[t * k + e] != 0.0f;
-    }
-    for (int64_t begin = first; begin < n; begin += kDownGroup) {
-      items.push_back({t, begin, std::min(n, begin + kDownGroup)});
+    for (int64_t start = 0; start < k; start += segment) {
+      const int64_t first = n;
+      for (int64_t e = start; e < std::min(k, start + segment); ++e) {
+        const int64_t row = row_of(t, e);
+        s.rows[n] = static_cast<int32_t>(row);
+        s.masked[n] = hs[t * k + e];
+        n += row >= 0 && row < rows && hs[t * k + e] != 0.0f;
+      }
+      for (int64_t begin = first; begin < n; begin += kDownGroup) {
+        items.push_back({t, begin, std::min(n, begin + kDownGroup)});
+      }
     }
   }
   const DownGroupKernel kernel = group_kernel(type);
@@ -161,14 +164,14 @@ ffi::Error DownRowsAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::
   if (ffi::Error error = down_rows_weight(op, w, qtype, rows, cols, &type, &row_bytes); error.failure()) return error;
   if (ffi::Error error = check_masked_axpy(op, h, mask, *y, rows, cols, &m); error.failure()) return error;
   const uint8_t* ms = mask_bytes(mask);
-  sum_down_rows(pool, type, w.typed_data(), row_bytes, rows, cols, h.typed_data(), m, rows,
+  sum_down_rows(pool, type, w.typed_data(), row_bytes, rows, cols, h.typed_data(), m, rows, rows,
                 [=](int64_t t, int64_t j) { return ms[t * rows + j] != 0 ? j : int64_t{-1}; }, y->typed_data());
   return ffi::Error::Success();
 }
 
 ffi::Error DownRowsGatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::Buffer<ffi::U8> w,
                                   ffi::AnyBuffer index, ffi::ResultBuffer<ffi::F32> y, int64_t qtype, int64_t rows,
-                                  int64_t cols) {
+                                  int64_t cols, int64_t segment) {
   const std::string op = "down_rows_gather_axpy";
   DownType type;
   int64_t row_bytes, m, k;
@@ -182,7 +185,11 @@ ffi::Error DownRowsGatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   if (!holds(y->element_count(), m, cols)) {
     return ffi::Error::InvalidArgument(op + ": output must be [..., " + std::to_string(cols) + "]");
   }
-  sum_down_rows(pool, type, w.typed_data(), row_bytes, rows, cols, h.typed_data(), m, k,
+  if (segment < 0) {
+    return ffi::Error::InvalidArgument(op + ": segment must be 0 (the whole index) or positive, got " +
+                                       std::to_string(segment));
+  }
+  sum_down_rows(pool, type, w.typed_data(), row_bytes, rows, cols, h.typed_data(), m, k, segment ? segment : k,
                 [=](int64_t, int64_t e) { return int64_t{idx[e]}; }, y->typed_data());
   return ffi::Error::Success();
 }
@@ -211,4 +218,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DownRowsGatherAxpy, jaxinfer_cpu::DownRowsGatherAx
                                   .Ret<ffi::Buffer<ffi::F32>>()  // y [..., cols]
                                   .Attr<int64_t>("qtype")
                                   .Attr<int64_t>("rows")
-                                  .Attr<int64_t>("cols"));
+                                  .Attr<int64_t>("cols")
+                                  .Attr<int64_t>("segment"));  // entries a group may span; 0: all

@@ -131,10 +131,12 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
 
 # A mixture of ReLU experts holds its down projection a row per neuron where its activation profile measured at most
 # this share of its routed experts' neurons nonzero. Measured end to end (SmallThinker-4B width, 32 experts of 768,
-# top-4, Q4_0, 8 layers, tg against the experts whole, alternating): 1.10x, 1.065x and 0.97x at 7, 14 and 50% nonzero;
-# the down projection alone (4 routed experts from memory, microbenchmark) 23, 34, 51 and 94 us against 71-80 us
-# whole at 7, 14, 25 and 50%. Parity lies near 35-40%; below it the rows of the zero neurons are the bytes saved.
-EXPERT_ROWS_MAX_ACTIVE = 0.3
+# top-4, Q4_0, 8 layers; bench_generate.py --compare_whole_experts, 6 alternating tg64 runs): 1.048, 1.008, 1.008 and
+# 0.907x the experts whole at 7, 14, 24 and 50% nonzero, prompts (pp512) 2098, 1920, 1778 and 1522 tokens/s against
+# 1947 whole. The down projection alone (4 routed experts from memory) takes 32, 43, 67 and 126 us in Q8_0 rows
+# against 71-80 us whole; the rest of the step, and the rows being Q8_0 (1.9x Q4_0's bytes, for accuracy: see
+# moe.down_rows_per_neuron), keep the gain small.
+EXPERT_ROWS_MAX_ACTIVE = 0.15
 
 
 def _experts(plan, cfg, path: str, expert_rows: bool | None, activation_dir: str | None):

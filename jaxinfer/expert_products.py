@@ -46,11 +46,12 @@ def ranges_axpy(h: jax.Array, w_t: QuantArray, starts, count: int) -> jax.Array:
     """Σ_i h[..., i] w_t[rows[i]] -> f32 [..., cols] for h [..., len(starts) * count], rows = row_ranges(starts,
     count) (starts traced; a range starting below 0: an expert another part of a split holds, left out): a product
     with a transposed weight (one row per neuron) over some experts' neurons. cpu_ext reads only the rows whose h is
-    nonzero (w_t laid out as DOWN_ROWS); XLA multiplies by the slices."""
+    nonzero (w_t laid out as DOWN_ROWS), rounding each range's coefficients apart (an expert's alone, as a prompt's
+    tiles take it); XLA multiplies by the slices."""
     kernels = quant._kernels(h, w_t, (quant.DOWN_ROWS,))
     if kernels is not None:
         return kernels.down_rows_gather_axpy(h, w_t.data, row_ranges(starts, count), qtype=w_t.qtype,
-                                             rows=w_t.shape[0], cols=w_t.shape[1])
+                                             rows=w_t.shape[0], cols=w_t.shape[1], segment=count)
     starts = jnp.asarray(starts, jnp.int32).reshape(-1)
     parts = [jax_compat.where_zero(starts[i] >= 0, quant.masked_axpy(h[..., i * count:(i + 1) * count],
                                                                       dynamic_row_range(w_t, starts[i], count), True))
@@ -75,17 +76,14 @@ def routed_ffn(x: jax.Array, chosen: jax.Array, weights: jax.Array, gate: QuantA
     """One token's mixture: x [1, d], chosen int [k], weights f32 [k] -> Σ_j weights[j] expert_ffn(x, chosen[j]),
     added in j's order. The k experts' gate and up rows are read in one call each, their down projections (each with
     its own input) in one segmented call (cpu_ext's; XLA: one product per expert); a down projection a row per neuron
-    in one call over the routed experts' rows, expert j's hidden values set only at its own rows for "token" j, so
-    that only the rows of their nonzero neurons are read, each once, with expert_ffn's arithmetic."""
+    in one call over the routed experts' rows, the routing weights folded into the hidden values, so that only the
+    rows of their nonzero neurons are read."""
     gate_act, up_act = activations
     k, d = chosen.shape[0], x.shape[-1]
     hidden = (gate_act(ranges_matmul(x, gate, chosen * f, f)) * up_act(ranges_matmul(x, up, chosen * f, f)))
     hidden = hidden.reshape(k, f)
-    if down.layout == quant.DOWN_ROWS:  # [k, k f], the blocks off the diagonal zeros: never read
-        own = jnp.kron(jnp.eye(k, dtype=hidden.dtype), jnp.ones((1, f), hidden.dtype)) * jnp.tile(hidden, (1, k))
-        per_expert = ranges_axpy(own, down, chosen * f, f)
-        outs = [weights[j] * per_expert[j:j + 1] for j in range(k)]
-        return sum(outs[1:], outs[0])
+    if down.layout == quant.DOWN_ROWS:
+        return ranges_axpy((weights[:, None] * jax_compat.like(weights, hidden)).reshape(1, -1), down, chosen * f, f)
     kernels = quant._kernels(hidden, down, quant.DENSE_LAYOUTS)
     if kernels is not None:  # every expert's down rows in one call, each expert's with its own hidden values
         y = kernels.gather_matmul(hidden, down.data, row_ranges(chosen * d, d), qtype=down.qtype, rows=down.shape[0],

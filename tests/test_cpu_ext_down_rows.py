@@ -54,24 +54,28 @@ def test_matches_reference_on_every_isa(qtype, rows, cols, active, isa):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows, cols, k", [(1, 32, 1), (64, 64, 40), (300, 1024, 96)])
-def test_gather_matches_reference_on_every_isa(qtype, rows, cols, k, isa):
-    """The rows an index names, in its order (repeats and out-of-range padding included): the reference over those
-    rows, and, gathered by hand, down_rows_axpy's bits."""
+@pytest.mark.parametrize("rows, cols, k, segment", [(1, 32, 1, 0), (64, 64, 40, 0), (300, 1024, 96, 0),
+                                                   (300, 1024, 96, 24)])
+def test_gather_matches_reference_on_every_isa(qtype, rows, cols, k, segment, isa):
+    """The rows an index names, in its order (repeats and out-of-range padding included), segment by segment: the
+    reference over those rows, and, gathered by hand (one segment), down_rows_axpy's bits."""
     rng = np.random.default_rng(rows + k)
     w = weight(qtype, rows, cols, rng)
     packed = quant.pack_down_rows(w)
     index = rng.integers(-3, rows + 3, size=k).astype(np.int32)
     h = rng.normal(size=(2, k)).astype(np.float32)
     h[:, ::5] = 0.0
-    y = np.asarray(cpu_ext.down_rows_gather_axpy(h, packed.data, index, qtype=qtype, rows=rows, cols=cols))
+    y = np.asarray(cpu_ext.down_rows_gather_axpy(h, packed.data, index, qtype=qtype, rows=rows, cols=cols,
+                                                 segment=segment))
     scales, values = scales_and_values(w)
     valid = (index >= 0) & (index < rows)
     taken = quant.QuantArray(np.asarray(packed.data)[np.where(valid, index, 0)], qtype, (k, cols),
                              layout=quant.DOWN_ROWS)
     for t in range(2):
-        reference = np.asarray(cpu_ext.down_rows_gather_axpy_reference(h[t], scales, values, index))
+        reference = np.asarray(cpu_ext.down_rows_gather_axpy_reference(h[t], scales, values, index, segment))
         np.testing.assert_allclose(y[t], reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max(initial=1.0))
+    if segment:
+        return
     by_mask = cpu_ext.down_rows_axpy(h, taken.data, np.broadcast_to(valid, h.shape), qtype=qtype, rows=k, cols=cols)
     np.testing.assert_array_equal(y, np.asarray(by_mask))
 
