@@ -65,7 +65,7 @@ def write_profile(directory: str, model_path: str, counts: np.ndarray, n_tokens:
     a killed run leaves the previous profile whole. profile.json records each layer file's SHA-256, so that files
     from different runs put together by hand are rejected by read_profile; for a mixture of ReLU experts, each
     layer's `expert_neurons_active` (`profile`'s second value), which decides how its experts are held
-    (expert_neuron_share)."""
+    (expert_neuron_shares)."""
     summary = {
         "tokens": n_tokens,
         "sparsity": spec,
@@ -92,10 +92,10 @@ def _digest(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def expert_neuron_share(directory: str, model_path: str) -> tuple[float | None, str]:
-    """(the share of its routed experts' neurons a mixture of ReLU experts left nonzero over the tokens of its
-    profile in `directory`, the mean of the layers' `expert_neurons_active`; where it came from), or (None, why not)
-    where there is no profile of this model that measured it."""
+def expert_neuron_shares(directory: str, model_path: str) -> tuple[list[float] | None, str]:
+    """(each layer's share of its routed experts' neurons a mixture of ReLU experts left nonzero over the tokens of
+    its profile in `directory`, the layers' `expert_neurons_active`; where it came from), or (None, why not) where
+    there is no profile of this model that measured it."""
     path = os.path.join(directory, "profile.json")
     if not os.path.exists(path):
         return None, f"no activation profile in {directory}"
@@ -107,7 +107,7 @@ def expert_neuron_share(directory: str, model_path: str) -> tuple[float | None, 
               for layer in (layers if isinstance(layers, list) else [None])]
     if not shares or not all(isinstance(share, float) and 0 <= share <= 1 for share in shares):
         return None, f"the activation profile in {directory} does not measure the experts' neurons"
-    return float(np.mean(shares)), f"in the activation profile in {directory}"
+    return [float(share) for share in shares], f"in the activation profile in {directory}"
 
 
 def read_profile(directory: str, model_path: str, n_layer: int, n_ff: int) -> np.ndarray:

@@ -58,9 +58,10 @@ class LoadedModel:
         down = "" if down_t is None else f", down projection one row per neuron ({quant.layout_name(down_t)})"
         experts = self.weights.layers[0].experts if self.weights.layers else None
         if experts is not None and self.experts_held:
-            expert_down = moe.expert_parts(experts)[0].down
-            held = (f"a row per neuron ({quant.layout_name(expert_down)}), their zero neurons not read"
-                    if expert_down.layout == quant.DOWN_ROWS else "whole")
+            rows = [p.down for layer in self.weights.layers for p in moe.expert_parts(layer.experts)[:1]
+                    if p.down.layout == quant.DOWN_ROWS]
+            held = (f"a row per neuron ({quant.layout_name(rows[0])}) in {len(rows)} of {c.n_layer} layers, their "
+                    f"zero neurons not read" if rows else "whole")
             down = f", experts' down projection {held}: {self.experts_held}"
         thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
         order = f", FFN neurons hottest first {self.neuron_order}" if self.neuron_order else ""
@@ -141,20 +142,21 @@ EXPERT_ROWS_MAX_ACTIVE = 0.15
 
 def _experts(plan, cfg, path: str, expert_rows: bool | None, activation_dir: str | None):
     """(plan with Plan.expert_rows decided, why) for a mixture of ReLU experts where cpu_ext's down_rows kernels run:
-    as `expert_rows` asks, else from the share of their neurons its activation profile measured nonzero
-    (EXPERT_ROWS_MAX_ACTIVE), whole where there is none; (plan, None) for other models."""
+    in every layer or none as `expert_rows` asks, else in each layer where its activation profile measured at most
+    EXPERT_ROWS_MAX_ACTIVE of the routed experts' neurons nonzero, in none where there is no such profile; (plan,
+    None) for other models."""
     if not (cfg.n_expert and cfg.gate_activation in NATURAL_ZEROS and plan.down_rows):
         return plan, None
     if expert_rows is not None:
-        return dataclasses.replace(plan, expert_rows=expert_rows), "as asked"
+        return dataclasses.replace(plan, expert_rows=tuple(range(cfg.n_layer)) if expert_rows else ()), "as asked"
     directory = activation_dir or activation_profile.default_directory(path)
-    share, source = activation_profile.expert_neuron_share(directory, path)
-    if share is None:
+    shares, source = activation_profile.expert_neuron_shares(directory, path)
+    if shares is None:
         return plan, f"{source} measures their zeros (python -m jaxinfer.profile)"
-    held = share <= EXPERT_ROWS_MAX_ACTIVE
+    held = tuple(i for i, share in enumerate(shares) if share <= EXPERT_ROWS_MAX_ACTIVE)
     return (dataclasses.replace(plan, expert_rows=held),
-            f"{share:.1%} of the routed experts' neurons nonzero {source} (a row per neuron pays below "
-            f"{EXPERT_ROWS_MAX_ACTIVE:.0%})")
+            f"{min(shares):.1%} to {max(shares):.1%} of a layer's routed experts' neurons nonzero {source}, a row per "
+            f"neuron where at most {EXPERT_ROWS_MAX_ACTIVE:.0%}")
 
 
 def _placed(m: LoadedModel) -> LoadedModel:

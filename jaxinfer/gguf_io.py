@@ -182,7 +182,7 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg
         w = dataclasses.replace(moe.stacked(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 3)), exact=exact)
         if on_host:
             return w
-        if tensor == "ffn_down_exps" and repack.holds_expert_rows(w, cfg):
+        if tensor == "ffn_down_exps" and repack.holds_expert_rows(w, i, cfg):
             return _held(w, view, lambda w: moe.down_rows_per_neuron(view, w.qtype, cfg.n_expert, cfg.n_ff_exp,
                                                                      cfg.n_embd))
         return _held(w, view, quant.pack_rows_x8 if repack.packs_experts(w, cfg.n_expert, cfg.plan) else None)

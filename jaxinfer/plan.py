@@ -56,10 +56,10 @@ class Plan:
     hot_ffn: str = "xla"  # a split's device part with a predictor, one of HOT_FFN (sparse_ffn.ffn)
     neuron_major: bool = False  # a neuron-major down projection runs fast here (sparsity.packs_neuron_major)
     down_rows: bool = False  # a Q4_0/Q8_0 down projection held one row per neuron takes cpu_ext's integer axpy
-    # A mixture of ReLU experts holds its down projection a row per neuron (repack.holds_expert_rows): set at load
-    # (engine._experts) only for experts with natural zeros where down_rows is, and where their activation profile
-    # measured few enough of the routed experts' neurons nonzero for that to pay.
-    expert_rows: bool = False
+    # The layers whose mixture of ReLU experts holds its down projection a row per neuron (repack.holds_expert_rows):
+    # set at load (engine._experts) only for experts with natural zeros where down_rows is, and layer by layer where
+    # their activation profile measured few enough of the routed experts' neurons nonzero for that to pay.
+    expert_rows: tuple[int, ...] = ()
     repack: bool = False  # dense products' weights repacked eight rows to a group at load (repack.py)
     host_memory_kind: str = "pinned_host"  # where a split's cold parts live
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh

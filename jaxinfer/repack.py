@@ -60,13 +60,13 @@ def packs_experts(w: QuantArray, n_expert: int, plan: Plan) -> bool:
     return plan.repack and quant.can_pack_rows_x8(w) and (w.shape[0] // n_expert) % quant.INTERLEAVE == 0
 
 
-def holds_expert_rows(w: QuantArray, cfg: Config) -> bool:
-    """Whether a mixture's stacked down projection is held a row per neuron (moe.down_rows_per_neuron): where the plan
-    holds its ReLU experts so (Plan.expert_rows, decided at load: cpu_ext's down_rows kernels run here and few enough
-    of their neurons were measured nonzero), so that a token reads only the rows of its routed experts' nonzero
-    neurons, for a block-quantized weight (not ternary) not marked exact and not cut over devices, its rows' width a
-    whole number of Q4_0/Q8_0 blocks."""
-    return (cfg.plan.expert_rows and cfg.plan.tp == 1 and not w.exact and w.qtype not in quant.FLOAT_TYPES
+def holds_expert_rows(w: QuantArray, layer: int, cfg: Config) -> bool:
+    """Whether layer `layer`'s stacked expert down projection is held a row per neuron (moe.down_rows_per_neuron):
+    where the plan holds that layer's ReLU experts so (Plan.expert_rows, decided at load: cpu_ext's down_rows kernels
+    run here and few enough of its neurons were measured nonzero), so that a token reads only the rows of its routed
+    experts' nonzero neurons, for a block-quantized weight (not ternary) not marked exact and not cut over devices,
+    its rows' width a whole number of Q4_0/Q8_0 blocks."""
+    return (layer in cfg.plan.expert_rows and cfg.plan.tp == 1 and not w.exact and w.qtype not in quant.FLOAT_TYPES
             and w.qtype not in quant.TERNARY_TYPES and (w.shape[0] // cfg.n_expert) % 32 == 0)
 
 
