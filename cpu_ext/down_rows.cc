@@ -177,13 +177,9 @@ ffi::Error DownRowsGatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h,
   int64_t row_bytes, m, k;
   const int32_t* idx;
   if (ffi::Error error = down_rows_weight(op, w, qtype, rows, cols, &type, &row_bytes); error.failure()) return error;
-  if (ffi::Error error = index_entries(op, index, thread_scratch(), &idx, &k); error.failure()) return error;
-  if (!tokens_of(h.dimensions(), k, &m)) {
-    return ffi::Error::InvalidArgument(op + ": h must be [..., " + std::to_string(k) + "] (k = len(index)), got " +
-                                       dims_string(h.dimensions()));
-  }
-  if (!holds(y->element_count(), m, cols)) {
-    return ffi::Error::InvalidArgument(op + ": output must be [..., " + std::to_string(cols) + "]");
+  if (ffi::Error error = check_gather_axpy(op, h, index, *y, cols, thread_scratch(), &idx, &k, &m);
+      error.failure()) {
+    return error;
   }
   if (segment < 0) {
     return ffi::Error::InvalidArgument(op + ": segment must be 0 (the whole index) or positive, got " +

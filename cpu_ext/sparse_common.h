@@ -171,4 +171,20 @@ inline ffi::Error check_masked_axpy(const std::string& op, const ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// The token args of a gather axpy: index [k] (index_entries: *entries, *k), h [..., k], y [..., cols]; *m = the
+// tokens.
+inline ffi::Error check_gather_axpy(const std::string& op, const ffi::Buffer<ffi::F32>& h, const ffi::AnyBuffer& index,
+                                    const ffi::Buffer<ffi::F32>& y, int64_t cols, Scratch& s,
+                                    const int32_t** entries, int64_t* k, int64_t* m) {
+  if (ffi::Error error = index_entries(op, index, s, entries, k); error.failure()) return error;
+  if (!tokens_of(h.dimensions(), *k, m)) {
+    return ffi::Error::InvalidArgument(op + ": h must be [..., " + std::to_string(*k) + "] (k = len(index)), got " +
+                                       dims_string(h.dimensions()));
+  }
+  if (!holds(y.element_count(), *m, cols)) {
+    return ffi::Error::InvalidArgument(op + ": output must be [..., " + std::to_string(cols) + "]");
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxinfer_cpu

@@ -352,13 +352,8 @@ ffi::Error GatherAxpyImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> h, ffi::An
   Scratch& s = thread_scratch();
   const int32_t* idx;
   int64_t k;
-  if (ffi::Error error = index_entries("gather_axpy", index, s, &idx, &k); error.failure()) return error;
-  if (!tokens_of(h.dimensions(), k, &m)) {
-    return ffi::Error::InvalidArgument("gather_axpy: h must be [..., " + std::to_string(k) +
-                                       "] (k = len(index)), got " + dims_string(h.dimensions()));
-  }
-  if (!holds(y->element_count(), m, cols)) {
-    return ffi::Error::InvalidArgument("gather_axpy: output must be [..., " + std::to_string(cols) + "]");
+  if (ffi::Error error = check_gather_axpy("gather_axpy", h, index, *y, cols, s, &idx, &k, &m); error.failure()) {
+    return error;
   }
 
   const float* hs = h.typed_data();
