@@ -2,6 +2,7 @@
 // weight laid out as down rows, over a token's active neurons (a mask over all of them, or the rows an index names),
 // the coefficients of each group of them rounded to 8 bits and dotted in integers; the portable kernel that defines
 // its bits; and the choice of kernel.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -81,6 +82,10 @@ struct GroupItem {
   int64_t t, begin, end;
 };
 
+// Tokens a prompt's tile of the down projection takes together (sum_down_rows): their accumulators, 16 KB a token
+// at 4096 outputs, and the rows of the groups in flight stay in a core's L2.
+constexpr int64_t kDownTokenTile = 16;
+
 // The type of a down_rows call (Q4_0 or Q8_0) and its rows' bytes, its shape checked against the weight's.
 ffi::Error down_rows_weight(const std::string& op, const ffi::Buffer<ffi::U8>& w, int64_t qtype, int64_t rows,
                             int64_t cols, DownType* type, int64_t* row_bytes) {
@@ -134,24 +139,48 @@ void sum_down_rows(ffi::ThreadPool& pool, DownType type, const uint8_t* ws, int6
   const DownGroupKernel kernel = group_kernel(type);
   const int32_t* neurons = s.rows.data();
   const float* values = s.masked.data();
-  const GroupItem* groups = items.data();
-  sum_over_groups(pool, static_cast<int64_t>(items.size()), m * cols, y, s, [=](int64_t i0, int64_t i1, float* ys) {
+  auto add = [=](const GroupItem* items_begin, const GroupItem* items_end, float* ys) {
     thread_local DownCoefficients coefficients;
     coefficients.resize(static_cast<int>(cols / kQK));
     DownGroup group;
-    for (int64_t i = i0; i < i1; ++i) {
-      const GroupItem& item = groups[i];
-      group.n = static_cast<int>(item.end - item.begin);
+    for (const GroupItem* item = items_begin; item != items_end; ++item) {
+      group.n = static_cast<int>(item->end - item->begin);
       for (int e = 0; e < group.n; ++e) {
-        group.rows[e] = ws + neurons[item.begin + e] * row_bytes;
-        group.h[e] = values[item.begin + e];
+        group.rows[e] = ws + neurons[item->begin + e] * row_bytes;
+        group.h[e] = values[item->begin + e];
       }
       for (; group.n % 4; ++group.n) {
         group.rows[group.n] = group.rows[0];
         group.h[group.n] = 0.0f;
       }
-      kernel(group, static_cast<int>(cols), coefficients, ys + item.t * cols);
+      kernel(group, static_cast<int>(cols), coefficients, ys + item->t * cols);
     }
+  };
+  GroupItem* groups = items.data();
+  if (m < 2 * kDownTokenTile) {  // a decode step: its groups split over the threads, their sums added
+    sum_over_groups(pool, static_cast<int64_t>(items.size()), m * cols, y, s,
+                    [=](int64_t i0, int64_t i1, float* ys) { add(groups + i0, groups + i1, ys); });
+    return;
+  }
+  // A prompt: tiles of kDownTokenTile tokens, each thread whole tiles. Token by token, each token's rows (a third of
+  // a 7B-shaped layer's at 30% active: 7.6 MB) were read from memory again; within a tile the groups are taken in
+  // the order of their first neuron, so that the tokens' groups over nearby neurons follow each other and a row is
+  // read from memory about once a tile (the down projection of a 7B-shaped Q4_0 prompt: 23% -> 19% of its time).
+  // A token's groups keep their order and one thread adds them all: its sum does not depend on the tiling.
+  std::memset(y, 0, sizeof(float) * m * cols);
+  std::vector<int64_t> tile_start(1, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    if (items[i].t / kDownTokenTile != items[tile_start.back()].t / kDownTokenTile) tile_start.push_back(i);
+  }
+  tile_start.push_back(static_cast<int64_t>(items.size()));
+  const int64_t* starts = tile_start.data();
+  parallel_for(pool, static_cast<int64_t>(tile_start.size()) - 1, [=](int64_t tile) {
+    GroupItem* first = groups + starts[tile];
+    GroupItem* last = groups + starts[tile + 1];
+    std::stable_sort(first, last, [=](const GroupItem& a, const GroupItem& b) {
+      return neurons[a.begin] < neurons[b.begin];
+    });
+    add(first, last, y);
   });
 }
 

@@ -35,17 +35,20 @@ def scales_and_values(w: quant.QuantArray):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows, cols, active", [(1, 32, 1.0), (37, 64, 0.5), (100, 512, 0.3), (300, 4096, 0.15)])
-def test_matches_reference_on_every_isa(qtype, rows, cols, active, isa):
+@pytest.mark.parametrize("rows, cols, active, tokens", [(1, 32, 1.0, 3), (37, 64, 0.5, 3), (100, 512, 0.3, 3),
+                                                        (300, 4096, 0.15, 3), (300, 512, 0.3, 40)])
+def test_matches_reference_on_every_isa(qtype, rows, cols, active, tokens, isa):
+    """A decode step's few tokens split their groups over the threads; a prompt's (40 tokens: tiles of 16, 16 and 8)
+    is taken a tile of tokens at a time, each token's groups added by one thread."""
     rng = np.random.default_rng(rows)
     w = weight(qtype, rows, cols, rng)
     packed = quant.pack_down_rows(w)
-    h = rng.normal(size=(3, rows)).astype(np.float32)
+    h = rng.normal(size=(tokens, rows)).astype(np.float32)
     h[:, ::7] = 0.0  # active neurons whose h is 0 add nothing (and are not read)
-    mask = rng.random((3, rows)) < active
+    mask = rng.random((tokens, rows)) < active
     y = np.asarray(cpu_ext.down_rows_axpy(h, packed.data, mask, qtype=qtype, rows=rows, cols=cols))
     scales, values = scales_and_values(w)
-    for t in range(3):
+    for t in range(tokens):
         reference = np.asarray(cpu_ext.down_rows_axpy_reference(h[t], scales, values, mask[t]))
         np.testing.assert_allclose(y[t], reference, rtol=1e-5, atol=1e-5 * np.abs(reference).max(initial=1.0))
         exact = np.where(mask[t], h[t], 0) @ np.asarray(quant.dequantize(w))
@@ -106,8 +109,8 @@ def test_every_isa_gives_the_portable_bits(qtype):
     rng = np.random.default_rng(5)
     rows, cols = 211, 1024
     packed = quant.pack_down_rows(weight(qtype, rows, cols, rng))
-    h = rng.normal(size=(2, rows)).astype(np.float32)
-    mask = rng.random((2, rows)) < 0.4
+    h = rng.normal(size=(40, rows)).astype(np.float32)  # a prompt's tiles, as a decode step's split (first 2)
+    mask = rng.random((40, rows)) < 0.4
     outs = []
     for isa in ("scalar", "avx2", "avx512"):
         try:
@@ -115,9 +118,12 @@ def test_every_isa_gives_the_portable_bits(qtype):
         except ValueError:
             continue
         outs.append(np.asarray(cpu_ext.down_rows_axpy(h, packed.data, mask, qtype=qtype, rows=rows, cols=cols)))
+        outs.append(np.asarray(cpu_ext.down_rows_axpy(h[:2], packed.data, mask[:2], qtype=qtype, rows=rows,
+                                                      cols=cols)))
     cpu_ext.select_isa("best")
-    for out in outs[1:]:
-        np.testing.assert_array_equal(out, outs[0])
+    for prompt, step in zip(outs[2::2], outs[3::2]):
+        np.testing.assert_array_equal(prompt, outs[0])
+        np.testing.assert_array_equal(step, outs[1])
 
 
 def test_rows_never_read_may_hold_anything():
