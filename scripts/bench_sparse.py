@@ -48,9 +48,10 @@ import tempfile
 import numpy as np
 from absl import app, flags, logging
 
-from jaxinfer import cli, decode_bytes, engine, runtime, sparsity, synthetic
+from jaxinfer import cli, decode_bytes, engine, evaluation, runtime, sparsity, synthetic
 from jaxinfer.cli import check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.sampling import SamplingParams
 
 flags.DEFINE_list("levels", ["0.8", "0.9", "0.95"], "synthetic mode: sparsity levels (make_sparse_model --sparsity)")
 flags.DEFINE_string("models_dir", None, "synthetic mode: where the level's files and dense twins are made (reused "
@@ -69,6 +70,9 @@ flags.DEFINE_integer("ppl_ctx_size", 512, "real-model mode: tokens per perplexit
 flags.DEFINE_string("thresholds", None, "real-model mode: calibrated thresholds file to read, and to calibrate missing "
                     "ones into (default: the model's sidecar, as calibrate writes)")
 flags.DEFINE_integer("tg", 64, "decode steps per timed run (and the peers' -n)")
+flags.DEFINE_integer("pp", 512, "synthetic mode: prompt tokens whose prefill (generate's, micro-batches of 512) is "
+                     "timed in the dense and the predictor mode, alternating; the first ones of -f when given, else "
+                     "random ones as llama-bench's (0: no prompts)")
 flags.DEFINE_integer("repetitions", 3, "timed runs of each model per round, alternating (and llama-bench's -r)")
 flags.DEFINE_integer("rounds", 1, "rounds of jaxinfer's runs then the peers' (the machine's load drifts): the speeds "
                      "are medians over all rounds' runs, a peer's of each -t")
@@ -86,6 +90,7 @@ check_range("rounds", 1)
 check_range("chunks", 1)
 check_range("ppl_ctx_size", 8)
 check_range("peer_timeout", 1)
+check_range("pp", 0)
 flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 MAKE_SPARSE_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_sparse_model.py")
@@ -213,6 +218,32 @@ def measure(models: dict, peers: list[tuple[Peer, object]]) -> tuple[dict[str, f
     return {name: float(np.median(r)) for name, r in rates.items()}, tokens
 
 
+def prompt_tokens(m) -> list[int]:
+    """--pp tokens: the first of -f's text, else random ones (as llama-bench's)."""
+    if FLAGS.file:
+        text = cli.read_text_file(FLAGS.file, "")
+        tokens = evaluation.leading_tokens(m.tokenizer.encode, text, FLAGS.pp).tolist()
+        if len(tokens) < FLAGS.pp:
+            raise JaxinferError(f"-f {FLAGS.file}: {len(tokens)} tokens, fewer than --pp {FLAGS.pp}")
+        return tokens
+    return np.random.default_rng(0).integers(0, m.config.n_vocab, FLAGS.pp).tolist()
+
+
+def alternate_prefill(models: dict, prompt: list[int]) -> dict[str, float]:
+    """Each model's prefill of `prompt` as generate runs it, --repetitions times after an untimed run, the models
+    alternating run by run -> {name: median tokens/s}."""
+    rates = {name: [] for name in models}
+    for run in range(FLAGS.repetitions + 1):
+        for name, m in models.items():
+            stats = engine.GenerationStats()
+            list(engine.generate_tokens(m, prompt, 1, len(prompt) + 1, SamplingParams(temperature=0), 0, stats,
+                                        stop_ids=frozenset()))
+            if run:
+                rates[name].append(stats.prompt_tokens_per_s)
+                print(f"  {name}: pp{len(prompt)} {stats.prompt_tokens_per_s:.1f} tokens/s", flush=True)
+    return {name: float(np.median(r)) for name, r in rates.items()}
+
+
 def byte_row(m, tokens, shares=None) -> tuple[decode_bytes.StepBytes, np.ndarray]:
     shares = decode_bytes.active_shares(m, tokens) if shares is None else shares
     return decode_bytes.step_bytes(m, shares), shares
@@ -279,6 +310,7 @@ def bench_level(level: float, path: str) -> dict:
         peers.append((Peer("llama-bench", twin_path(path)), llama_bench_round))
     runtime.freeze_loaded_objects()  # as generate does after loading
     rates, tokens = measure(models, peers)
+    prompts = alternate_prefill(models, prompt_tokens(models["dense"])) if FLAGS.pp else {}
     dense, dense_shares = byte_row(models["dense"], tokens)
     sparse, _ = byte_row(models["predictor"], tokens)
     twin, _ = byte_row(models["dense"], tokens, np.ones_like(dense_shares))  # every row, no predictor
@@ -291,12 +323,17 @@ def bench_level(level: float, path: str) -> dict:
            "twin_byte_ideal": twin.total / sparse.total,
            "sparse_mib_by_class": {k: v / MIB for k, v in sparse.read.items()},
            "dense_tg": rates["dense"], "sparse_tg": rates["predictor"],
-           **compared(rates["dense"], rates["predictor"], dense.total, sparse.total)}
+           **compared(rates["dense"], rates["predictor"], dense.total, sparse.total),
+           "dense_pp": prompts.get("dense"), "sparse_pp": prompts.get("predictor"),
+           "pp_speedup": prompts and prompts["predictor"] / prompts["dense"] or None}
     found = {peer.name: peer for peer, _ in peers}
     row |= found["PowerInfer"].result("powerinfer") if FLAGS.powerinfer else dict.fromkeys(POWERINFER_KEYS)
     row |= found["llama-bench"].result("llama_cpp") if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
     for peer in ("powerinfer_tg", "llama_cpp_tg"):
         row[f"sparse_over_{peer}"] = row[peer] and row["sparse_tg"] / row[peer]
+    # What the predictor mode would run at its byte ideal (the dense mode's speed times the ideal), over PowerInfer.
+    at_ideal = row["dense_tg"] * row["byte_ideal"]
+    row["ideal_over_powerinfer_tg"] = row["powerinfer_tg"] and at_ideal / row["powerinfer_tg"]
     return row
 
 
@@ -313,11 +350,12 @@ def fmt(value, spec: str = ".2f") -> str:
 def print_levels(rows: list[dict]):
     print(f"\ntg{FLAGS.tg}, tokens/s (jaxinfer: medians of {runs()}); MiB of weights a decode step reads; ideal = "
           f"dense MiB / predictor MiB; reached = speed-up / ideal; all ÷ predictor MiB: the ideal against a dense "
-          f"engine that reads every weight (llama.cpp on the twin)")
+          f"engine that reads every weight (llama.cpp on the twin); ideal ÷ PowerInfer: the predictor mode at its "
+          f"byte ideal (dense × ideal) over PowerInfer")
     print("| sparsity | active | MiB dense / predictor / all | jaxinfer dense | predictor | speed-up | ideal | reached "
-          "| PowerInfer (-t) | llama.cpp on the twin (-t) | predictor ÷ PowerInfer | predictor ÷ llama.cpp "
-          "| all ÷ predictor MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| PowerInfer (-t) | llama.cpp on the twin (-t) | predictor ÷ PowerInfer | ideal ÷ PowerInfer "
+          "| predictor ÷ llama.cpp | all ÷ predictor MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         threads = f" ({r['powerinfer_threads']})" if r["powerinfer_threads"] else ""
         llama_threads = f" ({r['llama_cpp_threads']})" if r["llama_cpp_threads"] else ""
@@ -325,7 +363,17 @@ def print_levels(rows: list[dict]):
               f"{r['twin_mib']:.1f} | {r['dense_tg']:.2f} | {r['sparse_tg']:.2f} | {r['speedup']:.3f}x | "
               f"{r['byte_ideal']:.3f}x | {100 * r['fraction_of_ideal']:.0f}% | {fmt(r['powerinfer_tg'])}{threads} | "
               f"{fmt(r['llama_cpp_tg'])}{llama_threads} | {fmt(r['sparse_over_powerinfer_tg'], '.3f')} | "
-              f"{fmt(r['sparse_over_llama_cpp_tg'], '.3f')} | {r['twin_byte_ideal']:.3f}x |", flush=True)
+              f"{fmt(r['ideal_over_powerinfer_tg'], '.3f')} | {fmt(r['sparse_over_llama_cpp_tg'], '.3f')} | "
+              f"{r['twin_byte_ideal']:.3f}x |", flush=True)
+    if FLAGS.pp:
+        source = f"the first tokens of {FLAGS.file}" if FLAGS.file else "random tokens"
+        print(f"\npp{FLAGS.pp} ({source}, prefilled as generate does), tokens/s: medians of {FLAGS.repetitions} "
+              f"alternating runs")
+        print("| sparsity | jaxinfer dense | predictor | predictor ÷ dense |")
+        print("|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['level']:g} | {r['dense_pp']:.1f} | {r['sparse_pp']:.1f} | {r['pp_speedup']:.3f}x |",
+                  flush=True)
 
 
 def synthetic_mode() -> dict:
@@ -356,8 +404,6 @@ def thresholds_ready(m, spec: sparsity.SparsitySpec, windows: np.ndarray, source
 
 
 def real_mode() -> dict:
-    from jaxinfer import evaluation
-
     specs = [sparsity.parse_spec(s) for s in FLAGS.specs]
     if any(s.mode not in sparsity.THRESHOLD_METHODS and s.mode != "predictor" for s in specs):
         raise JaxinferError(f"--specs compares sparse modes with dense: gate:S, hidden:S or predictor, got "

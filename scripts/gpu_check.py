@@ -221,7 +221,8 @@ def main(argv=None) -> int:
     run.step("default", python("bench_generate.py", "-m", str(default_model), "--pp", "16" if small else "512",
                                "--tg", "8" if small else "128", "--repetitions", "1" if small else "3", "--json"), 150)
     run.step("sparse", python("bench_sparse.py", "--levels", "0.9", "--sparse_files", str(sparse_model),
-                              "--tg", "8" if small else "64", "--repetitions", "1" if small else "3", "--json"), 180)
+                              "--tg", "8" if small else "64", "--pp", "16" if small else "512",
+                              "--repetitions", "1" if small else "3", "--json"), 180)
     run.step("pp512", python("bench_generate.py", "-m", str(twin), "--pp", "16" if small else "512",
                              "--tg", "8" if small else "32", "--repetitions", "1" if small else "2", "--json"), 150)
     text = work / "profile.txt"

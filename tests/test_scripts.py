@@ -374,7 +374,7 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     powerinfer = fake(tmp_path / "main", FAKE_POWERINFER, "-0.95.")
     llama_bench = fake(tmp_path / "llama-bench", FAKE_LLAMA_BENCH_TG, "-0.95.")
     result = run("scripts/bench_sparse.py", "--models_dir", str(models), "--shape", "tiny", "--n_layer", "1",
-                 "--levels", "0.8,0.95", "--tg", "4", "--repetitions", "1", "--rounds", "2", "-c", "32",
+                 "--levels", "0.8,0.95", "--tg", "4", "--pp", "16", "--repetitions", "1", "--rounds", "2", "-c", "32",
                  "--powerinfer", powerinfer,
                  "--llama_bench", llama_bench, "--threads", "1,2", "--json")
     assert result.returncode == 0, result.stderr
@@ -402,6 +402,10 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert (ok["llama_cpp_tg"], ok["llama_cpp_threads"]) == (80.0, 2)  # medians: -t 1 50, -t 2 80
     assert ok["sparse_over_powerinfer_tg"] == pytest.approx(ok["sparse_tg"] / 20.0)
     assert ok["sparse_over_llama_cpp_tg"] == pytest.approx(ok["sparse_tg"] / 80.0)
+    assert ok["ideal_over_powerinfer_tg"] == pytest.approx(ok["dense_tg"] * ok["byte_ideal"] / 20.0)
+    assert ok["dense_pp"] > 0 and ok["sparse_pp"] > 0 and ok["pp_speedup"] == pytest.approx(ok["sparse_pp"] /
+                                                                                               ok["dense_pp"])
+    assert result.stdout.count(": pp16 ") == 4  # each mode once on each level
     assert failed["powerinfer_tg"] is None and failed["llama_cpp_tg"] is None and failed["sparse_tg"] > 0
     said = [line for line in result.stderr.splitlines() if "failed" in line]
     assert len(said) == 2 and "Traceback" not in result.stderr, result.stderr
@@ -410,7 +414,8 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert result.stdout.count("PowerInfer -t 2: tg4 20.00 tokens/s") == 2  # once a round, on the 0.8 file
     assert said[1].startswith("llama-bench on ") and "error loading model" in said[1], said[1]
     table = [line for line in result.stdout.splitlines() if line.startswith(("| 0.8 |", "| 0.95 |"))]
-    assert len(table) == 2 and "| - | - | - | - |" in table[1] and "20.00 (2)" in table[0]
+    assert len(table) == 4 and "| - | - | - | - | - |" in table[1] and "20.00 (2)" in table[0]
+    assert table[2].startswith("| 0.8 | ") and table[2].endswith(f"| {ok['pp_speedup']:.3f}x |")  # prompts
 
 
 def test_bench_sparse_compares_calibrated_specs_with_dense_on_a_model(make_model, tmp_path):
