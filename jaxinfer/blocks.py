@@ -13,6 +13,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from jaxinfer import attention
+from jaxinfer.config import ARCHITECTURES
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_reader import shown
 from jaxinfer.validate import LAYER_NAME, tensor_shape
@@ -115,6 +116,12 @@ def rope_freq_factors(gguf, cfg) -> tuple[float, ...]:
     return tuple(float(f) for f in factors)
 
 
+def unused_tensors(gguf, cfg) -> list[str]:
+    """The tensors of the file that its architecture reads past (Architecture.unused_tensors)."""
+    known = ARCHITECTURES.get(cfg.arch)
+    return [name for name in (known.unused_tensors if known else ()) if name in gguf.tensors]
+
+
 def check_block_tensors(gguf, cfg) -> None:
     """The tensors the architecture's blocks add (biases, QK-norms, post-norms, rope_freqs) against `cfg`, and
     every tensor of the file one jaxinfer computes with: a tensor it would not read could change what the model
@@ -129,7 +136,7 @@ def check_block_tensors(gguf, cfg) -> None:
     if any(name in gguf.tensors for name in LONGROPE_TENSORS):
         raise JaxinferError(f"{gguf.path} has LongRoPE factors (rope_factors_long/short.weight: Phi-3.5/Phi-4 mini's "
                             f"long-context RoPE scaling), which jaxinfer does not implement")
-    global_tensors = GLOBAL_TENSORS
+    global_tensors = GLOBAL_TENSORS | set(unused_tensors(gguf, cfg))
     if cfg.layer_norm:
         _check_vector(gguf, "output_norm.bias", cfg.n_embd)
         global_tensors = GLOBAL_TENSORS | {"output_norm.bias"}

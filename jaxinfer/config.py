@@ -64,6 +64,10 @@ class Architecture:
     # The router reads the layer's input, before the attention, instead of the FFN's normed input (SmallThinker: the
     # experts a token needs are known before its attention runs).
     router_reads_layer_input: bool = False
+    # Tensors a file may hold that the model computes the same without, read past: SmallThinker's lm_head_profiler,
+    # PowerInfer's predictor of which head rows to compute (a sparse head, an approximation: the head is computed
+    # whole, as PowerInfer does with its predictor turned off).
+    unused_tensors: tuple[str, ...] = ()
     # Sliding-window layers where the file has a window: every layer but the first of each period slides, and the
     # global layers rotate nothing (NoPE), as llama.cpp's smallthinker graph; the period
     # `{arch}.attention.sliding_window_pattern` or swa_period.
@@ -112,7 +116,7 @@ ARCHITECTURES = {
     # three sliding layers with RoPE after each global layer without.
     "smallthinker": Architecture(gate_activation="relu", rope_type="neox", experts=True, expert_gating_from_file=True,
                                  router_reads_layer_input=True, swa_period=4, swa_global_first_nope=True,
-                                 swa_rope_global=True),
+                                 swa_rope_global=True, unused_tensors=("lm_head_profiler.weight",)),
     # Phi-3/Phi-4 mini: fused QKV and gate-up, NEOX RoPE on rope.dimension_count dims (Phi-4 mini: 3/4 of a head).
     "phi3": Architecture(gate_activation="silu", rope_type="neox", ffn_layout="fused", ignores_sliding_window=True),
     # Falcon 7B/40B: parallel attention and FFN, LayerNorm with bias, fused QKV (multi-query for 7B), GELU FFN

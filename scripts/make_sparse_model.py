@@ -41,6 +41,9 @@ neurons zero, as sparse-trained ones do; random ones leave about half):
     python scripts/make_sparse_model.py --architecture smallthinker --n_layer 4 --n_embd 1536 --n_ff 768 \
         --n_head 12 --n_head_kv 2 --n_expert 32 --n_expert_used 4 --n_vocab 151936 --sparsity 0 -o smallthinker.gguf
 
+--transpose_down stores the down projection one row per neuron under its usual name, as PowerInfer's converter writes
+SmallThinker's sparse files (--transpose-down all): jaxinfer reads such a file's rows as they are; llama.cpp cannot.
+
 --dense_twin FILE writes the dense twin of the PowerInfer FILE instead (synthetic.write_dense_twin): the same weights
 as a plain GGUF that llama.cpp loads (no predictors, ffn_down [d, n_ff] quantized again along the neurons in place of
 ffn_down_t), for the dense baseline on the same weights (scripts/bench_sparse.py runs llama-bench on it):
@@ -99,6 +102,9 @@ flags.DEFINE_float("expert_sparsity", 0.0, "ReLU experts that leave about this s
                    "token (0: random experts, about half)")
 flags.DEFINE_enum("expert_gating", "softmax", sorted(EXPERT_GATINGS.values()), "the router's gating function, for "
                   "an architecture that reads it from the file (smallthinker)")
+flags.DEFINE_bool("transpose_down", False, "store the down projection one row per neuron under its usual name "
+                  "(ffn_down_exps [n_expert, n_ff, d], or ffn_down [n_ff, d] in a plain file), as PowerInfer's "
+                  "converter writes SmallThinker's sparse files (--transpose-down all); plain files only")
 check_range("head_dim", 0)
 check_range("n_expert", 0)
 check_range("n_expert_used", 1)
@@ -111,7 +117,8 @@ check_range("n_head_kv", 1)
 FLAGS = flags.FLAGS
 MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
                "seed", "architecture", "n_vocab", "head_dim", "sliding_window", "n_expert", "n_expert_used",
-               "predictor_type", "gate_activation", "expert_gating", "expert_sparsity")  # not with --dense_twin
+               "predictor_type", "gate_activation", "expert_gating", "expert_sparsity",
+               "transpose_down")  # not with --dense_twin
 SHAPE_FLAGS = "--n_layer, --n_embd, --n_ff, --n_head, --n_head_kv, --n_vocab, --weight_type"
 
 
@@ -133,6 +140,8 @@ def main(argv):
         raise JaxinferError(f"--sparsity must be in [0, 1), got {FLAGS.sparsity}")
     if FLAGS.architecture != "llama" and FLAGS.sparsity:
         raise JaxinferError(f"a {FLAGS.architecture} model is written plain: give --sparsity 0")
+    if FLAGS.transpose_down and FLAGS.sparsity:
+        raise JaxinferError("--transpose_down is for plain files (a sparse one has ffn_down_t): give --sparsity 0")
     if FLAGS.n_expert and FLAGS.sparsity:
         raise JaxinferError("a mixture of experts (--n_expert) is written plain: give --sparsity 0")
     weight_type = WEIGHT_TYPES.get(FLAGS.weight_type.upper())
@@ -150,7 +159,7 @@ def main(argv):
         predictor_type=GGMLQuantizationType[FLAGS.predictor_type.upper()], head_dim=FLAGS.head_dim,
         sliding_window=FLAGS.sliding_window, n_expert=FLAGS.n_expert, n_expert_used=FLAGS.n_expert_used,
         gate_activation=FLAGS.gate_activation, expert_gating=FLAGS.expert_gating,
-        expert_sparsity=FLAGS.expert_sparsity)
+        expert_sparsity=FLAGS.expert_sparsity, transposed_down=FLAGS.transpose_down)
     try:
         check_loadable(spec)  # a file that would not load is not written
     except JaxinferError as e:

@@ -24,7 +24,7 @@ from jaxinfer.errors import JaxinferError
 from jaxinfer.quant import QuantArray, dynamic_row_range
 from jaxinfer import sparsity
 from jaxinfer.sparsity import SparsitySpec
-from jaxinfer.synthetic import SyntheticSpec, write_model
+from jaxinfer.synthetic import PendingTensor, SyntheticSpec, write_model
 from test_architectures import copy_with, vector
 from test_hybrid import greedy, prefill_then_decode
 from test_model import assert_incremental_decode_matches_full_forward
@@ -363,6 +363,83 @@ def test_relu_experts_held_a_row_per_neuron_stay_near_llama_cpp_s_logits(tmp_pat
     assert result.ppl == pytest.approx(ppl, rel=2e-2)
 
 
+def stored_per_neuron(spec: SyntheticSpec) -> SyntheticSpec:
+    """The same model with its down projection stored a row per neuron (PowerInfer's --transpose-down)."""
+    return dataclasses.replace(spec, transposed_down=True)
+
+
+def mean_kl(logits, reference) -> float:
+    """Mean KL divergence of the softmax of `logits` from that of `reference`, [positions, vocab] each."""
+    p, q = (jax.nn.log_softmax(jnp.asarray(x, jnp.float32), axis=-1) for x in (reference, logits))
+    return float(jnp.mean(jnp.sum(jnp.exp(p) * (p - q), axis=-1)))
+
+
+def test_a_file_storing_its_experts_down_projection_a_row_per_neuron_is_read_as_it_is(tmp_path):
+    """SmallThinker's sparse files (PowerInfer's converter, --transpose-down) store each expert's down projection a row
+    per neuron under its usual name, [n_expert, n_ff, d]. Where the kernels run, those rows are held as they are (the
+    file's Q4_0 bytes, one rounding, no second); elsewhere, and when asked for the whole projection, it is transposed
+    back (floats exactly, blocks into Q8_0). With F32 weights, the same values as the file llama.cpp scored: its
+    logits (KL < 1e-5). In Q4_0 the file is another model than the one llama.cpp scored (its down projection rounded
+    along the other axis: KL 0.021 from it, as with exact products), so the kernels are held to the file's own
+    values, dequantized and multiplied in f32 (measured: KL 1.9e-4, the same top tokens; whole 1.7e-4)."""
+    f32 = load(tmp_path, "smallthinker", stored_per_neuron(LLAMA_CPP["smallthinker"][0]))
+    cfg = f32.config
+    assert f32.weights.layers[0].experts.down.shape == (cfg.n_expert * cfg.n_embd, cfg.n_ff_exp)  # floats: whole
+    result = kl_against_llama_cpp(f32, "smallthinker")
+    assert result.kl.mean < 1e-5 and result.kl.same_top > 0.99
+
+    m = load(tmp_path, "smallthinker_q4_0", stored_per_neuron(LLAMA_CPP["smallthinker_q4_0"][0]))
+    exact, whole = engine.load_model(m.path, exact=True), engine.load_model(m.path, expert_rows=False)
+    assert whole.weights.layers[0].experts.down.qtype == GGMLQuantizationType.Q8_0  # transposed back: rounded again
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9, 33, 71, 18, 140]
+    reference = prefill_then_decode(exact, prompt, steps)
+    for held in (m, whole):
+        logits = prefill_then_decode(held, prompt, steps)
+        assert mean_kl(logits, reference) < 1e-3
+        np.testing.assert_array_equal(logits.argmax(-1), reference.argmax(-1))
+    if quant.cpu_kernels() is None:
+        return
+    down = m.weights.layers[0].experts.down
+    assert down.layout == quant.DOWN_ROWS and down.qtype == GGMLQuantizationType.Q4_0
+    stored = next(t for t in gguf_io.open_gguf(m.path).reader.tensors if t.name == "blk.0.ffn_down_exps.weight")
+    held_bytes = np.asarray(quant.unpack_down_rows(down).data).reshape(-1)
+    assert np.array_equal(held_bytes, np.asarray(stored.data).reshape(-1))
+    assert m.config.plan.expert_rows == (0, 1)
+    assert "experts' down projection a row per neuron (Q4_0) in 2 of 2 layers, their zero neurons not read: as the " \
+           "file stores it" in m.describe()
+    assert_incremental_decode_matches_full_forward(m, n_prompt=5, atol=1e-2)
+
+
+def test_smallthinker_s_sparse_head_predictor_is_read_past_and_the_head_computed_whole(tmp_path):
+    """PowerInfer's SmallThinker files may hold lm_head_profiler, a predictor of which head rows to compute (a sparse
+    head, an approximation): it is not used, the head is computed whole (the same logits as without it) and the
+    loaded line says so. Another architecture's file holding it is refused, as any tensor it would not read."""
+    plain = write_model(str(tmp_path / "st.gguf"), SMALL_SPECS["smallthinker"])
+    profiler = PendingTensor("lm_head_profiler.weight", (96,), GGMLQuantizationType.F32,
+                             lambda: np.full(96, np.nan, np.float32))
+    with_profiler = engine.load_model(copy_with(tmp_path, plain, "st-profiler.gguf", [profiler]))
+    assert "lm_head_profiler.weight not used (the head is computed whole)" in with_profiler.describe()
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200]
+    np.testing.assert_array_equal(prefill_then_decode(with_profiler, prompt, steps),
+                                  prefill_then_decode(engine.load_model(plain), prompt, steps))
+    llama = write_model(str(tmp_path / "llama.gguf"), SMALL_SPECS["mixtral"])
+    with pytest.raises(JaxinferError, match="has tensor lm_head_profiler.weight, which jaxinfer does not compute"):
+        engine.load_model(copy_with(tmp_path, llama, "llama-profiler.gguf", [profiler]))
+
+
+def test_a_plain_file_storing_its_down_projection_a_row_per_neuron_is_read_as_it_is(tmp_path):
+    """A plain FFN's ffn_down stored [n_ff, d] (--transpose-down dense) is the down projection one row per neuron, as
+    a PowerInfer file's ffn_down_t: the same logits as the file storing it as usual (F32, to f32 rounding)."""
+    spec = SyntheticSpec(n_layer=2, n_embd=64, n_ff=128, seed=5)
+    usual = load(tmp_path, "usual", spec)
+    per_neuron = load(tmp_path, "per_neuron", stored_per_neuron(spec))
+    assert per_neuron.weights.layers[0].ffn_down is None and per_neuron.weights.layers[0].ffn_down_t.shape == (128, 64)
+    prompt, steps = [5, 17, 250, 3, 99, 42, 7, 128], [11, 200, 64, 9]
+    expected = prefill_then_decode(usual, prompt, steps)
+    np.testing.assert_allclose(prefill_then_decode(per_neuron, prompt, steps), expected, rtol=0,
+                               atol=1e-5 * np.abs(expected).max())
+
+
 def test_bench_generate_compares_relu_experts_with_their_whole_down_projection(tmp_path):
     """scripts/bench_generate.py --compare_whole_experts times a ReLU mixture with its zero neurons skipped against
     the same file with its experts' down projections whole (load_model(expert_rows=False)); a mixture without ReLU
@@ -436,10 +513,12 @@ def test_make_sparse_model_writes_a_mixture_that_inspect_says_runs(tmp_path):
     made = subprocess.run([sys.executable, "scripts/make_sparse_model.py", "-o", str(out), "--sparsity", "0",
                            "--architecture", "qwen3moe", "--n_layer", "1", "--n_embd", "64", "--n_ff", "32",
                            "--n_head", "4", "--head_dim", "32", "--n_expert", "4", "--n_expert_used", "2",
-                           "--weight_type", "Q8_0", "--gate_activation", "relu"], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                           "--weight_type", "Q8_0", "--gate_activation", "relu", "--transpose_down"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert made.returncode == 0, made.stderr
     assert engine.load_model(str(out)).config.gate_activation == "relu"  # ReLU experts
+    stored = gguf_io.open_gguf(str(out)).tensors["blk.0.ffn_down_exps.weight"]
+    assert [int(n) for n in stored.shape] == [64, 32, 4]  # GGML's order: each expert's rows of 64, one per neuron
     report = inspection.inspect_model(str(out))
     assert report["verdict"]["status"] != inspection.DOES_NOT_RUN, report["problems"]
     assert not report["hybrid_split"]["applies"]  # no activation profile yet
@@ -451,6 +530,10 @@ def test_make_sparse_model_writes_a_mixture_that_inspect_says_runs(tmp_path):
     assert refused.returncode != 0
     assert refused.stderr.strip().splitlines()[-1] == ("error: a mixture of experts (--n_expert) is written plain: "
                                                        "give --sparsity 0")
+    refused = subprocess.run([sys.executable, "scripts/make_sparse_model.py", "-o", str(tmp_path / "x.gguf"),
+                              "--transpose_down"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1] == (
+        "error: --transpose_down is for plain files (a sparse one has ffn_down_t): give --sparsity 0")
 
 
 def profile_routings(m, n_tokens: int = 4 * 32):
@@ -549,7 +632,9 @@ def test_profile_counts_each_experts_routings(tmp_path):
 
 SPLIT_SPECS = {**{name: dataclasses.replace(spec, weight_type=GGMLQuantizationType.Q8_0)
                   for name, spec in SMALL_SPECS.items()},
-               "qwen3moe_relu": RELU_SPECS["qwen3moe"]}
+               "qwen3moe_relu": RELU_SPECS["qwen3moe"],
+               "smallthinker_rows_stored": stored_per_neuron(
+                   dataclasses.replace(SMALL_SPECS["smallthinker"], weight_type=GGMLQuantizationType.Q8_0))}
 
 
 @pytest.mark.parametrize("name", SPLIT_SPECS)
