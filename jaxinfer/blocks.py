@@ -139,7 +139,7 @@ def check_block_tensors(gguf, cfg) -> None:
     global_tensors = GLOBAL_TENSORS | set(unused_tensors(gguf, cfg))
     if cfg.layer_norm:
         _check_vector(gguf, "output_norm.bias", cfg.n_embd)
-        global_tensors = GLOBAL_TENSORS | {"output_norm.bias"}
+        global_tensors = global_tensors | {"output_norm.bias"}
     for i in range(cfg.n_layer):
         if f"blk.{i}.attn_qkv.weight" in gguf.tensors and f"blk.{i}.attn_q.weight" in gguf.tensors:
             raise JaxinferError(f"{gguf.path}: blk.{i} has both attn_qkv and attn_q (llama.cpp reads only the fused "

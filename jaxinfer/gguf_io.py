@@ -174,11 +174,13 @@ LAYER_VECTORS = {"attn_q_bias": "attn_q.bias", "attn_k_bias": "attn_k.bias", "at
 def _down_stored_per_neuron(w: QuantArray, view: np.ndarray, i: int, on_host: bool, cfg: Config) -> QuantArray:
     """Layer i's stacked expert down projection that the file stores a row per neuron ([n_expert * n_ff_exp, d]:
     PowerInfer's --transpose-down) as the model holds it: so, laid out for cpu_ext's down_rows kernels (the same
-    bytes), where the plan holds the layer's experts' down projection a row per neuron; else as GGUF's usual
-    [n_expert * d, n_ff_exp] (moe.whole_down), repacked where the plan repacks experts."""
-    if not on_host and i in cfg.plan.expert_rows and cfg.plan.tp == 1 and quant.can_pack_down_rows(w):
+    bytes), where the plan holds the layer's experts' down projection a row per neuron (repack.holds_expert_rows);
+    else transposed back to GGUF's usual [n_expert * d, n_ff_exp] (moe.experts_transposed), repacked where the plan
+    repacks experts."""
+    if not on_host and repack.holds_expert_rows(w, i, cfg, stored=True):
         return _held(w, view, quant.pack_down_rows)
-    whole = dataclasses.replace(moe.whole_down(view, w.qtype, cfg.n_expert, cfg.n_ff_exp, cfg.n_embd), exact=w.exact)
+    f, d = cfg.n_ff_exp, cfg.n_embd
+    whole = dataclasses.replace(moe.experts_transposed(view, w.qtype, cfg.n_expert, f, d), exact=w.exact)
     distributed.release_pages(view)  # read: the new array holds its values
     if on_host:
         return whole

@@ -97,22 +97,16 @@ def down_rows_per_neuron(view: np.ndarray, qtype, n_expert: int, f: int, d: int)
     projection is transposed (experts_transposed): in Q8_0, whatever the file's type, a second rounding across the
     file's blocks. In Q4_0, as PowerInfer's ffn_down_t is, the rows would be half the bytes but far from the file's
     values (a Q4_0 SmallThinker-shaped file against llama.cpp's logits: KL 9.6e-3 and 84% the same top token, in Q8_0
-    1.7e-3 and 99%, whole 1.2e-4 and 98%); a file that stores them so (whole_down) is read as it is."""
+    1.7e-3 and 99%, whole 1.2e-4 and 98%); a file that stores them so is read as it is (gguf_io)."""
     return quant.pack_down_rows(experts_transposed(view, qtype, n_expert, d, f))
-
-
-def whole_down(view: np.ndarray, qtype, n_expert: int, f: int, d: int) -> QuantArray:
-    """A stacked down projection that the file stores a row per neuron ([n_expert * f, d] in its bytes, `view`:
-    PowerInfer's --transpose-down) as GGUF usually stacks it, [n_expert * d, f] (experts_transposed): for products
-    other than cpu_ext's down_rows kernels."""
-    return experts_transposed(view, qtype, n_expert, f, d)
 
 
 def experts_transposed(view: np.ndarray, qtype, n_expert: int, rows: int, cols: int) -> QuantArray:
     """Each expert's [rows, cols] of a stacked projection (the file's bytes `view`) transposed, as one QuantArray of
     [n_expert * cols, rows]: decoded with gguf-py and quantized again in Q8_0 (a second rounding) where `rows` is a
     whole number of its blocks, else F32; float types exactly, in their own type. An expert at a time, so that no
-    more than one expert's projection is held in f32."""
+    more than one expert's projection is held in f32. Either way round: a file's usual down projection into rows per
+    neuron (down_rows_per_neuron), or rows a file stores per neuron back into the usual one."""
     per_expert = view.reshape(n_expert, rows, -1)
     if qtype in quant.FLOAT_TYPES:
         out_type = qtype
