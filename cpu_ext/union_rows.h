@@ -16,7 +16,8 @@ constexpr int64_t kUnionPackMinTokens = 16;
 bool packs_union(int64_t qtype, int64_t m);
 
 // outs[i][t, row] = W_i[row] · x[t] (x quantized to 8 bits per 32 values) for the rows active[0, n_active) and the
-// tokens t whose mask[t, row] is set; other outputs are left as they are.
+// tokens t whose mask[t, row] is set; the others are 0: they are written 0 or left as they are, so the caller zeroes
+// the outputs first.
 void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, int64_t m, int64_t cols,
                         const WeightsAndOutputs& wo, int64_t row_bytes, const int32_t* active, int64_t n_active,
                         const uint8_t* mask, int64_t rows, Scratch& s);

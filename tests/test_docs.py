@@ -28,6 +28,7 @@ import urllib.request
 
 import pytest
 
+from jaxinfer import runtime
 from jaxinfer.synthetic import SyntheticSpec, write_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,8 +207,15 @@ def _run_pages():
 
 @pytest.fixture(scope="session")
 def docs_cache(tmp_path_factory):
-    """One cache folder for every page's commands: compiled programs are shared, derived files are per model."""
-    return str(tmp_path_factory.mktemp("docs-cache"))
+    """One cache folder for every page's commands: derived files are made fresh for its models, while compiled
+    programs (`xla/`, `programs/`, keyed on all they depend on) are the suite's own cache's, so a page's commands
+    need not compile again what the suite already has."""
+    cache = tmp_path_factory.mktemp("docs-cache")
+    for kind in ("xla", "programs"):
+        shared = os.path.join(runtime.CACHE_DIR, kind)
+        os.makedirs(shared, exist_ok=True)
+        os.symlink(shared, cache / kind)
+    return str(cache)
 
 
 @pytest.mark.parametrize("page, slow", _run_pages())
