@@ -17,7 +17,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxinfer import engine, model, sparsity  # noqa: E402
+from jaxinfer import engine, model, runtime, sparsity  # noqa: E402
 from jaxinfer.errors import JaxinferError  # noqa: E402
 from jaxinfer.sampling import SamplingParams  # noqa: E402
 
@@ -44,6 +44,7 @@ def run(path: str, spec: str, exact: bool, tp: int) -> dict:
 
 
 def main():
+    runtime.enable_compilation_cache()  # the test process's cache: a rerun compiles nothing
     out, path, spec, exact, *tps = sys.argv[1:]
     results = {f"{tp}/{name}": np.asarray(value) for tp in tps
                for name, value in run(path, spec, exact == "exact", int(tp)).items()}
