@@ -190,8 +190,9 @@ import sys
 import jax
 jax.config.update("jax_num_cpu_devices", 3)
 import numpy as np
-from jaxinfer import engine, model
+from jaxinfer import engine, model, runtime
 
+runtime.enable_compilation_cache()
 out, text = sys.argv[1:]
 results = {}
 for exact in (False, True):
