@@ -114,10 +114,10 @@ namespace {
 
 // Quarters of a union's rows by how many of the call's tokens take them: the rows are packed quarter by quarter, the
 // most taken first, and in row order within a quarter. Rows that few tokens take then share groups, whose dots can be
-// skipped for four tokens that take none of their rows: a 7B-shaped prompt's chunk of 512 tokens,
-// each taking 11-27% of the rows, needs 68-84% of its (group, four tokens) tiles so, against 94-100% in row order;
-// rows wholly sorted by takers need about as many (67-83%), but a group's rows then lie on 7-8 cache lines of an
-// output row instead of 3, and writing them missed the caches.
+// skipped for four tokens that take none of their rows: a 7B-shaped prompt's chunk of 512 tokens, each taking 11-27%
+// of the rows, needs 68-84% of its (group, four tokens) tiles so, against 94-100% in row order; rows wholly sorted by
+// takers need about as many (67-83%), but a group's rows then lie on 7-8 cache lines of an output row instead of 3,
+// and writing them missed the caches.
 constexpr int64_t kTakerQuarters = 4;
 
 // The union's rows (`active`, increasing) by kTakerQuarters of their takers, most first, into s.ordered.
