@@ -196,10 +196,10 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
       pack(group_rows, n_rows, blocks, parts, packed.data() + (p - p0) * group_bytes);
     }
     float out[4 * 2 * kInterleave];
-    // Token t's dots of the rows of groups p, p + 1 (n_groups of them), laid out `width` apart: kept where t takes
-    // the row, else 0, as masked_matmul's outputs are: the dot's bits and'ed with all ones or zeros (a select compiled
-    // to a branch, which a sparse mask mispredicts).
-    auto store = [&](int64_t p, int64_t n_groups, int64_t t, int64_t count, int64_t width) {
+    // Tokens t .. t + count - 1's dots of the rows of groups p, p + 1 (n_groups of them; in `out`, a token's
+    // n_groups * 8 dots together): kept where the token takes the row, else 0, as masked_matmul's outputs are: the
+    // dot's bits and'ed with all ones or zeros (a select compiled to a branch, which a sparse mask mispredicts).
+    auto store = [&](int64_t p, int64_t n_groups, int64_t t, int64_t count) {
       for (int64_t h = 0; h < n_groups; ++h) {
         const int64_t i = (p + h) / groups, g = (p + h) - i * groups;
         const int n_rows = static_cast<int>(std::min<int64_t>(kInterleave, n_active - g * kInterleave));
@@ -207,7 +207,7 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
         for (int64_t j = 0; j < count; ++j) {
           float* dst = own.outs[i] + (t + j) * rows;
           const uint32_t takes = taken[g * m + t + j];
-          const float* dots = out + width * j + kInterleave * h;
+          const float* dots = out + (j * n_groups + h) * kInterleave;
           for (int r = 0; r < n_rows; ++r) {
             uint32_t bits;
             std::memcpy(&bits, dots + r, 4);
@@ -236,20 +236,20 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
           const bool first = need(p, t, 4), second = pair && need(p + 1, t, 4);
           if (first && second) {
             kernels.two_groups(group, group_bytes, xq + t * blocks, blocks, n, out);
-            store(p, 2, t, 4, 2 * kInterleave);
+            store(p, 2, t, 4);
             continue;
           }
           for (int64_t h = 0; h < n_groups; ++h) {
             if (!(h == 0 ? first : second)) continue;
             kernels.four(group + h * group_bytes, xq + t * blocks, blocks, n, out);
-            store(p + h, 1, t, 4, kInterleave);
+            store(p + h, 1, t, 4);
           }
         }
         for (; t < t1; ++t) {
           for (int64_t h = 0; h < n_groups; ++h) {
             if (!need(p + h, t, 1)) continue;
             kernels.one(group + h * group_bytes, xq + t * blocks, blocks, n, out);
-            store(p + h, 1, t, 1, kInterleave);
+            store(p + h, 1, t, 1);
           }
         }
         p += n_groups;
