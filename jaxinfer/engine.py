@@ -87,7 +87,8 @@ class LoadedModel:
         layouts = {part.ffn_down_t.layout for layer in self.weights.layers for part in sparse_ffn.layer_parts(layer)
                    if isinstance(part, sparse_ffn.FFNPart) and part.ffn_down_t is not None}
         down = None if not layouts else "neuron-major" if layouts == {quant.NEURON_MAJOR} else "rows per neuron"
-        return self.config.plan.describe(repacked, widened, self.split is not None if split is None else split, down)
+        return self.config.plan.describe(repacked, widened, self.split is not None if split is None else split, down,
+                                         experts=self.config.n_expert > 0)
 
 
 def load_model(path: str | None = None, attn_max_batch_mib: float | None = attention.IK_LLAMA_DEFAULT_MIB,

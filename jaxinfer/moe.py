@@ -27,7 +27,8 @@ Experts as hot and cold parts (hybrid.py, placed by how often `profile` counted 
 some experts stacked as the file stacks all of them, and a map from expert id to its place among them (-1: held
 elsewhere). The routing is computed once; each part runs the pairs whose experts it holds (the others' weights 0,
 their rows never read), a part in host memory under compute_on there, and the parts' outputs are summed, all in the
-one compiled step.
+one compiled step. Cut over devices (--tp, sharding.py), each device is such a part of whole experts, and the
+devices' outputs are summed by the FFN's all-reduce.
 """
 
 import dataclasses
@@ -39,7 +40,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from jaxinfer import jax_compat, quant
+from jaxinfer import jax_compat, quant, sharding
 from jaxinfer.config import NATURAL_ZEROS, Config
 from jaxinfer.expert_products import expert_ffn, routed_ffn
 from jaxinfer.quant import QuantArray, from_gguf_data, matmul
@@ -154,8 +155,12 @@ def ffn(x, experts: Experts, cfg: Config, trace: bool = False, router_input=None
     flat = x.reshape(-1, x.shape[-1])
     weights, chosen = route(flat if router_input is None else router_input.reshape(flat.shape), experts.router, cfg)
     routed = flat.shape[0] * cfg.n_expert_used < cfg.n_expert  # a decode step: see the module docstring
+    parts = expert_parts(experts)
+    if cfg.plan.tp > 1:  # inside the shard_map: this device's whole experts of a cut over devices (sharding.py)
+        held = sharding.held_experts(cfg.n_expert, experts.gate.shape[0] // cfg.n_ff_exp, cfg.plan)
+        parts = [dataclasses.replace(parts[0], local=held)]
     outs = []
-    for part in expert_parts(experts):
+    for part in parts:
         # Which pairs the part runs, and how, worked out in device memory: a host region takes only indexing and
         # products of arrays already there.
         work = _part_work(weights, chosen, part, routed, tile_size(chosen.size, cfg.n_expert), cfg)

@@ -66,12 +66,13 @@ class Plan:
     dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
 
     def describe(self, repacked: Iterable[str] | None = None, tq1_0: bool = True, split: bool = True,
-                 down: str | None = None) -> str:
+                 down: str | None = None, experts: bool = False) -> str:
         """The `plan:` line the CLIs print, naming what a run of this plan uses: `repacked`, the names of the weight
         types the model holds repacked (None: every type this plan repacks); `tq1_0`, whether it holds TQ1_0 weights
         as TQ2_0; `split`, whether its FFN is split between device and host; `down`, the layout its down projections
         are held in ("neuron-major", "rows per neuron"; None: the one this plan packs), named for a sparse FFN only
-        (engine.LoadedModel.describe_plan passes a loaded model's)."""
+        (engine.LoadedModel.describe_plan passes a loaded model's); `experts`, whether the FFN is a mixture of
+        experts (cut by whole experts, not neurons)."""
         bounded = self.attn_max_batch_mib is not None and self.attention == "xla"  # the kernels hold a block a task
         bound = f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)" if bounded else ""
         parts = [f"plan: {self.backend} backend", f"FFN {self.ffn_sparsity}", f"products {self.products}",
@@ -87,7 +88,8 @@ class Plan:
             if tq1_0:
                 parts.append("TQ1_0 held as TQ2_0")
         if self.tp > 1:
-            parts.append(f"tensor-parallel over {self.tp} devices (heads, neurons and vocabulary cut {self.tp} ways, "
+            ffn = "experts" if experts else "neurons"
+            parts.append(f"tensor-parallel over {self.tp} devices (heads, {ffn} and vocabulary cut {self.tp} ways, "
                          f"an all-reduce after attention and after the FFN)")
         if self.dp > 1:
             parts.append(f"data-parallel over {self.dp} devices (the windows of a batch spread over them)")

@@ -64,10 +64,11 @@ def holds_expert_rows(w: QuantArray, layer: int, cfg: Config, stored: bool = Fal
     """Whether layer `layer`'s stacked expert down projection is held a row per neuron (moe.down_rows_per_neuron):
     where the plan holds that layer's ReLU experts so (Plan.expert_rows, decided at load: cpu_ext's down_rows kernels
     run here and few enough of its neurons were measured nonzero), so that a token reads only the rows of its routed
-    experts' nonzero neurons, for a block-quantized weight (not ternary) not marked exact and not cut over devices,
-    its rows' width a whole number of Q4_0/Q8_0 blocks. `stored`: w is the file's own rows ([n_expert * n_ff_exp, d],
-    PowerInfer's --transpose-down), held as they are where the down_rows kernels take its type."""
-    if layer not in cfg.plan.expert_rows or cfg.plan.tp != 1:
+    experts' nonzero neurons, for a block-quantized weight (not ternary) not marked exact (cut over devices, by whole
+    experts as the stacked weights are), its rows' width a whole number of Q4_0/Q8_0 blocks. `stored`: w is the
+    file's own rows ([n_expert * n_ff_exp, d], PowerInfer's --transpose-down), held as they are where the down_rows
+    kernels take its type."""
+    if layer not in cfg.plan.expert_rows:
         return False
     if stored:
         return quant.can_pack_down_rows(w)

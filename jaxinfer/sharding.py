@@ -5,6 +5,10 @@ cache are cut into shards, and the `shard_map` that runs the one model.forward o
                 cache by KV heads, attn_output columns                              -> partial sums, psum
     FFN         ffn_gate / ffn_up rows, ffn_down columns, ffn_down_t rows (neurons), -> partial sums, psum
                 the predictor's fc2 rows (its neurons); fc1 and the thresholds replicated
+    experts     a mixture's stacked expert projections by rows, whole experts: device i holds experts
+                i E/N .. (i + 1) E/N - 1 and runs the tokens' pairs routed to them (the router replicated, the
+                routing computed on every device), the others' weights 0 and their rows not read -> partial sums,
+                psum; Qwen2-MoE's shared expert by neurons, as a dense FFN
     output      rows (the vocabulary): each device computes its slice of the logits
     token_embd  rows (the vocabulary): each device looks up the tokens it holds, psum (one per forward); a tied
                 output head is the same cut array
@@ -55,6 +59,9 @@ ROWS, COLS = 0, 1  # the axis of a [rows, cols] weight that is cut over the devi
 LAYER_CUTS = {"attn_q": ROWS, "attn_k": ROWS, "attn_v": ROWS, "attn_output": COLS, "ffn_gate": ROWS, "ffn_up": ROWS,
               "ffn_down": COLS, "ffn_down_t": ROWS, "fc2": ROWS,
               "attn_q_bias": ROWS, "attn_k_bias": ROWS, "attn_v_bias": ROWS}  # a bias with its projection's rows
+# A mixture's stacked projections (moe.Experts) are cut by rows into whole experts; its shared expert as a dense FFN.
+EXPERT_CUTS = {"gate": ROWS, "up": ROWS, "down": ROWS}
+SHARED_EXPERT_CUTS = {"gate": ROWS, "up": ROWS, "down": COLS}
 CACHE_SPEC = P(None, None, None, AXIS, None)  # KV caches [n_layer, B, max_len, n_head_kv, hd]: by KV heads
 
 
@@ -80,9 +87,9 @@ def check_model(cfg, tp: int) -> None:
     """The model's heads and vocabulary can be cut `tp` ways (each weight's blocks are checked as it is cut)."""
     if tp == 1:
         return
-    if cfg.n_expert:
-        raise JaxinferError(f"--tp {tp}: a mixture of experts ({cfg.arch}, {cfg.n_expert} experts) is not cut over "
-                            f"devices yet: run it on one device")
+    if cfg.n_expert % tp:
+        raise JaxinferError(f"--tp {tp}: a mixture's experts are cut whole over the devices and the model has "
+                            f"{cfg.n_expert}, not a multiple of {tp}")
     if cfg.sub_norms:
         raise JaxinferError(f"--tp {tp}: {cfg.arch}'s sub-norms normalize over all heads and all neurons, which a cut "
                             f"over devices would need another all-reduce for: not supported yet")
@@ -131,11 +138,35 @@ def _spec(name: str, value, axis: int | None, tp: int):
     return _cut_spec(name, value, axis, tp)
 
 
+def _expert_specs(prefix: str, experts, tp: int):
+    """The spec tree of a layer's mixture (moe.Experts; None stays None): the router replicated, the stacked
+    projections cut by rows into whole experts (the experts' count is checked by check_model: expert e's rows of a
+    projection are one run, the runs in expert order), a shared expert as a dense FFN."""
+    if experts is None:
+        return None
+    if experts.parts is not None:
+        raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split of the experts (--vram-budget)")
+
+    def cut(value, cuts, names):
+        return dataclasses.replace(value, **{field: _cut_spec(f"{prefix}.{names[field]}", getattr(value, field),
+                                                              axis, tp) for field, axis in cuts.items()})
+
+    shared = experts.shared
+    if shared is not None:
+        shared = cut(dataclasses.replace(shared, gate_inp=P()), SHARED_EXPERT_CUTS,
+                     {"gate": "ffn_gate_shexp", "up": "ffn_up_shexp", "down": "ffn_down_shexp"})
+    return cut(dataclasses.replace(experts, router=jax.tree.map(lambda _: P(), experts.router), shared=shared),
+               EXPERT_CUTS, {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"})
+
+
 def weight_specs(weights, tp: int):
     """The PartitionSpec tree of a model.Weights (see the module docstring)."""
-    layers = [dataclasses.replace(layer, **{f.name: _spec(f"blk.{i}.{f.name}", getattr(layer, f.name),
-                                                          LAYER_CUTS.get(f.name), tp)
-                                            for f in dataclasses.fields(layer)})
+    def field_spec(i, layer, name):
+        if name == "experts":
+            return _expert_specs(f"blk.{i}", layer.experts, tp)
+        return _spec(f"blk.{i}.{name}", getattr(layer, name), LAYER_CUTS.get(name), tp)
+
+    layers = [dataclasses.replace(layer, **{f.name: field_spec(i, layer, f.name) for f in dataclasses.fields(layer)})
               for i, layer in enumerate(weights.layers)]
     return dataclasses.replace(weights, token_embd=_spec("token_embd", weights.token_embd, ROWS, tp), layers=layers,
                                output_norm=P(), output=_spec("output", weights.output, ROWS, tp),
@@ -247,6 +278,15 @@ def all_reduce(x, plan: Plan):
     """Inside the shard_map: the sum over the devices of their partial results (after attn_output, after the FFN's
     down projection); x itself with one device."""
     return x if plan.tp == 1 else jax.lax.psum(x, AXIS)
+
+
+def held_experts(n_expert: int, n_held: int, plan: Plan):
+    """Inside the shard_map: int32 [n_expert], each expert's place among the n_held this device holds, -1 for
+    another device's (moe.ExpertPart.local); None with one device."""
+    if plan.tp == 1:
+        return None
+    place = jnp.arange(n_expert, dtype=jnp.int32) - jax.lax.axis_index(AXIS) * n_held
+    return jnp.where((place >= 0) & (place < n_held), place, -1)
 
 
 def embed(table: QuantArray, tokens, plan: Plan):

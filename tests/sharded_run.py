@@ -6,7 +6,8 @@ JAX starts, and the test process has started it with one):
 For each --tp in TP...: logits of model.prefill (two rows of a three-row cache from row 1, at different prompt
 lengths), of two model.decode_steps (the second with one row sitting out), and the greedy token ids of
 engine.generate_tokens (its compiled prefill and decode-chunk programs), and whether model.forward observes the
-FFNs (one device only), saved as OUT.npz["{tp}/{what}"]."""
+FFNs (one device only), and the share of layer 0's experts' gate (else its attn_q) one device holds, saved as
+OUT.npz["{tp}/{what}"]."""
 
 import sys
 
@@ -39,8 +40,11 @@ def run(path: str, spec: str, exact: bool, tp: int) -> dict:
         observed = True
     except JaxinferError:
         observed = False
-    return {"prefill": prefill, "decode": first, "decode_active": np.asarray(second)[[0, 2]], "lengths": cache.length,
-            "tokens": np.asarray(tokens), "observed": observed}
+    layer = m.weights.layers[0]
+    cut = (layer.attn_q if layer.experts is None else layer.experts.gate).data
+    return {"held": cut.addressable_shards[0].data.size / cut.size, "prefill": prefill, "decode": first,
+            "decode_active": np.asarray(second)[[0, 2]], "lengths": cache.length, "tokens": np.asarray(tokens),
+            "observed": observed}
 
 
 def main():

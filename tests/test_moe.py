@@ -465,8 +465,8 @@ def test_bench_generate_compares_relu_experts_with_their_whole_down_projection(t
 
 def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     """Shared experts, another gating function, scaled weights, a qwen3moe file without experts, more experts used
-    than there are, a dense FFN tensor beside the experts; and for now --tp, the sparsity modes and the per-neuron
-    thresholds and predictors (calibrate, train_predictor) of a mixture."""
+    than there are, a dense FFN tensor beside the experts; --tp that does not divide the experts; and for now the
+    sparsity modes and the per-neuron thresholds and predictors (calibrate, train_predictor) of a mixture."""
     path = write_model(str(tmp_path / "qwen3moe.gguf"), SMALL_SPECS["qwen3moe"])
     cases = [
         ([], [("qwen3moe.expert_shared_count", 1, GGUFValueType.UINT32, None)], "shared experts are not implemented$"),
@@ -500,8 +500,9 @@ def test_what_jaxinfer_does_not_compute_is_refused(tmp_path):
     with pytest.raises(JaxinferError, match=r"lacks qwen3moe.expert_count \(a qwen3moe model is a mixture"):
         engine.load_model(no_experts)
     m = engine.load_model(path)
-    with pytest.raises(JaxinferError, match=r"--tp 2: a mixture of experts \(qwen3moe, 8 experts\) is not cut"):
-        sharding.check_model(m.config, 2)
+    with pytest.raises(JaxinferError, match=r"^--tp 3: a mixture's experts are cut whole over the devices and the "
+                                            r"model has 8, not a multiple of 3$"):
+        sharding.check_model(m.config, 3)
     with pytest.raises(JaxinferError, match=r"--sparsity hidden:0.5: a mixture of experts .* runs dense for now"):
         engine.build_model(path, sparsity_spec=SparsitySpec("hidden", 0.5))
     with pytest.raises(JaxinferError, match=r"calibrate: a mixture of experts \(qwen3moe, 8 experts\) has no per-"):

@@ -2,6 +2,7 @@
 are subprocesses with 4 virtual CPU devices (tests/sharded_run.py and the CLIs, which set them from --tp): this
 process started JAX with one."""
 
+import dataclasses
 import os
 import pathlib
 import re
@@ -14,6 +15,8 @@ from gguf import GGMLQuantizationType as Q
 
 from jaxinfer import engine, sharding, sparsity
 from jaxinfer.errors import JaxinferError
+from jaxinfer.plan import make_plan
+from jaxinfer.synthetic import SyntheticSpec, write_model
 
 HERE = pathlib.Path(__file__).parent
 # 4 heads and 4 KV heads of 32, 256 neurons, 264 tokens: cut 2 and 4 ways on whole Q8_0 blocks (and neuron-major
@@ -66,6 +69,33 @@ def test_logits_and_greedy_tokens_match_one_device(make_model, tmp_path, spec, e
     assert runs["1/observed"]
     assert runs["1/lengths"].tolist() == [2, 9, 7]  # rows 1 and 2 prefilled, all decoded, row 1 sat out once
     assert len(runs["1/tokens"]) == 12
+
+
+MIXTURE = dict(n_embd=128, n_ff=64, n_head=4, n_head_kv=4, n_layer=2, n_expert=8, n_expert_used=2, n_vocab=264,
+               weight_type=Q.Q8_0)
+
+
+# Qwen2-MoE: routing, prompts grouped by expert, and a shared expert; SmallThinker's file of PowerInfer's converter:
+# its experts' down projection stored (and held) a row per neuron.
+MIXTURES = {"qwen2moe": dict(architecture="qwen2moe", tied_output=False),
+            "smallthinker": dict(architecture="smallthinker", expert_gating="sigmoid", transposed_down=True)}
+
+
+@pytest.mark.parametrize("name", MIXTURES)
+@pytest.mark.slow
+def test_a_mixture_cut_by_experts_matches_one_device(tmp_path, name):
+    """A mixture's experts cut whole over 2 and 4 devices (4 and 2 of its 8 on each; the routing computed on every
+    device, each running the pairs routed to its own experts), a shared expert by its neurons: prefill (prompts
+    grouped by expert), decode (the routed experts' rows) and greedy tokens as on one device."""
+    runs = sharded_runs(tmp_path, write_model(str(tmp_path / f"{name}.gguf"), SyntheticSpec(**MIXTURE,
+                                                                                            **MIXTURES[name])))
+    for tp in (2, 4):
+        assert runs[f"{tp}/held"] == 1 / tp  # each device 8 / tp whole experts
+        for what in ("prefill", "decode", "decode_active"):
+            np.testing.assert_allclose(runs[f"{tp}/{what}"], runs[f"1/{what}"], atol=KERNEL_ROUNDING, rtol=0,
+                                       err_msg=f"--tp {tp} {what}")
+        np.testing.assert_array_equal(runs[f"{tp}/tokens"], runs["1/tokens"])
+    assert runs["1/held"] == 1
 
 
 @pytest.mark.slow
@@ -225,3 +255,9 @@ def test_the_default_model_on_3_devices_differs_from_one_by_the_kernels_rounding
     own = np.abs(kernels - exact)  # the kernels' rounding on one device
     moved = np.abs(runs["kernels/3"] - kernels)
     assert moved.mean() <= 2 * own.mean() and moved.max() <= 2 * own.max(), (moved.mean(), own.mean())
+
+
+def test_the_plan_line_names_what_the_ffn_is_cut_by():
+    plan = dataclasses.replace(make_plan(), tp=2)
+    assert "tensor-parallel over 2 devices (heads, neurons and vocabulary cut 2 ways" in plan.describe()
+    assert "tensor-parallel over 2 devices (heads, experts and vocabulary cut 2 ways" in plan.describe(experts=True)
