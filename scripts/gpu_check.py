@@ -16,6 +16,9 @@ Steps, in order (the models are made in the background while the tests run):
     pp512      bench_generate: pp512 and tg of the 7B-shaped dense twin
     hybrid     bench_hybrid: the one-program hot/cold split at a budget worth 13 of 32 layers' FFNs, against whole
                layers on the device (llama.cpp's -ngl) and everything on the device
+    moe        bench_hybrid on a mixture of Qwen3-30B-A3B's width (128 experts of 768, top-8, Q4_0, 2 layers,
+               made in the background too): whole experts placed by routing at half the expert bytes, against
+               llama.cpp's --n-cpu-moe rule, every expert on the host, and everything on the device
     xla_dump   XLA's optimized programs of the dense twin's prompt and decode steps, the largest in
                OUT/xla_dump.tar.gz: where the time goes
 
@@ -46,9 +49,15 @@ GPU_TESTS = ["tests/test_pallas_sparse_ffn.py", "tests/test_pallas_attention.py"
 DEFAULT_SHAPE = ["--n_embd", "576", "--n_ff", "1536", "--n_head", "9", "--n_head_kv", "3", "--n_layer", "30",
                  "--n_vocab", "49152", "--weight_type", "Q4_1", "--sparsity", "0"]
 TINY_DEFAULT_SHAPE = ["--shape", "tiny", "--n_layer", "2", "--weight_type", "Q4_1", "--sparsity", "0"]
-MEASUREMENTS = ("default", "sparse", "pp512", "hybrid", "xla_dump")
+MEASUREMENTS = ("default", "sparse", "pp512", "hybrid", "moe", "xla_dump")
 CHOSEN = ("tests", *MEASUREMENTS)  # what --only picks from; the set-up steps always run
 HYBRID_SHARE = 13 / 32  # llama.cpp's -ngl 13 of a 32-layer 7B model, as a share of the FFN bytes
+MOE_SHAPE = ["--architecture", "qwen3moe", "--n_embd", "2048", "--n_ff", "768", "--n_head", "32", "--n_head_kv", "4",
+             "--head_dim", "128", "--n_expert", "128", "--n_expert_used", "8", "--n_vocab", "32000", "--n_layer", "2",
+             "--weight_type", "Q4_0", "--sparsity", "0"]
+TINY_MOE_SHAPE = ["--architecture", "qwen3moe", "--n_embd", "64", "--n_ff", "32", "--n_head", "4", "--n_head_kv", "2",
+                  "--head_dim", "32", "--n_expert", "8", "--n_expert_used", "2", "--n_vocab", "256", "--n_layer", "2",
+                  "--weight_type", "Q4_0", "--sparsity", "0"]
 
 ENV_PROBE = """
 import json, jax
@@ -176,6 +185,10 @@ def main(argv=None) -> int:
         python("make_sparse_model.py", "--dense_twin", str(sparse_model), "-o", str(twin))))
     made_since = time.monotonic()
     maker = run.start("models", ["bash", "-c", make]) if any(run.wanted(m) for m in MEASUREMENTS) else None
+    mixture = models / ("moe-tiny.gguf" if run.dry_run else "moe-qwen3-30b-width-2l.gguf")
+    moe_maker = (run.start("moe_model", python("make_sparse_model.py", *(TINY_MOE_SHAPE if run.dry_run else MOE_SHAPE),
+                                               "-o", str(mixture)))
+                 if run.wanted("moe") else None)
 
     run.step("env", [sys.executable, "-c", ENV_PROBE], 60)
     if run.dry_run:
@@ -216,6 +229,7 @@ def main(argv=None) -> int:
         for name in MEASUREMENTS:
             run.skip(name, "no models")
         return report(run)
+    moe_made = moe_maker is not None and run.finish("moe_model", moe_maker, 240, made_since)["status"] == "ok"
 
     small = run.dry_run
     run.step("default", python("bench_generate.py", "-m", str(default_model), "--pp", "16" if small else "512",
@@ -229,6 +243,11 @@ def main(argv=None) -> int:
     text.write_text((REPO / "tests" / "data" / "wiki.test.head.raw").read_text()[:4000 if small else 20000])
     run.step("hybrid", python("bench_hybrid.py", "-m", str(sparse_model), "-f", str(text),
                               "--ffn_share", f"{HYBRID_SHARE:.4f}", "-n", "4" if small else "32", "--json"), 180)
+    if run.wanted("moe") and not moe_made:
+        run.skip("moe", "no mixture made")
+    else:
+        run.step("moe", python("bench_hybrid.py", "-m", str(mixture), "-f", str(text), "--ffn_share", "0.5",
+                               "-n", "4" if small else "32", "--json"), 180)
     dump, cache = work / "xla_dump", work / "xla_dump_cache"  # a cache of its own: XLA dumps what it compiles
     for folder in (dump, cache):
         shutil.rmtree(folder, ignore_errors=True)

@@ -456,12 +456,13 @@ def test_gpu_check_dry_run_runs_every_step_on_the_cpu(tmp_path):
                            str(work)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     steps = json.loads((out / "summary.json").read_text())["steps"]
-    assert list(steps) == ["wheels", "env", "nvidia-smi", "cpu_ext", "tests", "models", "default", "sparse", "pp512",
-                           "hybrid", "xla_dump"]
+    assert list(steps) == ["wheels", "env", "nvidia-smi", "cpu_ext", "tests", "models", "moe_model", "default",
+                           "sparse", "pp512", "hybrid", "moe", "xla_dump"]
     assert all(step["status"] in ("ok", "skipped") for step in steps.values()), steps
     assert steps["default"]["json"]["generation_tokens_per_s"] > 0
     assert steps["sparse"]["json"]["levels"][0]["sparse_tg"] > 0
     assert {"neurons", "layers", "host", "all"} <= set(steps["hybrid"]["json"])
+    assert {"experts", "layers", "host", "all"} <= set(steps["moe"]["json"])  # a mixture: whole experts placed
     log = (out / "gpu_check.log").read_text()
     assert "tests/test_pallas_sparse_ffn.py::TestSparseFfnCompiled" in log  # collected, skipped without a GPU
     assert (out / "xla_dump.tar.gz").stat().st_size > 0
