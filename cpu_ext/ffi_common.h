@@ -211,10 +211,11 @@ struct Scratch {
   std::vector<int32_t> index;  // a gather's wider index, narrowed (sparse_handlers.cc)
   std::vector<float> acc;
   std::vector<float> masked;  // a token's masked h (neuron_major_axpy), the listed neurons' h (down_rows.cc)
-  // A union's rows by how many tokens take them, and which rows of each group of them each token takes
-  // (union_rows.cc).
-  std::vector<int32_t> takers, ordered;
-  std::vector<uint8_t> taken;
+  // A union's rows by how many tokens take them, which rows of each group of them each token takes, the tokens in
+  // the order their tiles are dotted, and their quantized x and takes in that order (union_rows.cc).
+  std::vector<int32_t> takers, ordered, tokens;
+  std::vector<uint8_t> taken, taken_ordered;
+  std::vector<BlockQ8> xq_ordered;
 };
 
 inline Scratch& thread_scratch() {

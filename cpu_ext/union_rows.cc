@@ -120,9 +120,10 @@ namespace {
 // and writing them missed the caches.
 constexpr int64_t kTakerQuarters = 4;
 
-// The union's rows (`active`, increasing) by kTakerQuarters of their takers, most first, into s.ordered.
+// The union's rows (`active`, increasing) by kTakerQuarters of their takers, most first, into s.ordered; quarter q's
+// rows are ordered[start[q] .. start[q + 1]).
 const int32_t* order_by_takers(const uint8_t* mask, int64_t m, int64_t rows, const int32_t* active, int64_t n_active,
-                               Scratch& s) {
+                               int64_t start[kTakerQuarters + 1], Scratch& s) {
   s.takers.assign(static_cast<size_t>(rows), 0);
   int32_t* takers = s.takers.data();
   for (int64_t t = 0; t < m; ++t) {
@@ -134,14 +135,16 @@ const int32_t* order_by_takers(const uint8_t* mask, int64_t m, int64_t rows, con
   for (int64_t e = 0; e < n_active; ++e) ++first[m - takers[active[e]] + 1];
   for (int64_t c = 1; c <= m + 1; ++c) first[c] += first[c - 1];
   std::vector<uint8_t> quarter(static_cast<size_t>(n_active));
-  int64_t start[kTakerQuarters + 1] = {};
+  std::fill(start, start + kTakerQuarters + 1, 0);
   for (int64_t e = 0; e < n_active; ++e) {
     quarter[e] = static_cast<uint8_t>(first[m - takers[active[e]]]++ * kTakerQuarters / n_active);
     ++start[quarter[e] + 1];
   }
   for (int64_t q = 1; q <= kTakerQuarters; ++q) start[q] += start[q - 1];
   s.ordered.resize(static_cast<size_t>(n_active));
-  for (int64_t e = 0; e < n_active; ++e) s.ordered[start[quarter[e]]++] = active[e];
+  int64_t next[kTakerQuarters];
+  std::copy(start, start + kTakerQuarters, next);
+  for (int64_t e = 0; e < n_active; ++e) s.ordered[next[quarter[e]]++] = active[e];
   return s.ordered.data();
 }
 
@@ -164,6 +167,37 @@ const uint8_t* taken_in_groups(ffi::ThreadPool& pool, const uint8_t* mask, int64
   return taken;
 }
 
+// The call's tokens in the order their tiles of four are dotted: by a score of the rows they take, +3, +1, -1, -3 a
+// row from the most taken quarter down (about their activity projected on the rows' takers, the direction in which
+// tokens' rows differ most). Neighbours then take much the same rows, and a group's dots are skipped for more tiles
+// of four: on a 7B-shaped prompt of 512 tokens, 86% of the tiles are dotted instead of 93% at 80% sparsity (the
+// gate and up product 0.92x the time), 74% instead of 80% at 90% (0.98x). Into s.tokens, with `taken` (which rows of
+// group g token t takes, taken[g * m + t]) and the quantized x put in that order into s.taken_ordered and
+// s.xq_ordered.
+const int32_t* order_tokens(const uint8_t* taken, const BlockQ8* xq, int64_t m, int64_t blocks, int64_t groups,
+                            const int64_t start[kTakerQuarters + 1], Scratch& s) {
+  std::vector<int64_t> score(static_cast<size_t>(m), 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    int64_t q = 0;
+    while (q + 1 < kTakerQuarters && g * kInterleave >= start[q + 1]) ++q;
+    const int64_t weight = kTakerQuarters - 1 - 2 * q;
+    for (int64_t t = 0; t < m; ++t) score[t] += weight * __builtin_popcount(taken[g * m + t]);
+  }
+  s.tokens.resize(static_cast<size_t>(m));
+  for (int64_t t = 0; t < m; ++t) s.tokens[t] = static_cast<int32_t>(t);
+  std::stable_sort(s.tokens.begin(), s.tokens.end(), [&](int32_t a, int32_t b) { return score[a] < score[b]; });
+  const int32_t* tokens = s.tokens.data();
+  s.taken_ordered.resize(static_cast<size_t>(groups * m));
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t t = 0; t < m; ++t) s.taken_ordered[g * m + t] = taken[g * m + tokens[t]];
+  }
+  s.xq_ordered.resize(static_cast<size_t>(m * blocks));
+  for (int64_t t = 0; t < m; ++t) {
+    std::memcpy(s.xq_ordered.data() + t * blocks, xq + tokens[t] * blocks, blocks * sizeof(BlockQ8));
+  }
+  return tokens;
+}
+
 }  // namespace
 
 void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, int64_t m, int64_t cols,
@@ -174,10 +208,14 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
   const Kernels& k = best_kernels();
   const X8Kernels<BlockQ8> kernels = x8_kernels(k, qtype);
   const int64_t blocks = cols / kQK, group_bytes = blocks * x8_block_bytes(qtype);
-  const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, s.xq);
   const int64_t groups = (n_active + kInterleave - 1) / kInterleave, total = wo.n * groups;
-  const int32_t* ordered = order_by_takers(mask, m, rows, active, n_active, s);
-  const uint8_t* taken = taken_in_groups(pool, mask, m, rows, ordered, n_active, groups, s);
+  int64_t quarter_start[kTakerQuarters + 1];
+  const int32_t* ordered = order_by_takers(mask, m, rows, active, n_active, quarter_start, s);
+  const int32_t* tokens = order_tokens(taken_in_groups(pool, mask, m, rows, ordered, n_active, groups, s),
+                                       quantize_rows(pool, k.quantize_row, x, m, cols, blocks, s.xq), m, blocks, groups,
+                                       quarter_start, s);
+  const BlockQ8* xq = s.xq_ordered.data();  // token t here is tokens[t] of the call
+  const uint8_t* taken = s.taken_ordered.data();
   int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
   band += kernels.two_groups != nullptr && band % 2;
   const int64_t chunk = std::max<int64_t>(8, kTokenChunkBytes / (blocks * int64_t{sizeof(BlockQ8)}) / 8 * 8);
@@ -205,7 +243,7 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
         const int n_rows = static_cast<int>(std::min<int64_t>(kInterleave, n_active - g * kInterleave));
         const int32_t* group_rows = ordered + g * kInterleave;
         for (int64_t j = 0; j < count; ++j) {
-          float* dst = own.outs[i] + (t + j) * rows;
+          float* dst = own.outs[i] + tokens[t + j] * rows;
           const uint32_t takes = taken[g * m + t + j];
           const float* dots = out + (j * n_groups + h) * kInterleave;
           for (int r = 0; r < n_rows; ++r) {
