@@ -159,6 +159,16 @@ def test_cli_says_which_shape_cannot_be_cut(make_model):
     assert flag.returncode == 2 and "--tp" in flag.stderr and "Traceback" not in flag.stderr
 
 
+def test_cli_says_a_mixture_s_experts_cannot_be_cut(tmp_path):
+    path = write_model(str(tmp_path / "qwen2moe.gguf"), SyntheticSpec(**{**MIXTURE, "n_expert": 6},
+                                                                      **MIXTURES["qwen2moe"][0]))
+    result = run_cli("generate", "-m", path, "-n", "2", "--tp", "4")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == ("error: --tp 4: a mixture's experts are cut whole over the "
+                                                      "devices and the model has 6, not a multiple of 4")
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("fields, tp, message", [
     (dict(n_head_kv=2), 4, "attention is cut by KV heads and the model has 2 (4 query heads), not a multiple of 4"),
     (dict(n_vocab=263), 2, "the model's 263 tokens are not a multiple of 2"),
