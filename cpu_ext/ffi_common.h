@@ -212,10 +212,9 @@ struct Scratch {
   std::vector<float> acc;
   std::vector<float> masked;  // a token's masked h (neuron_major_axpy), the listed neurons' h (down_rows.cc)
   // A union's rows by how many tokens take them, which rows of each group of them each token takes, the tokens in
-  // the order their tiles are dotted, and their quantized x and takes in that order (union_rows.cc).
+  // the order their tiles are dotted, and the takes in that order (union_rows.cc).
   std::vector<int32_t> takers, ordered, tokens;
   std::vector<uint8_t> taken, taken_ordered;
-  std::vector<BlockQ8> xq_ordered;
 };
 
 inline Scratch& thread_scratch() {
@@ -224,15 +223,15 @@ inline Scratch& thread_scratch() {
 }
 
 // Quantizes the m rows of x [m, cols] with quantize(row, out, cols), kActRowsPerTask rows per task, into `out`
-// (blocks_per_row blocks a row), resized to fit.
+// (blocks_per_row blocks a row), resized to fit; with `order`, out's row t is x's row order[t].
 template <typename Block, typename Quantize>
 Block* quantize_rows(ffi::ThreadPool& pool, Quantize quantize, const float* x, int64_t m, int64_t cols,
-                     int64_t blocks_per_row, std::vector<Block>& out) {
+                     int64_t blocks_per_row, std::vector<Block>& out, const int32_t* order = nullptr) {
   out.resize(static_cast<size_t>(m * blocks_per_row));
   Block* data = out.data();
   parallel_for(pool, (m + kActRowsPerTask - 1) / kActRowsPerTask, [=](int64_t task) {
     for (int64_t t = task * kActRowsPerTask; t < std::min(m, (task + 1) * kActRowsPerTask); ++t) {
-      quantize(x + t * cols, data + t * blocks_per_row, static_cast<int>(cols));
+      quantize(x + (order == nullptr ? t : order[t]) * cols, data + t * blocks_per_row, static_cast<int>(cols));
     }
   });
   return data;

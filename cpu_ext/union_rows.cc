@@ -173,12 +173,12 @@ const uint8_t* taken_in_groups(ffi::ThreadPool& pool, const uint8_t* mask, int64
 // then take much the same rows, and a group's dots are skipped for more tiles of four: on a 7B-shaped prompt of 512
 // tokens, 86% of the tiles are dotted instead of 93% at 80% sparsity (the gate and up product 0.92x the time), 74%
 // instead of 80% at 90% (0.98x). Into s.tokens, with `taken` (which rows of group g token t takes, taken[g * m + t])
-// and the quantized x put in that order into s.taken_ordered and s.xq_ordered.
-const int32_t* order_tokens(const uint8_t* taken, const BlockQ8* xq, int64_t m, int64_t blocks, int64_t groups,
-                            const int64_t start[kTakerQuarters + 1], Scratch& s) {
+// put in that order into s.taken_ordered.
+const int32_t* order_tokens(const uint8_t* taken, int64_t m, int64_t groups, const int64_t start[kTakerQuarters + 1],
+                            Scratch& s) {
   std::vector<int64_t> score(static_cast<size_t>(m), 0);
+  int64_t q = 0;  // group g's quarter: that of its first row
   for (int64_t g = 0; g < groups; ++g) {
-    int64_t q = 0;
     while (q + 1 < kTakerQuarters && g * kInterleave >= start[q + 1]) ++q;
     const int64_t weight = kTakerQuarters - 1 - 2 * q;
     for (int64_t t = 0; t < m; ++t) score[t] += weight * __builtin_popcount(taken[g * m + t]);
@@ -190,10 +190,6 @@ const int32_t* order_tokens(const uint8_t* taken, const BlockQ8* xq, int64_t m, 
   s.taken_ordered.resize(static_cast<size_t>(groups * m));
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t t = 0; t < m; ++t) s.taken_ordered[g * m + t] = taken[g * m + tokens[t]];
-  }
-  s.xq_ordered.resize(static_cast<size_t>(m * blocks));
-  for (int64_t t = 0; t < m; ++t) {
-    std::memcpy(s.xq_ordered.data() + t * blocks, xq + tokens[t] * blocks, blocks * sizeof(BlockQ8));
   }
   return tokens;
 }
@@ -211,10 +207,10 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
   const int64_t groups = (n_active + kInterleave - 1) / kInterleave, total = wo.n * groups;
   int64_t quarter_start[kTakerQuarters + 1];
   const int32_t* ordered = order_by_takers(mask, m, rows, active, n_active, quarter_start, s);
-  const int32_t* tokens = order_tokens(taken_in_groups(pool, mask, m, rows, ordered, n_active, groups, s),
-                                       quantize_rows(pool, k.quantize_row, x, m, cols, blocks, s.xq), m, blocks, groups,
+  const int32_t* tokens = order_tokens(taken_in_groups(pool, mask, m, rows, ordered, n_active, groups, s), m, groups,
                                        quarter_start, s);
-  const BlockQ8* xq = s.xq_ordered.data();  // token t here is tokens[t] of the call
+  // Token t here is tokens[t] of the call.
+  const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, s.xq, tokens);
   const uint8_t* taken = s.taken_ordered.data();
   int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
   band += kernels.two_groups != nullptr && band % 2;

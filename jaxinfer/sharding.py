@@ -59,9 +59,10 @@ ROWS, COLS = 0, 1  # the axis of a [rows, cols] weight that is cut over the devi
 LAYER_CUTS = {"attn_q": ROWS, "attn_k": ROWS, "attn_v": ROWS, "attn_output": COLS, "ffn_gate": ROWS, "ffn_up": ROWS,
               "ffn_down": COLS, "ffn_down_t": ROWS, "fc2": ROWS,
               "attn_q_bias": ROWS, "attn_k_bias": ROWS, "attn_v_bias": ROWS}  # a bias with its projection's rows
-# A mixture's stacked projections (moe.Experts) are cut by rows into whole experts; its shared expert as a dense FFN.
-EXPERT_CUTS = {"gate": ROWS, "up": ROWS, "down": ROWS}
-SHARED_EXPERT_CUTS = {"gate": ROWS, "up": ROWS, "down": COLS}
+# A mixture's (moe.Experts): the router replicated, the stacked projections cut by rows into whole experts; its
+# shared expert's gate vector replicated, its projections as a dense FFN's.
+EXPERT_CUTS = {"router": None, "gate": ROWS, "up": ROWS, "down": ROWS}
+SHARED_EXPERT_CUTS = {"gate_inp": None, "gate": ROWS, "up": ROWS, "down": COLS}
 CACHE_SPEC = P(None, None, None, AXIS, None)  # KV caches [n_layer, B, max_len, n_head_kv, hd]: by KV heads
 
 
@@ -139,24 +140,19 @@ def _spec(name: str, value, axis: int | None, tp: int):
 
 
 def _expert_specs(prefix: str, experts, tp: int):
-    """The spec tree of a layer's mixture (moe.Experts; None stays None): the router replicated, the stacked
-    projections cut by rows into whole experts (the experts' count is checked by check_model: expert e's rows of a
-    projection are one run, the runs in expert order), a shared expert as a dense FFN."""
+    """The spec tree of a layer's mixture (moe.Experts; None stays None), as EXPERT_CUTS says (the experts' count is
+    checked by check_model: expert e's rows of a projection are one run, the runs in expert order)."""
     if experts is None:
         return None
     if experts.parts is not None:
         raise JaxinferError(f"--tp {tp} does not combine with a hot/cold split of the experts (--vram-budget)")
 
-    def cut(value, cuts, names):
-        return dataclasses.replace(value, **{field: _cut_spec(f"{prefix}.{names[field]}", getattr(value, field),
-                                                              axis, tp) for field, axis in cuts.items()})
+    def cut(value, cuts, name):  # name: a cut field's GGUF tensor, for the errors
+        return dataclasses.replace(value, **{field: _spec(f"{prefix}.{name.format(field)}", getattr(value, field),
+                                                          axis, tp) for field, axis in cuts.items()})
 
-    shared = experts.shared
-    if shared is not None:
-        shared = cut(dataclasses.replace(shared, gate_inp=P()), SHARED_EXPERT_CUTS,
-                     {"gate": "ffn_gate_shexp", "up": "ffn_up_shexp", "down": "ffn_down_shexp"})
-    return cut(dataclasses.replace(experts, router=jax.tree.map(lambda _: P(), experts.router), shared=shared),
-               EXPERT_CUTS, {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"})
+    shared = None if experts.shared is None else cut(experts.shared, SHARED_EXPERT_CUTS, "ffn_{}_shexp")
+    return cut(dataclasses.replace(experts, shared=shared), EXPERT_CUTS, "ffn_{}_exps")
 
 
 def weight_specs(weights, tp: int):
