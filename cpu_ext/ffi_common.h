@@ -41,6 +41,7 @@ struct TypeInfo {
   // K-quant-style dots whose activations are not quantize_row_k's (I2_S: one scale per row); null: quantize_row_k.
   void (*Kernels::*quantize_k)(const float* x, BlockQ8K* out, int n);
   QuantDotK2x4 Kernels::*quant_dot_2x4_k;  // null where no two-row four-token K-quant-style dot exists
+  QuantDotAhead Kernels::*quant_dot_ahead;  // null where quant_dot has no variant asking for the next row
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -49,23 +50,28 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kF16: *info = {1, 2, ffi::DataType::F16, nullptr, &Kernels::f16, &Kernels::axpy_f16, nullptr}; return true;
     case kQ4_0:
       *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0, &Kernels::q4_0_x4,
-               nullptr, nullptr, &Kernels::q4_0_2x4};
+               nullptr, nullptr, &Kernels::q4_0_2x4, nullptr, nullptr,
+               &Kernels::q4_0_ahead};
       return true;
     case kQ4_1:
       *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4,
-               nullptr, nullptr, &Kernels::q4_1_2x4};
+               nullptr, nullptr, &Kernels::q4_1_2x4, nullptr, nullptr,
+               &Kernels::q4_1_ahead};
       return true;
     case kQ5_0:
       *info = {32, 22, ffi::DataType::U8, &Kernels::q5_0, nullptr, &Kernels::axpy_q5_0, &Kernels::q5_0_x4,
-               nullptr, nullptr, &Kernels::q5_0_2x4};
+               nullptr, nullptr, &Kernels::q5_0_2x4, nullptr, nullptr,
+               &Kernels::q5_0_ahead};
       return true;
     case kQ5_1:
       *info = {32, 24, ffi::DataType::U8, &Kernels::q5_1, nullptr, &Kernels::axpy_q5_1, &Kernels::q5_1_x4,
-               nullptr, nullptr, &Kernels::q5_1_2x4};
+               nullptr, nullptr, &Kernels::q5_1_2x4, nullptr, nullptr,
+               &Kernels::q5_1_ahead};
       return true;
     case kQ8_0:
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4,
-               nullptr, nullptr, &Kernels::q8_0_2x4};
+               nullptr, nullptr, &Kernels::q8_0_2x4, nullptr, nullptr,
+               &Kernels::q8_0_ahead};
       return true;
     case kQ2_K:
       *info = {256, 84, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q2_k, nullptr, &Kernels::q2_k,
@@ -89,7 +95,8 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
       return true;
     case kIQ4_NL:
       *info = {32, 18, ffi::DataType::U8, &Kernels::iq4_nl, nullptr, &Kernels::axpy_iq4_nl, &Kernels::iq4_nl_x4,
-               nullptr, nullptr, &Kernels::iq4_nl_2x4};
+               nullptr, nullptr, &Kernels::iq4_nl_2x4, nullptr, nullptr,
+               &Kernels::iq4_nl_ahead};
       return true;
     case kIQ4_XS:
       *info = {256, 136, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_iq4_xs, nullptr, &Kernels::iq4_xs,
@@ -237,6 +244,28 @@ Block* quantize_rows(ffi::ThreadPool& pool, Quantize quantize, const float* x, i
   return data;
 }
 
+// How a row-sparse product asks for the next active row it reads (read once: an active or gathered row). Which way
+// serves best depends on the cache design, so it is the vendor's, each measured on a decode step of the 8-layer
+// 7B-shaped PowerInfer file at sparsity 0.8 (predictor mode) or on its gate alone. AMD (Zen 4): every line of the row
+// at once, two rows ahead, with the non-temporal hint (20% of a 4096 x 11008 Q4_0 weight's rows in 0.165 ms against
+// 0.205 with the L2 hint). Intel (Emerald Rapids): the non-temporal hint fills the L1 only and leaves the L2's
+// streamer untrained (16.4-17.3 tokens/s against 20.5-23.5 with the L1 hint), and a whole row asked for at once
+// stalls on the L1's few outstanding misses, so the row dot itself asks for the row two ahead a line a block as it
+// goes (RowDot::ahead, the dot's bits unchanged: 1.06-1.08x the tokens/s of the whole row at once, in one process
+// alternating 8 times).
+inline bool whole_rows_non_temporal() {
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+}
+
+inline void prefetch_row_once(const uint8_t* row, int64_t row_bytes) {
+  if (whole_rows_non_temporal()) {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
+  } else {
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
 // The activations x [m, cols] as the row dot kernels take them: as given for float weights, else quantized to 8 bits
 // (in parallel): per 32 values (into s.xq), or for K-quant weights per 256 (into s.xk). dot(w_row, t) is W row · x[t].
 class RowDot {
@@ -255,6 +284,7 @@ class RowDot {
                           blocks_, s.xk);
     } else {
       quant_dot_ = k.*info.quant_dot;
+      if (info.quant_dot_ahead != nullptr && !whole_rows_non_temporal()) quant_dot_ahead_ = k.*info.quant_dot_ahead;
       if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
       if (info.quant_dot_2x4 != nullptr) quant_dot_2x4_ = k.*info.quant_dot_2x4;
       blocks_ = cols / kQK;
@@ -266,6 +296,13 @@ class RowDot {
     if (float_dot_ != nullptr) return float_dot_(w_row, x_ + t * cols_, n_);
     if (quant_dot_k_ != nullptr) return quant_dot_k_(w_row, xk_ + t * blocks_, n_);
     return quant_dot_(w_row, xq_ + t * blocks_, n_);
+  }
+
+  // (*this)(w_row, t), asking meanwhile for the row of row_bytes at `next`, which the caller reads soon after.
+  float ahead(const uint8_t* w_row, int64_t t, const uint8_t* next, int64_t row_bytes) const {
+    if (quant_dot_ahead_ != nullptr) return quant_dot_ahead_(w_row, xq_ + t * blocks_, n_, next);
+    prefetch_row_once(next, row_bytes);
+    return (*this)(w_row, t);
   }
 
   // out[i] = W row · x[t + i] for i < 4.
@@ -291,6 +328,7 @@ class RowDot {
   int n_;
   FloatDot float_dot_ = nullptr;
   QuantDot quant_dot_ = nullptr;
+  QuantDotAhead quant_dot_ahead_ = nullptr;
   QuantDot4 quant_dot4_ = nullptr;
   QuantDotK quant_dot_k_ = nullptr;
   QuantDotK4 quant_dot4_k_ = nullptr;

@@ -277,7 +277,25 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q4_1_2x4,
                             avx2::dot_q5_0_2x4,
                             avx2::dot_q5_1_2x4,
-                            avx2::dot_iq4_nl_2x4};
+                            avx2::dot_iq4_nl_2x4,
+                            nullptr,  // x16 repacked kernels: two calls of the one-group kernel
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            nullptr,
+                            avx2::dot_q8_0_ahead,
+                            avx2::dot_q4_0_ahead,
+                            avx2::dot_q4_1_ahead,
+                            avx2::dot_q5_0_ahead,
+                            avx2::dot_q5_1_ahead,
+                            avx2::dot_iq4_nl_ahead};
   return k;
 }
 

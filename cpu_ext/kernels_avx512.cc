@@ -356,7 +356,13 @@ const Kernels& avx512_kernels() {
                             avx512::x16k_dots<X8KFormat::kQ4_K, 8>,
                             avx512::x16k_dots<X8KFormat::kQ5_K, 8>,
                             avx512::x16k_dots<X8KFormat::kQ6_K, 8>,
-                            avx512::x16k_dots<X8KFormat::kIQ4_XS, 8>};
+                            avx512::x16k_dots<X8KFormat::kIQ4_XS, 8>,
+                            avx512::dot_q8_0_ahead,
+                            avx512::dot_q4_0_ahead,
+                            avx512::dot_q4_1_ahead,
+                            avx512::dot_q5_0_ahead,
+                            avx512::dot_q5_1_ahead,
+                            avx512::dot_iq4_nl_ahead};
   return k;
 }
 

@@ -123,6 +123,10 @@ inline void unpack_q3_k_scales(const uint8_t* s, int8_t sc[16]) {
 
 // Row dot products. A quantized row of `n` values is n / 32 activation blocks and n / block_size weight blocks.
 using QuantDot = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n);
+// QuantDot, the same operations in the same order (the same bits), asking meanwhile for the row at `ahead`, a line
+// every weight block: a decode step's next active row arrives while this one is dotted, where asking for all its
+// lines at once stalled on the cache's few outstanding misses.
+using QuantDotAhead = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n, const uint8_t* ahead);
 using FloatDot = float (*)(const void* w_row, const float* x_row, int n);
 // One row against four tokens' activations (rows x_row, x_row + x_stride, ... in blocks): out[i] = W row · x[i].
 // Each weight block is unpacked once for the four, which is most of a block's work.
@@ -306,6 +310,7 @@ struct Kernels {
   RepackedDots2 x16_q8_0_x4, x16_q4_0_x4, x16_q4_1_x4, x16_iq4_nl_x4;  // null: two calls of the one-group kernel
   RepackedDotsK2 x16_q4_k_x4, x16_q5_k_x4, x16_q6_k_x4, x16_iq4_xs_x4;
   RepackedDotsK2 x16_q4_k_x8, x16_q5_k_x8, x16_q6_k_x8, x16_iq4_xs_x8;  // eight tokens
+  QuantDotAhead q8_0_ahead, q4_0_ahead, q4_1_ahead, q5_0_ahead, q5_1_ahead, iq4_nl_ahead;
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;

@@ -35,21 +35,6 @@ inline std::string dims_string(ffi::Span<const int64_t> dims) {
   return s + "]";
 }
 
-// Asks for a row that is read once (a gathered or active row, row_dots), every line of it. The hint that serves
-// best depends on the cache design, so it is the vendor's (measured on a decode step of the 8-layer 7B-shaped
-// PowerInfer file at sparsity 0.8, predictor mode): AMD's Zen 4 took 20% of a Q4_0 weight's rows in 0.165 ms with
-// the non-temporal hint against 0.205 with the L2 one; on Intel's Emerald Rapids the non-temporal hint, which fills
-// the L1 only and leaves the L2's own streamer untrained, decoded at 16.4-17.3 tokens/s, no prefetch at 19.6-20.4,
-// the L1 hint at 20.5-23.5 (alternating processes, two rounds).
-inline void prefetch_row_once(const uint8_t* row, int64_t row_bytes) {
-  static const bool non_temporal = __builtin_cpu_is("amd");
-  if (non_temporal) {
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 0);
-  } else {
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
-  }
-}
-
 // A mask's bytes. XLA makes PRED bytes 0 or 1, but a caller can hand over any bytes as bool (a uint8 array viewed as
 // bool). Read as C++ bool, a byte of 2 is undefined behaviour: the compiler added it to the count of active rows, and
 // a count past the rows wrote past the row list. So the handlers read bytes, and any nonzero one means active, as

@@ -49,9 +49,8 @@ struct RowAndColumn {
 // took 1.35x as long as all of them. So the first token's pass prefetches the whole row two entries ahead, unless it
 // continues a run of three consecutive rows, which the hardware streams well and where the extra requests cost time
 // (1.5x with all rows). Measured on that case: 1.78 -> 1.09 ns per weight block of the whole matrix, and 1.31 with
-// all rows, as before; prefetching one row ahead, or only its first lines, did worse. The hint is non-temporal (a
-// row is read once a step): on Zen 4, 20% of a 4096 x 11008 Q4_0 weight's rows in huge pages took 0.165 against
-// 0.205 ms with the L2 hint, and a 7B-shaped predictor model decoded 1.03x faster (median of 8 alternating runs).
+// all rows, as before; prefetching one row ahead, or only its first lines, did worse. How the row is asked for is
+// the CPU vendor's (prefetch_row_once, RowDot::ahead: a row dotted for the first token asks for it as it goes).
 template <typename Entry, typename Take>
 void row_dots(ffi::ThreadPool& pool, const RowDot& dot, const WeightsAndOutputs& wo, int64_t row_bytes, int64_t m,
               int64_t n_entries, const Entry& entry, const Take& take, int64_t out_stride) {
@@ -62,15 +61,18 @@ void row_dots(ffi::ThreadPool& pool, const RowDot& dot, const WeightsAndOutputs&
     for (int64_t t = 0; t < m; ++t) {  // the task's rows stay in L1 over the tokens
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t i = p / n_entries, e = p - i * n_entries;
+        const uint8_t* next = nullptr;
         if (t == 0 && p + 2 < p1 && e + 2 < n_entries) {
           const int64_t r0 = entry(e).row, r1 = entry(e + 1).row, r2 = entry(e + 2).row;
-          if (r2 != r1 + 1 || r1 != r0 + 1) {
-            prefetch_row_once(wo.ws[i] + r2 * row_bytes, row_bytes);
-          }
+          if (r2 != r1 + 1 || r1 != r0 + 1) next = wo.ws[i] + r2 * row_bytes;
         }
-        if (!take(t, e)) continue;
+        if (!take(t, e)) {
+          if (next != nullptr) prefetch_row_once(next, row_bytes);
+          continue;
+        }
         const RowAndColumn rc = entry(e);
-        wo.outs[i][t * out_stride + rc.column] = dot(wo.ws[i] + rc.row * row_bytes, t);
+        const uint8_t* row = wo.ws[i] + rc.row * row_bytes;
+        wo.outs[i][t * out_stride + rc.column] = next != nullptr ? dot.ahead(row, t, next, row_bytes) : dot(row, t);
       }
     }
   });
@@ -182,11 +184,13 @@ void segmented_row_dots(ffi::ThreadPool& pool, const RowDot& dot, const uint8_t*
   parallel_for(pool, (n_valid + band - 1) / band, [=](int64_t task) {
     const int64_t e0 = task * band, e1 = std::min(n_valid, e0 + band);
     for (int64_t e = e0; e < e1; ++e) {
-      if (e + 2 < e1 && idx[pos[e + 2]] != idx[pos[e + 1]] + 1) {
-        prefetch_row_once(w + idx[pos[e + 2]] * row_bytes, row_bytes);
-      }
       const int64_t t = pos[e] / segment;
-      ys[t * k + pos[e]] = dot(w + idx[pos[e]] * row_bytes, t);
+      const uint8_t* row = w + idx[pos[e]] * row_bytes;
+      if (e + 2 < e1 && idx[pos[e + 2]] != idx[pos[e + 1]] + 1) {
+        ys[t * k + pos[e]] = dot.ahead(row, t, w + idx[pos[e + 2]] * row_bytes, row_bytes);
+      } else {
+        ys[t * k + pos[e]] = dot(row, t);
+      }
     }
   });
 }

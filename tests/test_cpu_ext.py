@@ -197,6 +197,30 @@ def test_masked_group_gives_the_bits_of_separate_masked_calls(qtype, isa):
         jax.block_until_ready(cpu_ext.masked_matmul_group(x[0], [datas[0], datas[1][:5]], mask[0], **kw))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL], ids=lambda q: q.name)
+def test_one_token_over_scattered_rows_gives_the_dense_bits(qtype, isa):
+    """A decode step's row-sparse products dot each active row while asking for the next one's lines (RowDot::ahead
+    where the CPU takes it): the bits of the dense product on every row taken, for a mask, an index and a segmented
+    index over scattered rows (runs of consecutive rows are left to the hardware)."""
+    rng = np.random.default_rng(12)
+    rows, cols = 300, 576
+    kw = dict(qtype=qtype, rows=rows, cols=cols)
+    data = random_weight(qtype, rows, cols, rng)
+    x = rng.normal(size=(1, cols)).astype(np.float32)
+    dense = np.asarray(cpu_ext.quantized_matmul(x, data, **kw))
+    mask = rng.random((1, rows)) < 0.3
+    masked = np.asarray(cpu_ext.masked_matmul(x, data, mask, **kw))
+    np.testing.assert_array_equal(masked[mask], dense[mask])
+    np.testing.assert_array_equal(masked[~mask], 0.0)
+    index = rng.permutation(rows)[:90].astype(np.int32)
+    np.testing.assert_array_equal(np.asarray(cpu_ext.gather_matmul(x, data, index, **kw)), dense[:, index])
+    tokens = rng.normal(size=(2, cols)).astype(np.float32)
+    both = np.asarray(cpu_ext.quantized_matmul(tokens, data, **kw))
+    segmented = np.asarray(cpu_ext.gather_matmul(tokens, data, index, segment=45, **kw))
+    np.testing.assert_array_equal(segmented[0, :45], both[0, index[:45]])
+    np.testing.assert_array_equal(segmented[1, 45:], both[1, index[45:]])
+
+
 def test_quant_masked_matmuls_groups_only_what_the_kernels_take():
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.normal(size=(2, 64)).astype(np.float32))
