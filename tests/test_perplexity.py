@@ -1,6 +1,7 @@
 import dataclasses
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -91,8 +92,11 @@ def test_the_default_model_against_its_own_base(default_model, tmp_path):
         saved = evaluation.evaluate(m, tokens, n_ctx=64, n_chunks=4, save_logits=f)
     again = evaluation.evaluate(m, tokens, n_ctx=64, n_chunks=4, base=evaluation.read_logits_file(str(path)))
     line = again.summary()
-    assert again.ppl == saved.ppl and again.kl.mean == 0.0
-    assert "KL-divergence 0.000000 +/- " in line and "-0.0" not in line and "same top-1 100.00%" in line, line
+    # The base's 16-bit rounding takes the mean of equal distributions just below 0 or just above it, by machine
+    # (-6e-8 on the AMD machine of docs/benchmarks.md, 7e-7 on the Intel one): never below 0, never above the rounding.
+    assert again.ppl == saved.ppl and 0.0 <= again.kl.mean < 1e-5
+    assert re.search(r"KL-divergence 0\.00000\d \+/- ", line), line
+    assert "-0.0" not in line and "same top-1 100.00%" in line, line
     assert again.kl.base_ppl < 0.999 * again.ppl  # targets under the clamp count at it
     assert again.kl.stored_ppl == pytest.approx(again.kl.base_ppl, rel=1e-6)
     assert line.endswith(f", base PPL {again.kl.base_ppl:.4f} from its stored log-probs, which llama.cpp's format "
