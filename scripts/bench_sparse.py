@@ -73,6 +73,7 @@ flags.DEFINE_integer("tg", 64, "decode steps per timed run (and the peers' -n)")
 flags.DEFINE_integer("pp", 512, "synthetic mode: prompt tokens whose prefill (generate's, micro-batches of 512) is "
                      "timed in the dense and the predictor mode, alternating; the first ones of -f when given, else "
                      "random ones as llama-bench's (0: no prompts)")
+flags.DEFINE_integer("pp_repetitions", 6, "timed prefills of each model, alternating (--pp)")
 flags.DEFINE_integer("repetitions", 3, "timed runs of each model per round, alternating (and llama-bench's -r)")
 flags.DEFINE_integer("rounds", 1, "rounds of jaxinfer's runs then the peers' (the machine's load drifts): the speeds "
                      "are medians over all rounds' runs, a peer's of each -t")
@@ -86,6 +87,7 @@ flags.DEFINE_integer("peer_timeout", 1800, "seconds a peer's run may take")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
 check_range("tg", 2)
 check_range("repetitions", 1)
+check_range("pp_repetitions", 1)
 check_range("rounds", 1)
 check_range("chunks", 1)
 check_range("ppl_ctx_size", 8)
@@ -229,11 +231,12 @@ def prompt_tokens(m) -> list[int]:
     return np.random.default_rng(0).integers(0, m.config.n_vocab, FLAGS.pp).tolist()
 
 
-def alternate_prefill(models: dict, prompt: list[int]) -> dict[str, float]:
-    """Each model's prefill of `prompt` as generate runs it, --repetitions times after an untimed run, the models
-    alternating run by run -> {name: median tokens/s}."""
+def alternate_prefill(models: dict, prompt: list[int]) -> tuple[dict[str, float], float]:
+    """Each model's prefill of `prompt` as generate runs it, --pp_repetitions times after an untimed run, the models
+    alternating run by run -> ({name: median tokens/s}, the median over the runs of the predictor's speed over the
+    dense one's run beside it: a prompt takes seconds, and this machine's pace drifts more than that between runs)."""
     rates = {name: [] for name in models}
-    for run in range(FLAGS.repetitions + 1):
+    for run in range(FLAGS.pp_repetitions + 1):
         for name, m in models.items():
             stats = engine.GenerationStats()
             list(engine.generate_tokens(m, prompt, 1, len(prompt) + 1, SamplingParams(temperature=0), 0, stats,
@@ -241,7 +244,8 @@ def alternate_prefill(models: dict, prompt: list[int]) -> dict[str, float]:
             if run:
                 rates[name].append(stats.prompt_tokens_per_s)
                 print(f"  {name}: pp{len(prompt)} {stats.prompt_tokens_per_s:.1f} tokens/s", flush=True)
-    return {name: float(np.median(r)) for name, r in rates.items()}
+    paired = np.median(np.array(rates["predictor"]) / np.array(rates["dense"]))
+    return {name: float(np.median(r)) for name, r in rates.items()}, float(paired)
 
 
 def byte_row(m, tokens, shares=None) -> tuple[decode_bytes.StepBytes, np.ndarray]:
@@ -310,7 +314,7 @@ def bench_level(level: float, path: str) -> dict:
         peers.append((Peer("llama-bench", twin_path(path)), llama_bench_round))
     runtime.freeze_loaded_objects()  # as generate does after loading
     rates, tokens = measure(models, peers)
-    prompts = alternate_prefill(models, prompt_tokens(models["dense"])) if FLAGS.pp else {}
+    prompts, pp_speedup = alternate_prefill(models, prompt_tokens(models["dense"])) if FLAGS.pp else ({}, None)
     dense, dense_shares = byte_row(models["dense"], tokens)
     sparse, _ = byte_row(models["predictor"], tokens)
     twin, _ = byte_row(models["dense"], tokens, np.ones_like(dense_shares))  # every row, no predictor
@@ -325,7 +329,7 @@ def bench_level(level: float, path: str) -> dict:
            "dense_tg": rates["dense"], "sparse_tg": rates["predictor"],
            **compared(rates["dense"], rates["predictor"], dense.total, sparse.total),
            "dense_pp": prompts.get("dense"), "sparse_pp": prompts.get("predictor"),
-           "pp_speedup": prompts and prompts["predictor"] / prompts["dense"] or None}
+           "pp_speedup": pp_speedup}
     found = {peer.name: peer for peer, _ in peers}
     row |= found["PowerInfer"].result("powerinfer") if FLAGS.powerinfer else dict.fromkeys(POWERINFER_KEYS)
     row |= found["llama-bench"].result("llama_cpp") if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
@@ -367,8 +371,8 @@ def print_levels(rows: list[dict]):
               f"{r['twin_byte_ideal']:.3f}x |", flush=True)
     if FLAGS.pp:
         source = f"the first tokens of {FLAGS.file}" if FLAGS.file else "random tokens"
-        print(f"\npp{FLAGS.pp} ({source}, prefilled as generate does), tokens/s: medians of {FLAGS.repetitions} "
-              f"alternating runs")
+        print(f"\npp{FLAGS.pp} ({source}, prefilled as generate does), tokens/s: medians of {FLAGS.pp_repetitions} "
+              f"alternating runs; predictor ÷ dense: the median of each run's ratio to the dense run beside it")
         print("| sparsity | jaxinfer dense | predictor | predictor ÷ dense |")
         print("|---|---|---|---|")
         for r in rows:

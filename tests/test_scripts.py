@@ -374,8 +374,8 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     powerinfer = fake(tmp_path / "main", FAKE_POWERINFER, "-0.95.")
     llama_bench = fake(tmp_path / "llama-bench", FAKE_LLAMA_BENCH_TG, "-0.95.")
     result = run("scripts/bench_sparse.py", "--models_dir", str(models), "--shape", "tiny", "--n_layer", "1",
-                 "--levels", "0.8,0.95", "--tg", "4", "--pp", "16", "--repetitions", "1", "--rounds", "2", "-c", "32",
-                 "--powerinfer", powerinfer,
+                 "--levels", "0.8,0.95", "--tg", "4", "--pp", "16", "--pp_repetitions", "1", "--repetitions", "1",
+                 "--rounds", "2", "-c", "32", "--powerinfer", powerinfer,
                  "--llama_bench", llama_bench, "--threads", "1,2", "--json")
     assert result.returncode == 0, result.stderr
     made = [line for line in result.stderr.splitlines() if line.startswith("making /")]
