@@ -93,7 +93,8 @@ def test_the_default_model_against_its_own_base(default_model, tmp_path):
     again = evaluation.evaluate(m, tokens, n_ctx=64, n_chunks=4, base=evaluation.read_logits_file(str(path)))
     line = again.summary()
     # The base's 16-bit rounding takes the mean of equal distributions just below 0 or just above it, by machine
-    # (-6e-8 on the AMD machine of docs/benchmarks.md, 7e-7 on the Intel one): never below 0, never above the rounding.
+    # (-6e-8 on the AMD machine of docs/benchmarks.md, reported as 0; 7e-7 on the Intel one): never below 0, never
+    # above the rounding.
     assert again.ppl == saved.ppl and 0.0 <= again.kl.mean < 1e-5
     assert re.search(r"KL-divergence 0\.00000\d \+/- ", line), line
     assert "-0.0" not in line and "same top-1 100.00%" in line, line
