@@ -21,8 +21,17 @@ inline __m512 coefficients(const uint8_t* scales, float h) {
 
 // Rounds the group's coefficients for blocks b0 .. b0 + 15 into c (see DownCoefficients); nb a multiple of 16.
 void round_coefficients16(const DownGroup& g, int nb, int b0, DownCoefficients& c) {
-  __m512 amax = _mm512_setzero_ps();
-  for (int i = 0; i < g.n; ++i) amax = _mm512_max_ps(amax, _mm512_abs_ps(coefficients(g.rows[i] + 2 * b0, g.h[i])));
+  // Four running maxima (n is a multiple of 4): one would chain the group's maxes one after another. The
+  // coefficients are kept for the rounding below rather than computed again.
+  __m512 coefficient[kDownGroup];
+  __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  for (int i = 0; i < g.n; i += 4) {
+    for (int r = 0; r < 4; ++r) {
+      coefficient[i + r] = coefficients(g.rows[i + r] + 2 * b0, g.h[i + r]);
+      part[r] = _mm512_max_ps(part[r], _mm512_abs_ps(coefficient[i + r]));
+    }
+  }
+  const __m512 amax = _mm512_max_ps(_mm512_max_ps(part[0], part[1]), _mm512_max_ps(part[2], part[3]));
   const __m512 k127 = _mm512_set1_ps(127.0f);
   const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
   const __m512 inv = _mm512_maskz_div_ps(nonzero, k127, amax);
@@ -32,7 +41,7 @@ void round_coefficients16(const DownGroup& g, int nb, int b0, DownCoefficients& 
     __m128i q[4];
     for (int r = 0; r < 4; ++r) {
       const int i = 4 * k + r;
-      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(coefficients(g.rows[i] + 2 * b0, g.h[i]), inv));
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(coefficient[i], inv));
       sum = _mm512_add_epi32(sum, rounded);
       q[r] = _mm512_cvtepi32_epi8(rounded);  // |rounded| <= 127: no saturation
     }
@@ -114,6 +123,9 @@ void down_group_avx512(const DownGroup& g, int cols, DownCoefficients& c, float*
   __m512i* acc = reinterpret_cast<__m512i*>(c.acc.data());
   std::memset(acc, 0, sizeof(int32_t) * kQK * nb);
   const int n_rows = g.n;
+  // The next group's scales, a line per block of the first pass (32 rows of 2 nb bytes: nb lines at most), so that
+  // rounding its coefficients does not wait for memory row after row.
+  const int scale_lines = (2 * nb + 63) / 64, next_lines = g.n_next * scale_lines;
   for (int k = 0; k < g.n / 4; k += 2) {
     const bool two = k + 1 < g.n / 4;
     const uint8_t* const* row = qs + 4 * k;
@@ -121,6 +133,9 @@ void down_group_avx512(const DownGroup& g, int cols, DownCoefficients& c, float*
     // pass ends (a row's start would otherwise wait for memory, a row being 36 lines at 4096 Q4_0 outputs).
     const int next = std::min(8, n_rows - 4 * (k + 2));
     for (int b = 0; b < nb; ++b) {
+      if (k == 0 && b < next_lines) {
+        _mm_prefetch(reinterpret_cast<const char*>(g.next[b / scale_lines] + 64 * (b % scale_lines)), _MM_HINT_T0);
+      }
       if (b % (4 * 64 / kQsBytes) == 0) {
         for (int i = 0; i < next; ++i) {
           _mm_prefetch(reinterpret_cast<const char*>(row[8 + i] + kQsBytes * b), _MM_HINT_T1);
