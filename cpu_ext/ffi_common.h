@@ -220,8 +220,8 @@ struct Scratch {
   std::vector<float> masked;  // a token's masked h (neuron_major_axpy), the listed neurons' h (down_rows.cc)
   // A union's rows by how many tokens take them, which rows of each group of them each token takes, the tokens in
   // the order their tiles are dotted, and the takes in that order (union_rows.cc).
-  std::vector<int32_t> takers, ordered, tokens;
-  std::vector<uint8_t> taken, taken_ordered;
+  std::vector<int32_t> takers, ordered, tokens, hot, cold, cold_index;
+  std::vector<uint8_t> taken, taken_ordered, cold_bits;
 };
 
 inline Scratch& thread_scratch() {

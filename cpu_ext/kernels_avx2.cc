@@ -295,7 +295,11 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q4_1_ahead,
                             avx2::dot_q5_0_ahead,
                             avx2::dot_q5_1_ahead,
-                            avx2::dot_iq4_nl_ahead};
+                            avx2::dot_iq4_nl_ahead,
+                            avx2::dot_q8_0_g4,
+                            avx2::dot_q4_0_g4,
+                            avx2::dot_q4_1_g4,
+                            avx2::dot_iq4_nl_g4};
   return k;
 }
 

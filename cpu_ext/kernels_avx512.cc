@@ -362,7 +362,11 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q4_1_ahead,
                             avx512::dot_q5_0_ahead,
                             avx512::dot_q5_1_ahead,
-                            avx512::dot_iq4_nl_ahead};
+                            avx512::dot_iq4_nl_ahead,
+                            avx512::dot_q8_0_g4,
+                            avx512::dot_q4_0_g4,
+                            avx512::dot_q4_1_g4,
+                            avx512::dot_iq4_nl_g4};
   return k;
 }
 

@@ -127,6 +127,9 @@ using QuantDot = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n);
 // every weight block: a decode step's next active row arrives while this one is dotted, where asking for all its
 // lines at once stalled on the cache's few outstanding misses.
 using QuantDotAhead = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n, const uint8_t* ahead);
+// One row against any four tokens' activations (x_rows[0..3], in blocks): out[i] = W row · x_rows[i], the QuantDot's
+// bits for each.
+using QuantDotGather4 = void (*)(const uint8_t* w_row, const BlockQ8* const* x_rows, int n, float* out);
 using FloatDot = float (*)(const void* w_row, const float* x_row, int n);
 // One row against four tokens' activations (rows x_row, x_row + x_stride, ... in blocks): out[i] = W row · x[i].
 // Each weight block is unpacked once for the four, which is most of a block's work.
@@ -311,6 +314,7 @@ struct Kernels {
   RepackedDotsK2 x16_q4_k_x4, x16_q5_k_x4, x16_q6_k_x4, x16_iq4_xs_x4;
   RepackedDotsK2 x16_q4_k_x8, x16_q5_k_x8, x16_q6_k_x8, x16_iq4_xs_x8;  // eight tokens
   QuantDotAhead q8_0_ahead, q4_0_ahead, q4_1_ahead, q5_0_ahead, q5_1_ahead, iq4_nl_ahead;
+  QuantDotGather4 q8_0_g4, q4_0_g4, q4_1_g4, iq4_nl_g4;  // the row-sparse products' cold rows (union_rows.cc)
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;

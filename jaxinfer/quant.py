@@ -438,8 +438,8 @@ CPU_KERNEL_UNBOUNDED_TYPES = TERNARY_TYPES
 # Row-sparse products of these types take cpu_ext for any number of tokens: from cpu_ext's kUnionPackMinTokens (16)
 # a call packs the union of its tokens' active rows eight to a group and runs the repacked kernels on them
 # (cpu_ext/union_rows.cc), so a prompt's chunk through a sparse gate/up costs the dense repacked product's time times
-# the share of rows it needs, plus the packing (11008 x 4096 Q4_0, 256 tokens: 0.33x the dense product's time at 30%
-# of the rows, 0.78x at 70%, 1.2x at all of them). A transposed down projection laid out as DOWN_ROWS is summed token
+# the share of rows it needs, plus the packing (11008 x 4096 Q4_0, 512 tokens: 0.36x the dense product's time at 30%
+# of the rows, 1.1x at all of them); rows that few of the tokens take are dotted by the row kernels instead. A transposed down projection laid out as DOWN_ROWS is summed token
 # by token over its active rows, at any length.
 UNION_PACKED_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0", "IQ4_NL"))
 

@@ -1,7 +1,7 @@
 """Row-sparse products of many tokens (cpu_ext/union_rows.cc): from 16 tokens a call packs the union of its tokens'
 active rows eight to a group, in order of how many tokens take them, and runs the repacked kernels where a token
 takes a group's row; the same products as the row kernels' (the portable kernels' bits, so bit for bit with the
-portable set, to f32 rounding with the SIMD row kernels)."""
+portable set, to f32 rounding with the SIMD row kernels). Rows few of the tokens take are dotted by the row kernels."""
 
 import jax
 import numpy as np
@@ -62,6 +62,32 @@ def test_rows_few_tokens_take_are_skipped_where_no_token_takes_them(qtype, isa):
     else:
         np.testing.assert_allclose(packed, rows_only, rtol=1e-5, atol=1e-5 * np.abs(rows_only).max())
     assert np.all(packed[~mask] == 0) and np.all(packed[mask] != 0)
+
+
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda q: q.name)
+def test_rows_few_tokens_take_are_dotted_by_the_row_kernels(qtype, isa):
+    """A row fewer than an eighth of the call's tokens take is not packed but dotted token by token, four of its
+    tokens at a time where the kernel set has that kernel: its products are the row kernels' bits on every kernel
+    set, and a row that just makes the cut (an eighth of the tokens) is packed. All rows cold (nothing packed) too."""
+    rng = np.random.default_rng(11)
+    rows, m, cols = 96, 64, 256
+    data = encode_tensor(rng.normal(size=(rows, cols)).astype(np.float32), qtype, rng)
+    x = rng.normal(size=(m, cols)).astype(np.float32)
+    takers = np.concatenate([np.arange(1, 12), np.full(rows - 11, 40)])[rng.permutation(rows)]  # 1..7 cold, 8.. not
+    mask = np.zeros((m, rows), bool)
+    for row, k in enumerate(takers):
+        mask[rng.choice(m, k, replace=False), row] = True
+    cold = takers * 8 < m
+    assert cold.sum() == 7
+    packed = np.asarray(cpu_ext.masked_matmul(x, data, mask, qtype=qtype, rows=rows, cols=cols))
+    rows_only = row_path(x, data, mask, qtype, rows, cols)
+    np.testing.assert_array_equal(packed[:, cold], rows_only[:, cold])
+    np.testing.assert_allclose(packed, rows_only, rtol=1e-5, atol=1e-5 * np.abs(rows_only).max())
+    assert np.all(packed[~mask] == 0) and np.all(packed[mask] != 0)
+    only_cold = mask & cold
+    np.testing.assert_array_equal(
+        np.asarray(cpu_ext.masked_matmul(x, data, only_cold, qtype=qtype, rows=rows, cols=cols)),
+        np.where(only_cold, rows_only, 0))
 
 
 def test_masked_products_of_long_chunks_stay_with_the_kernels():
