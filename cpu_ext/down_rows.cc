@@ -120,22 +120,35 @@ void sum_down_rows(ffi::ThreadPool& pool, DownType type, const uint8_t* ws, int6
   Scratch& s = thread_scratch();
   s.rows.resize(static_cast<size_t>(m * k));
   s.masked.resize(static_cast<size_t>(m * k));
-  std::vector<GroupItem> items;
-  int64_t n = 0;
-  for (int64_t t = 0; t < m; ++t) {
-    for (int64_t start = 0; start < k; start += segment) {
-      const int64_t first = n;
-      for (int64_t e = start; e < std::min(k, start + segment); ++e) {
-        const int64_t row = row_of(t, e);
-        s.rows[n] = static_cast<int32_t>(row);
-        s.masked[n] = hs[t * k + e];
-        n += row >= 0 && row < rows && hs[t * k + e] != 0.0f;
-      }
-      for (int64_t begin = first; begin < n; begin += kDownGroup) {
-        items.push_back({t, begin, std::min(n, begin + kDownGroup)});
+  // Token t's neurons go to entries [t k, t k + its count): the tokens are listed in parallel, a few to a task (a
+  // prompt's 512 tokens over 11008 neurons each took one thread 2-3% of the prompt's time while the others waited),
+  // and their groups joined in token order.
+  constexpr int64_t kTokensPerTask = 8;
+  const int64_t n_tasks = (m + kTokensPerTask - 1) / kTokensPerTask;
+  std::vector<std::vector<GroupItem>> task_items(static_cast<size_t>(n_tasks));
+  std::vector<GroupItem>* task_items_data = task_items.data();
+  int32_t* listed = s.rows.data();
+  float* listed_h = s.masked.data();
+  parallel_for(pool, n_tasks, [=](int64_t task) {
+    std::vector<GroupItem>& out = task_items_data[task];
+    for (int64_t t = task * kTokensPerTask; t < std::min(m, (task + 1) * kTokensPerTask); ++t) {
+      int64_t n = t * k;
+      for (int64_t start = 0; start < k; start += segment) {
+        const int64_t first = n;
+        for (int64_t e = start; e < std::min(k, start + segment); ++e) {
+          const int64_t row = row_of(t, e);
+          listed[n] = static_cast<int32_t>(row);
+          listed_h[n] = hs[t * k + e];
+          n += row >= 0 && row < rows && hs[t * k + e] != 0.0f;
+        }
+        for (int64_t begin = first; begin < n; begin += kDownGroup) {
+          out.push_back({t, begin, std::min(n, begin + kDownGroup)});
+        }
       }
     }
-  }
+  });
+  std::vector<GroupItem> items;
+  for (const std::vector<GroupItem>& part : task_items) items.insert(items.end(), part.begin(), part.end());
   const DownGroupKernel kernel = group_kernel(type);
   const int32_t* neurons = s.rows.data();
   const float* values = s.masked.data();
@@ -169,7 +182,7 @@ void sum_down_rows(ffi::ThreadPool& pool, DownType type, const uint8_t* ws, int6
   // the order of their first neuron, so that the tokens' groups over nearby neurons follow each other and a row is
   // read from memory about once a tile (the down projection of a 7B-shaped Q4_0 prompt: 23% -> 19% of its time).
   // A token's groups keep their order and one thread adds them all: its sum does not depend on the tiling.
-  std::memset(y, 0, sizeof(float) * m * cols);
+  zero_floats(pool, y, m * cols);
   std::vector<int64_t> tile_start(1, 0);
   for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
     if (items[i].t / kDownTokenTile != items[tile_start.back()].t / kDownTokenTile) tile_start.push_back(i);

@@ -95,6 +95,20 @@ inline void sum_over_groups(ffi::ThreadPool& pool, int64_t n_items, int64_t size
   }
 }
 
+// Zeroes y[0, n): over the pool's threads where it is large (a prompt's outputs: 22.5 MB for a 7B-shaped gate over
+// 512 tokens), where one thread zeroing it would leave the others waiting.
+inline void zero_floats(ffi::ThreadPool& pool, float* y, int64_t n) {
+  constexpr int64_t kTaskFloats = int64_t{1} << 18;  // 1 MB a task
+  if (n <= kTaskFloats) {
+    std::memset(y, 0, sizeof(float) * n);
+    return;
+  }
+  parallel_for(pool, (n + kTaskFloats - 1) / kTaskFloats, [=](int64_t task) {
+    const int64_t i0 = task * kTaskFloats;
+    std::memset(y + i0, 0, sizeof(float) * std::min(kTaskFloats, n - i0));
+  });
+}
+
 // Whether an index entry of type T is an int32 value.
 template <typename T>
 inline bool fits_int32(T value) {

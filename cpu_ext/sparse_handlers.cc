@@ -103,7 +103,7 @@ ffi::Error MaskedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   Scratch& s = thread_scratch();
   const uint8_t* ms = mask_bytes(mask);
   float* ys = y->typed_data();
-  std::memset(ys, 0, sizeof(float) * m * rows);
+  zero_floats(pool, ys, m * rows);
   const int64_t n_active = active_rows(ms, m, rows, s);
   if (n_active == 0) return ffi::Error::Success();  // nothing to read, not even x
   const int32_t* active = s.rows.data();
@@ -156,7 +156,7 @@ ffi::Error MaskedMatmulGroupImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, 
     }
     wo.ws[i] = static_cast<const uint8_t*>(w->untyped_data());
     wo.outs[i] = static_cast<float*>((*y)->untyped_data());
-    std::memset(wo.outs[i], 0, sizeof(float) * m * rows);
+    zero_floats(pool, wo.outs[i], m * rows);
   }
   Scratch& s = thread_scratch();
   const uint8_t* ms = mask_bytes(mask);
@@ -258,7 +258,7 @@ ffi::Error GatherMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
                                        std::to_string(segment));
   }
   float* ys = y->typed_data();
-  std::memset(ys, 0, sizeof(float) * m * k);
+  zero_floats(pool, ys, m * k);
   if (interleave == kInterleave) {
     return gathered_group_products(pool, info, qtype, static_cast<const uint8_t*>(w.untyped_data()), rows, cols,
                                    x.typed_data(), m, idx, k, segment, ys, s);
