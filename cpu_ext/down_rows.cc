@@ -166,8 +166,6 @@ void sum_down_rows(ffi::ThreadPool& pool, DownType type, const uint8_t* ws, int6
         group.rows[group.n] = group.rows[0];
         group.h[group.n] = 0.0f;
       }
-      group.n_next = item + 1 == items_end ? 0 : static_cast<int>(item[1].end - item[1].begin);
-      for (int e = 0; e < group.n_next; ++e) group.next[e] = ws + neurons[item[1].begin + e] * row_bytes;
       kernel(group, static_cast<int>(cols), coefficients, ys + item->t * cols);
     }
   };

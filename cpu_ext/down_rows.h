@@ -54,14 +54,11 @@ constexpr int down_qs_bytes(DownType t) { return t == DownType::kQ4_0 ? 16 : 32;
 constexpr int down_offset(DownType t) { return t == DownType::kQ4_0 ? 8 : 128; }
 
 // One group of active neurons: their rows (pointing at the scales) and coefficients; n a multiple of 4 (padding:
-// the first row again, with coefficient 0). `next`: the rows of the group the thread takes next (n_next of them),
-// whose scales a kernel may ask for while it works on this one.
+// the first row again, with coefficient 0).
 struct DownGroup {
   const uint8_t* rows[kDownGroup];
   float h[kDownGroup];
   int n;
-  const uint8_t* next[kDownGroup];
-  int n_next = 0;
 };
 
 // A thread's space for a group's rounded coefficients: word[k nb + b] holds g8 of neurons 4k .. 4k + 3 on block b

@@ -123,9 +123,6 @@ void down_group_avx512(const DownGroup& g, int cols, DownCoefficients& c, float*
   __m512i* acc = reinterpret_cast<__m512i*>(c.acc.data());
   std::memset(acc, 0, sizeof(int32_t) * kQK * nb);
   const int n_rows = g.n;
-  // The next group's scales, a line per block of the first pass (32 rows of 2 nb bytes: nb lines at most), so that
-  // rounding its coefficients does not wait for memory row after row.
-  const int scale_lines = (2 * nb + 63) / 64, next_lines = g.n_next * scale_lines;
   for (int k = 0; k < g.n / 4; k += 2) {
     const bool two = k + 1 < g.n / 4;
     const uint8_t* const* row = qs + 4 * k;
@@ -133,9 +130,6 @@ void down_group_avx512(const DownGroup& g, int cols, DownCoefficients& c, float*
     // pass ends (a row's start would otherwise wait for memory, a row being 36 lines at 4096 Q4_0 outputs).
     const int next = std::min(8, n_rows - 4 * (k + 2));
     for (int b = 0; b < nb; ++b) {
-      if (k == 0 && b < next_lines) {
-        _mm_prefetch(reinterpret_cast<const char*>(g.next[b / scale_lines] + 64 * (b % scale_lines)), _MM_HINT_T0);
-      }
       if (b % (4 * 64 / kQsBytes) == 0) {
         for (int i = 0; i < next; ++i) {
           _mm_prefetch(reinterpret_cast<const char*>(row[8 + i] + kQsBytes * b), _MM_HINT_T1);
