@@ -42,6 +42,7 @@ struct TypeInfo {
   void (*Kernels::*quantize_k)(const float* x, BlockQ8K* out, int n);
   QuantDotK2x4 Kernels::*quant_dot_2x4_k;  // null where no two-row four-token K-quant-style dot exists
   QuantDotAhead Kernels::*quant_dot_ahead;  // null where quant_dot has no variant asking for the next row
+  QuantDotGather4 Kernels::*quant_dot_g4;  // null where no dot of one row and any four tokens exists
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -51,12 +52,12 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ4_0:
       *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0, &Kernels::q4_0_x4,
                nullptr, nullptr, &Kernels::q4_0_2x4, nullptr, nullptr,
-               &Kernels::q4_0_ahead};
+               &Kernels::q4_0_ahead, &Kernels::q4_0_g4};
       return true;
     case kQ4_1:
       *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4,
                nullptr, nullptr, &Kernels::q4_1_2x4, nullptr, nullptr,
-               &Kernels::q4_1_ahead};
+               &Kernels::q4_1_ahead, &Kernels::q4_1_g4};
       return true;
     case kQ5_0:
       *info = {32, 22, ffi::DataType::U8, &Kernels::q5_0, nullptr, &Kernels::axpy_q5_0, &Kernels::q5_0_x4,
@@ -71,7 +72,7 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ8_0:
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4,
                nullptr, nullptr, &Kernels::q8_0_2x4, nullptr, nullptr,
-               &Kernels::q8_0_ahead};
+               &Kernels::q8_0_ahead, &Kernels::q8_0_g4};
       return true;
     case kQ2_K:
       *info = {256, 84, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q2_k, nullptr, &Kernels::q2_k,
@@ -96,7 +97,7 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kIQ4_NL:
       *info = {32, 18, ffi::DataType::U8, &Kernels::iq4_nl, nullptr, &Kernels::axpy_iq4_nl, &Kernels::iq4_nl_x4,
                nullptr, nullptr, &Kernels::iq4_nl_2x4, nullptr, nullptr,
-               &Kernels::iq4_nl_ahead};
+               &Kernels::iq4_nl_ahead, &Kernels::iq4_nl_g4};
       return true;
     case kIQ4_XS:
       *info = {256, 136, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_iq4_xs, nullptr, &Kernels::iq4_xs,

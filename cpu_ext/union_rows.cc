@@ -254,17 +254,6 @@ inline uint32_t nonzero_bits(uint64_t bytes) {
   return static_cast<uint32_t>((ones * 0x0102040810204080ull) >> 56);  // byte r's 1 to bit r
 }
 
-// The kernel dotting one row with any four tokens, for a type packs_union takes; null where the set has none.
-QuantDotGather4 gather4_kernel(const Kernels& k, int64_t qtype) {
-  switch (qtype) {
-    case kQ4_0: return k.q4_0_g4;
-    case kQ4_1: return k.q4_1_g4;
-    case kQ8_0: return k.q8_0_g4;
-    case kIQ4_NL: return k.iq4_nl_g4;
-    default: return nullptr;
-  }
-}
-
 // outs[i][token, row] for the cold rows (s.cold, increasing; s.cold_bits: bit j % 8 of byte j / 8 set for a cold row
 // j, s.cold_index[j] its place in s.cold). Each task takes a run of them: it lists each row's takers, token by token
 // with its columns of the mask read eight at a time, then dots each row with its takers four at a time (gather4, a
@@ -350,8 +339,8 @@ void union_row_products(ffi::ThreadPool& pool, int64_t qtype, const float* x, in
   const BlockQ8* xq = quantize_rows(pool, k.quantize_row, x, m, cols, blocks, s.xq, tokens);
   TypeInfo info;
   type_info(qtype, &info);
-  cold_row_dots(pool, k.*info.quant_dot, gather4_kernel(k, qtype), xq, blocks, m, cols, wo, row_bytes, mask, rows,
-                tokens, s);
+  const QuantDotGather4 gather4 = info.quant_dot_g4 != nullptr ? k.*info.quant_dot_g4 : nullptr;
+  cold_row_dots(pool, k.*info.quant_dot, gather4, xq, blocks, m, cols, wo, row_bytes, mask, rows, tokens, s);
   if (total == 0) return;
   const uint8_t* taken = s.taken_ordered.data();
   int64_t band = (rows_per_task(pool, total * kInterleave) + kInterleave - 1) / kInterleave;
