@@ -22,6 +22,7 @@ import inspect
 import os
 import pickle
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 from absl import logging
@@ -65,6 +66,16 @@ def compile_step(step, *args, donate: tuple[str, ...] = (), **static) -> Program
     if (folder, key) not in _built:
         _built[folder, key] = _build(step, args, leaves, in_tree, static, donate, key, folder)
     return _built[folder, key]
+
+
+def build_at_once(builds: list[Callable[[], object]]) -> list:
+    """Call each of `builds` (functions that obtain programs through compile_step) on threads, up to one per CPU, ->
+    their results in order (the first failure raised). XLA compiles outside the interpreter's lock, and one compile
+    keeps about 1.3 cores busy, so programs compiled together are ready sooner than one by one: the default model's
+    server, 5 prefill and 3 decode programs on 2 cores, 35.7 s instead of 40.2 s (tracing and lowering, 7.6 s of
+    them, hold the lock)."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(builds), os.cpu_count() or 1))) as pool:
+        return list(pool.map(lambda build: build(), builds))
 
 
 def stored(step, *args, **static) -> bool:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import distributed, engine, model, scoring, sharding, structured_output
+from jaxinfer import distributed, engine, model, programs, scoring, sharding, structured_output
 from jaxinfer.prompt_cache import PromptCache
 from jaxinfer.sampling import SamplingParams
 from jaxinfer.serving import REPEAT_LAST_N, Request, RequestError, TextAssembler, usage
@@ -217,18 +217,21 @@ class Scheduler:
         m = self.model
         recent = np.full((1, REPEAT_LAST_N), -1, np.int32)
         self._reset()
-        self.prefill = {}
-        for size in PREFILL_CHUNKS:
-            if size <= self.cache_len:
-                self.prefill[size], self.cache = engine.prefill_function(
-                    m, np.zeros((1, size), np.int32), recent, engine.seed_keys(0)[1], self.cache, ROW_PARAMS,
-                    on_compile=on_compile, allowed_bits=self.one_row_allowed)
-        self.decode = {}  # busy rows -> the decode program over the first that many rows
-        for rows in self.buckets:
-            self.decode[rows], self.cache = engine.decode_function(m, self.state, self.cache, self.params,
-                                                                   self.stop_ids, rows, steps_per_chunk(rows),
-                                                                   on_compile=on_compile,
-                                                                   allowed=(self.allowed, self.once))
+        sizes = [size for size in PREFILL_CHUNKS if size <= self.cache_len]
+        prefills = {size: partial(engine.prefill_function, m, np.zeros((1, size), np.int32), recent,
+                                  engine.seed_keys(0)[1], params=ROW_PARAMS, on_compile=on_compile,
+                                  allowed_bits=self.one_row_allowed) for size in sizes}
+        decodes = {rows: partial(engine.decode_function, m, self.state, params=self.params, stop_ids=self.stop_ids,
+                                 rows=rows, n_steps=steps_per_chunk(rows), on_compile=on_compile,
+                                 allowed=(self.allowed, self.once)) for rows in self.buckets}
+        # All compiled at once first (not run: each run takes the cache in turn), then each run once in turn.
+        programs.build_at_once([partial(build, cache=self.cache, warm_up=False)
+                                for build in [*prefills.values(), *decodes.values()]])
+        self.prefill, self.decode = {}, {}  # decode: busy rows -> the program over the first that many rows
+        for size, build in prefills.items():
+            self.prefill[size], self.cache = build(cache=self.cache)
+        for rows, build in decodes.items():
+            self.decode[rows], self.cache = build(cache=self.cache)
         # Requests of two tokens, and a row moved onto itself: the small operations between the programs (a slot's
         # rows set, moved, freed) compile now too, not in the first requests (~0.2 s). Twice: the first run starts
         # from arrays that no program has returned yet, which a jit's cache tells apart.

@@ -152,10 +152,13 @@ def compile_notice(batcher) -> Callable[[], None]:
     what = (f"{prefill} prefill program{'s' * (prefill > 1)} and {decode} decode program{'s' * (decode > 1)} for "
             f"{batcher.n_slots} slot{'s' * (batcher.n_slots > 1)}")
 
+    lock = threading.Lock()  # the programs are compiled on several threads at once
+
     def notice():
-        if not said.is_set():
-            said.set()
-            print(engine.compile_notice(what), file=sys.stderr, flush=True)
+        with lock:
+            if not said.is_set():
+                said.set()
+                print(engine.compile_notice(what), file=sys.stderr, flush=True)
 
     return notice
 

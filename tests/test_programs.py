@@ -109,3 +109,26 @@ def test_a_step_that_cannot_be_exported_still_runs(make_model, program_dir, monk
     monkeypatch.setattr(programs, "_export", unsupported)
     assert greedy(m) == expected
     assert not stored(program_dir)
+
+
+def test_programs_built_at_once_are_those_each_build_then_finds(program_dir):
+    """build_at_once compiles on several threads: each program is the one compile_step then returns without building
+    it again, computes its step, and a build that fails raises its error."""
+
+    @jax.jit
+    def step(x, scale):
+        return x * scale + 1.0
+
+    shapes = [(3,), (4, 5), (7,)]
+    args = [(jax.numpy.ones(shape), jax.numpy.float32(2.0)) for shape in shapes]
+    built = programs.build_at_once([lambda a=a: programs.compile_step(step, *a) for a in args])
+    assert [b.origin for b in built] == ["exported"] * len(shapes)
+    for a, program in zip(args, built):
+        assert programs.compile_step(step, *a) is program
+        assert (program(*a) == 3.0).all() and program(*a).shape == a[0].shape
+
+    def fails():
+        raise ValueError("no such build")
+
+    with pytest.raises(ValueError, match="no such build"):
+        programs.build_at_once([lambda: built, fails])
