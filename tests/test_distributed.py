@@ -214,7 +214,7 @@ def test_a_peer_killed_during_the_run_stops_the_other_process_with_an_error_line
 def test_a_server_process_killed_stops_the_one_serving_with_an_error_line(make_model, tmp_path):
     """Process 1 killed while process 0 serves and waits for requests: process 0's next round (shared at least every
     scheduler.IDLE_ROUND_S) fails, and it says so in one line (status 2)."""
-    args = ["-m", make_model(**SHAPE), "--port", str(free_port()), "-c", "256", "-np", "2"]
+    args = ["-m", make_model(**SHAPE), "--port", str(free_port()), "-c", "64", "-np", "2"]  # 2 prefill programs
     result = killed_peer(tmp_path, "server", args, shown="serving ")
     assert result.returncode == 2, result.stderr
     assert "error: process 0 of 2: the run failed, a process probably died (" in one_error_line(result)

@@ -57,7 +57,7 @@ def test_ctrl_c_ends_generate_with_its_summary_and_status_130():
 
 @pytest.mark.parametrize("module, args, trigger", [  # once the bar moved: the loop runs
     ("perplexity", ["-f", str(WIKITEXT), "-c", "128"], b"ppl="),
-    ("calibrate", ["-f", str(WIKITEXT), "-c", "128", "--chunks", "-1"], b"| 1/"),
+    ("calibrate", ["-f", str(WIKITEXT), "-c", "128", "-b", "256", "--chunks", "-1"], b"| 1/"),  # 2 windows a bar step
 ])
 @pytest.mark.slow
 def test_ctrl_c_under_a_progress_bar_is_one_line_of_its_own_and_status_130(tmp_path, module, args, trigger):
