@@ -146,18 +146,17 @@ def compile_notice(batcher) -> Callable[[], None]:
     that no earlier start stored (a first start with these shapes compiles for tens of seconds, silent otherwise)."""
     from jaxinfer import engine, scheduler
 
-    said = threading.Event()
+    said, lock = False, threading.Lock()  # the warm-up compiles its programs on several threads at once
     prefill = sum(size <= batcher.cache_len for size in scheduler.PREFILL_CHUNKS)  # as warm_up compiles them
     decode = len(batcher.buckets)
     what = (f"{prefill} prefill program{'s' * (prefill > 1)} and {decode} decode program{'s' * (decode > 1)} for "
             f"{batcher.n_slots} slot{'s' * (batcher.n_slots > 1)}")
 
-    lock = threading.Lock()  # the programs are compiled on several threads at once
-
     def notice():
+        nonlocal said
         with lock:
-            if not said.is_set():
-                said.set()
+            if not said:
+                said = True
                 print(engine.compile_notice(what), file=sys.stderr, flush=True)
 
     return notice
