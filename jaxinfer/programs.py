@@ -127,18 +127,29 @@ def program_key(step, leaves: list, in_tree, static: dict) -> str:
 @functools.cache
 def _source_digest() -> str:
     """A hash of the packages' Python sources and of the cpu_ext kernel library in use."""
-    digest = hashlib.sha256()
+    return _digest(_source_files())
+
+
+def _source_files() -> list[tuple[str, str]]:
+    """(name inside its package, path) of each file the digest covers: by those names, not their paths, so that the
+    same sources in another checkout or environment give the same digest."""
     files = []
     for package in SOURCE_PACKAGES:
         spec = importlib.util.find_spec(package)
         for folder in (spec.submodule_search_locations or []) if spec else []:
-            files += sorted(os.path.join(root, name) for root, _, names in os.walk(folder) for name in names
+            files += sorted((os.path.join(package, os.path.relpath(os.path.join(root, name), folder)),
+                             os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names
                             if name.endswith(".py"))
     kernels = quant.cpu_kernels()
     if kernels is not None:
-        files.append(str(kernels.LIBRARY_PATH))
-    for path in files:
-        digest.update(path.encode() + b"\0")
+        files.append((os.path.join("cpu_ext", os.path.basename(kernels.LIBRARY_PATH)), str(kernels.LIBRARY_PATH)))
+    return files
+
+
+def _digest(files: list[tuple[str, str]]) -> str:
+    digest = hashlib.sha256()
+    for name, path in files:
+        digest.update(name.encode() + b"\0")
         with open(path, "rb") as f:
             digest.update(hashlib.sha256(f.read()).digest())
     return digest.hexdigest()

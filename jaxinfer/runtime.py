@@ -13,6 +13,10 @@ def enable_compilation_cache(directory: str = os.path.join(CACHE_DIR, "xla")):
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX otherwise passes XLA a GPU autotuning cache folder under `directory`, and the compile options it sits in are
+    # part of every cache key: the same program behind another path (a moved cache, a folder linked to this one)
+    # would miss and compile again. A cache entry holds its program's autotuned kernels already.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
 
 
 def freeze_loaded_objects():

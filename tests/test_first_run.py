@@ -113,17 +113,24 @@ def test_an_error_after_streamed_text_starts_a_line_of_its_own(make_model):
 
 @pytest.mark.slow
 def test_a_first_run_says_it_compiles_and_a_second_does_not(make_model, tmp_path):
-    """The line comes before the compile, on stderr, only while the programs are not stored (JAXINFER_CACHE_DIR)."""
-    cache = tmp_path / "cache"
+    """The line comes before the compile, on stderr, only while the programs are not stored (JAXINFER_CACHE_DIR).
+    The second run reaches the same cache through links from another folder: its compiles hit that cache all the same,
+    writing no new entry (XLA's cache keys once held the folder's path)."""
+    cache, linked = tmp_path / "cache", tmp_path / "linked"
     args = [sys.executable, "-m", "jaxinfer.generate", "-m", make_model(), "-p", "hello the", "-n", "12", "--temp",
             "0", "-c", "64"]
-    first, second = (subprocess.run(args, capture_output=True, text=True, env=env(JAXINFER_CACHE_DIR=str(cache)),
-                                    timeout=300) for _ in range(2))
+    first = subprocess.run(args, capture_output=True, text=True, env=env(JAXINFER_CACHE_DIR=str(cache)), timeout=300)
+    linked.mkdir()
+    for kind in ("xla", "programs"):
+        (linked / kind).symlink_to(cache / kind)
+    steps = sorted(path.name for path in (cache / "xla").glob("jit_call-*"))  # the prefill and decode programs
+    second = subprocess.run(args, capture_output=True, text=True, env=env(JAXINFER_CACHE_DIR=str(linked)), timeout=300)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     notice = (f"compiling the prefill and decode programs (first run with these shapes; cached in {cache} for the "
               f"next)")
     assert first.stderr.splitlines()[2] == notice, first.stderr
     assert "compiling" not in second.stderr, second.stderr
+    assert len(steps) == 2 and sorted(path.name for path in (cache / "xla").glob("jit_call-*")) == steps  # both hit
     assert first.stdout == second.stdout and first.stdout.startswith("hello the") and "compiling" not in first.stdout
 
 

@@ -4,6 +4,7 @@ steps again, generates the same tokens, and rebuilds a stored program that is co
 import hashlib
 import os
 import pickle
+import shutil
 
 import jax
 import pytest
@@ -132,3 +133,18 @@ def test_programs_built_at_once_are_those_each_build_then_finds(program_dir):
 
     with pytest.raises(ValueError, match="no such build"):
         programs.build_at_once([lambda: built, fails])
+
+
+def test_the_sources_digest_is_their_names_and_contents_not_where_they_are(tmp_path):
+    """The same packages in another checkout (or environment) share stored programs; a changed source does not."""
+    files = programs._source_files()
+    assert {"jaxinfer/programs.py", "jaxinfer/model.py", "cpu_ext/__init__.py"} <= {name for name, _ in files}
+    copies = []
+    for name, path in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, tmp_path / name)
+        copies.append((name, str(tmp_path / name)))
+    assert programs._digest(copies) == programs._source_digest()
+    with open(tmp_path / "jaxinfer" / "model.py", "a") as f:
+        f.write("\n")
+    assert programs._digest(copies) != programs._source_digest()
