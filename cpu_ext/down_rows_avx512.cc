@@ -13,21 +13,23 @@
 namespace jaxinfer_cpu {
 namespace {
 
-// g = h d for 16 blocks of one neuron, from its f16 scales at `scales`.
-inline __m512 coefficients(const uint8_t* scales, float h) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales)));
+// g = h d for the blocks of one neuron in `blocks` (up to 16, from its f16 scales at `scales`); 0 for the others.
+inline __m512 coefficients(const uint8_t* scales, float h, __mmask16 blocks) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(blocks, scales));
   return _mm512_mul_ps(_mm512_set1_ps(h), d);
 }
 
-// Rounds the group's coefficients for blocks b0 .. b0 + 15 into c (see DownCoefficients); nb a multiple of 16.
+// Rounds the group's coefficients for blocks b0 .. b0 + 15 (those before nb) into c (see DownCoefficients): a lane
+// per block, so that a row's last blocks, fewer than 16, are rounded as the others.
 void round_coefficients16(const DownGroup& g, int nb, int b0, DownCoefficients& c) {
+  const __mmask16 blocks = nb - b0 >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (nb - b0)) - 1);
   // Four running maxima (n is a multiple of 4): one would chain the group's maxes one after another. The
   // coefficients are kept for the rounding below rather than computed again.
   __m512 coefficient[kDownGroup];
   __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int i = 0; i < g.n; i += 4) {
     for (int r = 0; r < 4; ++r) {
-      coefficient[i + r] = coefficients(g.rows[i + r] + 2 * b0, g.h[i + r]);
+      coefficient[i + r] = coefficients(g.rows[i + r] + 2 * b0, g.h[i + r], blocks);
       part[r] = _mm512_max_ps(part[r], _mm512_abs_ps(coefficient[i + r]));
     }
   }
@@ -35,7 +37,7 @@ void round_coefficients16(const DownGroup& g, int nb, int b0, DownCoefficients& 
   const __m512 k127 = _mm512_set1_ps(127.0f);
   const __mmask16 nonzero = _mm512_cmp_ps_mask(amax, _mm512_setzero_ps(), _CMP_GT_OQ);
   const __m512 inv = _mm512_maskz_div_ps(nonzero, k127, amax);
-  _mm512_storeu_ps(c.scale.data() + b0, _mm512_div_ps(amax, k127));
+  _mm512_mask_storeu_ps(c.scale.data() + b0, blocks, _mm512_div_ps(amax, k127));
   __m512i sum = _mm512_setzero_si512();
   for (int k = 0; k < g.n / 4; ++k) {
     __m128i q[4];
@@ -48,13 +50,14 @@ void round_coefficients16(const DownGroup& g, int nb, int b0, DownCoefficients& 
     // Four neurons' 16 bytes to 16 words of four bytes, neuron r in byte r.
     const __m128i a = _mm_unpacklo_epi8(q[0], q[1]), a_hi = _mm_unpackhi_epi8(q[0], q[1]);
     const __m128i b = _mm_unpacklo_epi8(q[2], q[3]), b_hi = _mm_unpackhi_epi8(q[2], q[3]);
-    auto* out = reinterpret_cast<__m128i*>(c.word.data() + static_cast<size_t>(k) * nb + b0);
-    _mm_storeu_si128(out, _mm_unpacklo_epi16(a, b));
-    _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(a, b));
-    _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(a_hi, b_hi));
-    _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(a_hi, b_hi));
+    // Blocks b0 + 4 v .. b0 + 4 v + 3 in the v-th store; past nb, the next neurons' words, which are left alone.
+    int32_t* out = c.word.data() + static_cast<size_t>(k) * nb + b0;
+    _mm_mask_storeu_epi32(out, blocks & 0xF, _mm_unpacklo_epi16(a, b));
+    _mm_mask_storeu_epi32(out + 4, (blocks >> 4) & 0xF, _mm_unpackhi_epi16(a, b));
+    _mm_mask_storeu_epi32(out + 8, (blocks >> 8) & 0xF, _mm_unpacklo_epi16(a_hi, b_hi));
+    _mm_mask_storeu_epi32(out + 12, (blocks >> 12) & 0xF, _mm_unpackhi_epi16(a_hi, b_hi));
   }
-  _mm512_storeu_si512(c.sum.data() + b0, sum);
+  _mm512_mask_storeu_epi32(c.sum.data() + b0, blocks, sum);
 }
 
 // y[32 b ..] += s_b (isum - o S_b), sixteen outputs a vector.
@@ -95,7 +98,6 @@ inline void dot4(const uint8_t* const* row, int b, __m512i coef, __m512i lo_perm
 template <DownType T>
 void down_group_avx512(const DownGroup& g, int cols, DownCoefficients& c, float* y) {
   const int nb = cols / kQK;
-  if (nb % 16 != 0) return down_group_portable<T>(g, cols, c, y);  // rows of whole 512-value chunks only
   constexpr int kQsBytes = down_qs_bytes(T);
   const uint8_t* qs[kDownGroup];
   for (int i = 0; i < g.n; ++i) qs[i] = g.rows[i] + 2 * nb;

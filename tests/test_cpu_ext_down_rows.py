@@ -105,9 +105,10 @@ def test_gather_reads_only_the_named_rows_and_checks_its_index():
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_every_isa_gives_the_portable_bits(qtype):
+@pytest.mark.parametrize("cols", [1024, 640, 96])  # rows of whole 512-value chunks, and with 4 or 3 blocks beyond
+def test_every_isa_gives_the_portable_bits(qtype, cols):
     rng = np.random.default_rng(5)
-    rows, cols = 211, 1024
+    rows = 211
     packed = quant.pack_down_rows(weight(qtype, rows, cols, rng))
     h = rng.normal(size=(40, rows)).astype(np.float32)  # a prompt's tiles, as a decode step's split (first 2)
     mask = rng.random((40, rows)) < 0.4
