@@ -19,7 +19,7 @@ from jaxinfer import (activation_profile, attention, blocks, hybrid, model, moe,
 from jaxinfer.config import CACHE_TYPES, NATURAL_ZEROS, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
-from jaxinfer.plan import make_plan
+from jaxinfer.plan import HELD_AS, make_plan
 from jaxinfer.sampling import SamplingParams, sample, unpack_allowed
 from jaxinfer.tokenizer import GGUFTokenizer, load_tokenizer
 from jaxinfer.validate import down_stored_per_neuron
@@ -75,15 +75,15 @@ class LoadedModel:
                 f"{c.cache_type} KV cache{down}{thresholds}{order}")
 
     def describe_plan(self, split: bool | None = None) -> str:
-        """The `plan:` line of this model (Plan.describe): the weight types it holds repacked, TQ1_0's route only
-        when its TQ1_0 weights are held as TQ2_0, the split's part when its FFN is split (`split`: is to be split;
-        default: whether it is)."""
+        """The `plan:` line of this model (Plan.describe): the weight types it holds repacked, the file's types it
+        holds as others (fewer of them held than the file has), the split's part when its FFN is split (`split`: is
+        to be split; default: whether it is)."""
         weights = [w for w in jax.tree.leaves(self.weights, is_leaf=lambda w: isinstance(w, quant.QuantArray))
                    if isinstance(w, quant.QuantArray)]
         repacked = [t.name for t in sorted({w.qtype for w in weights if w.layout == quant.ROWS_X8})]
-        in_file = {t.tensor_type for t in self.gguf.reader.tensors}
-        tq1_0 = GGMLQuantizationType.TQ1_0
-        widened = tq1_0 in in_file and not any(w.qtype == tq1_0 for w in weights)
+        in_file = collections.Counter(t.tensor_type for t in self.gguf.reader.tensors)
+        held = collections.Counter(w.qtype for w in weights)
+        widened = [name for name in HELD_AS if held[GGMLQuantizationType[name]] < in_file[GGMLQuantizationType[name]]]
         layouts = {part.ffn_down_t.layout for layer in self.weights.layers for part in sparse_ffn.layer_parts(layer)
                    if isinstance(part, sparse_ffn.FFNPart) and part.ffn_down_t is not None}
         down = None if not layouts else "neuron-major" if layouts == {quant.NEURON_MAJOR} else "rows per neuron"

@@ -23,7 +23,7 @@ from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, Reader, array_len
 from jaxinfer.metadata import LongArray
 from jaxinfer.model import Layer, Weights
 from jaxinfer.quant import QuantArray, from_gguf_data
-from jaxinfer.ternary import quant_type
+from jaxinfer.ternary import QUANT_SIZES, quant_type
 from jaxinfer.validate import check_tensors, down_stored_per_neuron, tensor_shape
 
 LAYER_TENSORS = {  # Layer field -> GGUF tensor name within blk.N
@@ -131,12 +131,12 @@ def place(view: np.ndarray) -> jax.Array:
 
 
 def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = False,
-                packs=lambda w: False, widens=lambda w: False, rows: slice | None = None) -> QuantArray:
+                packs=lambda w: False, held_as=lambda w: w.qtype, rows: slice | None = None) -> QuantArray:
     """A matrix of a supported type (checked by validate.check_tensors); with `on_host` its data the file's numpy
-    view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs), TQ1_0 held as TQ2_0 where `widens(w)`
-    says (repack.widens_tq1_0). A `NAME.scale` tensor beside `NAME.weight` (llama.cpp's bitnet: one f32 multiplying
-    the projection's result) becomes part of its scale. `rows`: only those rows, a part of a fused tensor
-    (Config.fused_parts)."""
+    view; repacked (quant.pack_rows_x8) where `packs(w)` says (repack.packs); held as the type `held_as(w)` names
+    where it is not its own (repack.held_type: TQ1_0 as TQ2_0; Q5_0 as Q8_0, then repacked, not on the host). A
+    `NAME.scale` tensor beside `NAME.weight` (llama.cpp's bitnet: one f32 multiplying the projection's result)
+    becomes part of its scale. `rows`: only those rows, a part of a fused tensor (Config.fused_parts)."""
     t = gguf.tensors[name]
     view = np.asarray(t.data)
     w = from_gguf_data(view, quant_type(t.tensor_type), tensor_shape(gguf, name, 2))
@@ -146,10 +146,16 @@ def load_matrix(gguf: GGUFFile, name: str, exact: bool = False, on_host: bool = 
     scale_name = name.removesuffix(".weight") + ".scale"
     scale = w.scale * float(gguf.tensors[scale_name].data[0]) if scale_name in gguf.tensors else w.scale
     w = dataclasses.replace(w, exact=exact, scale=scale)
-    if widens(w):
+    held = held_as(w)
+    if held == GGMLQuantizationType.TQ2_0 and w.qtype == GGMLQuantizationType.TQ1_0:
         tq2_0 = jax.block_until_ready(ternary.tq1_0_as_tq2_0(view))
         distributed.release_pages(view)
-        return dataclasses.replace(w, data=np.asarray(tq2_0) if on_host else tq2_0, qtype=GGMLQuantizationType.TQ2_0)
+        return dataclasses.replace(w, data=np.asarray(tq2_0) if on_host else tq2_0, qtype=held)
+    if held == GGMLQuantizationType.Q8_0 and w.qtype == GGMLQuantizationType.Q5_0 and not on_host:
+        blocks = view.reshape(*view.shape[:-1], -1, QUANT_SIZES[w.qtype][1])
+        q8_0 = repack.q5_0_as_q8_0(blocks).reshape(*view.shape[:-1], -1)
+        distributed.release_pages(view)
+        return _held(dataclasses.replace(w, data=q8_0, qtype=held), q8_0, quant.pack_rows_x8)
     return w if on_host else _held(w, view, quant.pack_rows_x8 if packs(w) else None)
 
 
@@ -215,12 +221,13 @@ def _load_experts(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, cfg
                        *(stacked(t) for t in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")), shared=shared)
 
 
-def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, widens, cfg: Config) -> Layer:
+def _load_layer(gguf: GGUFFile, i: int, exact: bool, on_host: bool, packs, held_as, cfg: Config) -> Layer:
     def name(tensor):
         return f"blk.{i}.{tensor}.weight"
 
     def matrix(tensor, field=None, rows=None):
-        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w), widens, rows)
+        return load_matrix(gguf, name(tensor), exact, on_host, lambda w: packs(field, w),
+                           lambda w: held_as(field, w), rows)
 
     def optional(tensor, field=None):
         return matrix(tensor, field) if name(tensor) in gguf.tensors else None
@@ -256,15 +263,17 @@ def load_weights(gguf: GGUFFile, cfg: Config, exact: bool = False, on_host: bool
     def packs(field, w):
         return repack.packs(field, w, cfg.plan, repack_ffn)
 
-    def widens(w):
-        return repack.widens_tq1_0(w.qtype, cfg.plan, w.exact)
+    def held_as(field, w):
+        return repack.held_type(field, w, cfg.plan, repack_ffn)
 
     tied = "output.weight" not in gguf.tensors
+    embedding = repack.OUTPUT if tied else "token_embd"  # only looked up unless it is the output head too
     token_embd = load_matrix(gguf, "token_embd.weight", exact, on_host, lambda w: tied and packs(repack.OUTPUT, w),
-                             widens)
-    layers = [_load_layer(gguf, i, exact, on_host, packs, widens, cfg) for i in range(cfg.n_layer)]
+                             lambda w: held_as(embedding, w))
+    layers = [_load_layer(gguf, i, exact, on_host, packs, held_as, cfg) for i in range(cfg.n_layer)]
     output = token_embd if tied else load_matrix(gguf, "output.weight", exact, on_host,
-                                                 lambda w: packs(repack.OUTPUT, w), widens)
+                                                 lambda w: packs(repack.OUTPUT, w),
+                                                 lambda w: held_as(repack.OUTPUT, w))
     norm_bias = load_vector(gguf, "output_norm.bias", on_host) if cfg.layer_norm else None
     return Weights(token_embd, layers, load_vector(gguf, "output_norm.weight", on_host), output, norm_bias)
 

@@ -43,6 +43,9 @@ SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")  # which FFN neurons r
 PRODUCTS = ("cpu_ext", "xla", "xla_fused")
 ATTENTION = ("xla", "cpu_ext", "pallas", "pallas_interpret")
 HOT_FFN = ("xla", "pallas", "pallas_interpret")
+# A type read from the file -> the type a plan that repacks holds it as (repack.held_type): TQ1_0 always, Q5_0 where
+# it is repacked.
+HELD_AS = {"TQ1_0": "TQ2_0", "Q5_0": "Q8_0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +68,14 @@ class Plan:
     tp: int = 1  # devices the weights are cut over (tensor parallelism, sharding.py); 1: one device, no mesh
     dp: int = 1  # devices an evaluation batch's windows are spread over, the weights whole on each (perplexity)
 
-    def describe(self, repacked: Iterable[str] | None = None, tq1_0: bool = True, split: bool = True,
-                 down: str | None = None, experts: bool = False) -> str:
+    def describe(self, repacked: Iterable[str] | None = None, widened: Iterable[str] | None = None,
+                 split: bool = True, down: str | None = None, experts: bool = False) -> str:
         """The `plan:` line the CLIs print, naming what a run of this plan uses: `repacked`, the names of the weight
-        types the model holds repacked (None: every type this plan repacks); `tq1_0`, whether it holds TQ1_0 weights
-        as TQ2_0; `split`, whether its FFN is split between device and host; `down`, the layout its down projections
-        are held in ("neuron-major", "rows per neuron"; None: the one this plan packs), named for a sparse FFN only
-        (engine.LoadedModel.describe_plan passes a loaded model's); `experts`, whether the FFN is a mixture of
-        experts (cut by whole experts, not neurons)."""
+        types the model holds repacked (None: every type this plan repacks); `widened`, the names of the file's
+        types it holds as others (HELD_AS; None: every one this plan may); `split`, whether its FFN is split between
+        device and host; `down`, the layout its down projections are held in ("neuron-major", "rows per neuron";
+        None: the one this plan packs), named for a sparse FFN only (engine.LoadedModel.describe_plan passes a loaded
+        model's); `experts`, whether the FFN is a mixture of experts (cut by whole experts, not neurons)."""
         bounded = self.attn_max_batch_mib is not None and self.attention == "xla"  # the kernels hold a block a task
         bound = f" (K·Q ≤ {self.attn_max_batch_mib:g} MiB a step)" if bounded else ""
         parts = [f"plan: {self.backend} backend", f"FFN {self.ffn_sparsity}", f"products {self.products}",
@@ -85,8 +88,7 @@ class Plan:
             names = [t.name for t in sorted(quant.REPACKED_TYPES)] if repacked is None else list(repacked)
             if names:
                 parts.append(f"{'/'.join(names)} weights repacked eight rows to a group")
-            if tq1_0:
-                parts.append("TQ1_0 held as TQ2_0")
+            parts += [f"{name} held as {HELD_AS[name]}" for name in (HELD_AS if widened is None else widened)]
         if self.tp > 1:
             ffn = "experts" if experts else "neurons"
             parts.append(f"tensor-parallel over {self.tp} devices (heads, {ffn} and vocabulary cut {self.tp} ways, "

@@ -3,6 +3,7 @@ in GGUF's rows: the portable kernels' bits, the same greedy tokens, the same spa
 
 import dataclasses
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import cpu_ext
-from jaxinfer import engine, model, quant, repack, sparsity, x8_kquants
+from jaxinfer import engine, inspection, model, quant, repack, sparsity, x8_kquants
 from jaxinfer.quant import ROW_BLOCKS, ROWS_X8
 from jaxinfer.synthetic import SyntheticSpec, write_model
 from jaxinfer.ternary import QUANT_SIZES
@@ -125,12 +126,48 @@ def test_tq1_0_weights_are_held_as_tq2_0_and_give_the_same_bits(tmp_path):
     assert_same_portable_bits(on, off, length=12)
 
 
+def test_q5_0_as_q8_0_keeps_every_value():
+    """repack.q5_0_as_q8_0 against gguf.quants: every 5-bit code (random bytes for qh and qs), finite scales."""
+    rng = np.random.default_rng(3)
+    blocks = rng.integers(0, 256, size=(40, 7, 22), dtype=np.uint8)
+    blocks[..., 0:2] = rng.normal(size=(40, 7)).astype(np.float16)[..., None].view(np.uint8)
+    q8_0 = repack.q5_0_as_q8_0(blocks)
+    assert q8_0.shape == (40, 7, 34) and q8_0.dtype == np.uint8
+    np.testing.assert_array_equal(gguf.quants.dequantize(q8_0.reshape(40, -1), Q.Q8_0),
+                                  gguf.quants.dequantize(blocks.reshape(40, -1), Q.Q5_0))
+
+
+def test_q5_0_weights_that_would_be_repacked_are_held_as_q8_0(make_model):
+    """Q5_0 has no repacked kernels: where a Q8_0 weight would be repacked, a Q5_0 one is held as Q8_0 (the same
+    values) and repacked; an embedding only looked up, or every weight with the repack off, stays Q5_0. The logits
+    are the Q5_0 row kernels' within rounding (each block's offset of 16 is summed apart there), the greedy tokens
+    the same, and the plan line says so."""
+    path = make_model(name="q5_0.gguf", weight_type=Q.Q5_0, **{**SHAPE, "embedding_type": Q.Q5_0})
+    on, off = engine.load_model(path), engine.load_model(path, repack=False)
+    assert layouts(on) == {**{name: ROWS_X8 for name in layouts(on)}, "token_embd": ROW_BLOCKS}
+    assert (on.weights.layers[0].attn_q.qtype, on.weights.output.qtype, on.weights.token_embd.qtype) == (
+        Q.Q8_0, Q.Q8_0, Q.Q5_0)
+    assert set(layouts(off).values()) == {ROW_BLOCKS} and off.weights.layers[0].attn_q.qtype == Q.Q5_0
+    for name in repack.ATTENTION + repack.FFN:
+        held, stored = getattr(on.weights.layers[1], name), getattr(off.weights.layers[1], name)
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(held)), np.asarray(quant.dequantize(stored)))
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    logits_on, tokens_on = greedy(on, prompt, 6)
+    logits_off, tokens_off = greedy(off, prompt, 6)
+    assert tokens_on == tokens_off
+    np.testing.assert_allclose(logits_on, logits_off, rtol=0, atol=2e-2 * np.abs(logits_off).max())
+    assert on.describe_plan().endswith("Q8_0 weights repacked eight rows to a group, Q5_0 held as Q8_0")
+    assert "held as" not in off.describe_plan()
+    assert inspection.kernel_route(Q.Q5_0, on.config.plan, "avx512").startswith("held as Q8_0 and repacked")
+    assert "held as" not in inspection.kernel_route(Q.Q5_0, off.config.plan, "avx512")
+
+
 def test_what_is_not_repacked(make_model):
     """Exact weights (XLA's f32 products), an embedding that is only looked up (SHAPE's head is untied), other
     types."""
     exact = engine.load_model(make_model(weight_type=Q.Q4_0, **SHAPE), exact=True)
     assert set(layouts(exact).values()) == {ROW_BLOCKS}
-    other = engine.load_model(make_model(name="q5_0.gguf", weight_type=Q.Q5_0, **SHAPE))  # its Q8_0 head repacked
+    other = engine.load_model(make_model(name="q5_1.gguf", weight_type=Q.Q5_1, **SHAPE))  # its Q8_0 head repacked
     assert {layout for name, layout in layouts(other).items() if name != "output"} == {ROW_BLOCKS}
 
 
