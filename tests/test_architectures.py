@@ -325,7 +325,7 @@ def test_gemma3_270m_greedy_text_equals_llama_cpp_on_an_f32_copy(gemma3_270m):
 @pytest.mark.slow
 def test_gemma3_270m_perplexity_is_llama_cpp_s(gemma3_270m):
     """The kernel path's PPL on the first 3 windows of 1024 of the WikiText head (the sliding layers' window is 512, so
-    they slide), within 0.5% of llama.cpp's on the same file (measured 14.3353 against 14.3730: 0.26%)."""
+    they slide), within 0.5% of llama.cpp's on the same file (measured 14.3759 against 14.3730: 0.02%)."""
     reference = GEMMA3_REFERENCE["perplexity"]
     m = engine.load_model(gemma3_270m)
     tokens = m.tokenizer.encode((DATA / "wiki.test.head.raw").read_text())
