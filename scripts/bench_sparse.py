@@ -16,7 +16,8 @@ alternating run by run in this process, after one untimed run of each; medians o
 speed-up the bytes promise (dense bytes / predictor bytes) and the fraction of it reached (speed-up / promised). In the
 dense mode a ReLU model already skips the down projection's rows of its zeros, so the bytes it reads are fewer than the
 file's; all the weights / the predictor mode's bytes is the promise against a dense engine that reads them all
-(twin_byte_ideal), to set against predictor ÷ llama.cpp. With --powerinfer (PowerInfer's `main`), its tg on the same
+(twin_byte_ideal), to set against predictor ÷ llama.cpp, and against jaxinfer's own tg of the dense twin (timed
+with the other two, alternating; --notwin leaves it out). With --powerinfer (PowerInfer's `main`), its tg on the same
 file, one run per --powerinfer_threads -t value per round (-n TG --temp 0 --repeat-penalty 1.0 --ignore-eos, from its
 `eval time` line); with --llama_bench, llama.cpp's tg on the file's dense twin (make_sparse_model.py --dense_twin, made
 beside the level's file or in --models_dir), one llama-bench call per round (-n TG -p 0 -r --repetitions, each --threads
@@ -84,6 +85,9 @@ flags.DEFINE_string("llama_bench", None, "path to llama.cpp's llama-bench: its t
                     "mode) or the model")
 flags.DEFINE_list("threads", ["2"], "llama-bench's -t values; the best is reported")
 flags.DEFINE_integer("peer_timeout", 1800, "seconds a peer's run may take")
+flags.DEFINE_bool("twin", True, "synthetic mode: also time jaxinfer's decode of the dense twin (the same weights as a "
+                  "plain GGUF, every row read: the dense model a user without predictors runs), alternating with the "
+                  "other two")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
 check_range("tg", 2)
 check_range("repetitions", 1)
@@ -307,6 +311,8 @@ def bench_level(level: float, path: str) -> dict:
     models = {"dense": sparsity.apply(m, sparsity.SparsitySpec("dense")),
               "predictor": sparsity.apply(m, sparsity.SparsitySpec("predictor"))}
     del m
+    if FLAGS.twin:
+        models["twin"] = engine.load_model(twin_path(path), repack=True)
     peers = []
     if FLAGS.powerinfer:
         peers.append((Peer("PowerInfer", path), powerinfer_round))
@@ -314,7 +320,8 @@ def bench_level(level: float, path: str) -> dict:
         peers.append((Peer("llama-bench", twin_path(path)), llama_bench_round))
     runtime.freeze_loaded_objects()  # as generate does after loading
     rates, tokens = measure(models, peers)
-    prompts, pp_speedup = alternate_prefill(models, prompt_tokens(models["dense"])) if FLAGS.pp else ({}, None)
+    pair = {name: models[name] for name in ("dense", "predictor")}
+    prompts, pp_speedup = alternate_prefill(pair, prompt_tokens(models["dense"])) if FLAGS.pp else ({}, None)
     dense, dense_shares = byte_row(models["dense"], tokens)
     sparse, _ = byte_row(models["predictor"], tokens)
     twin, _ = byte_row(models["dense"], tokens, np.ones_like(dense_shares))  # every row, no predictor
@@ -326,14 +333,14 @@ def bench_level(level: float, path: str) -> dict:
            "sparse_mib": sparse.total / MIB, "twin_mib": twin.total / MIB,
            "twin_byte_ideal": twin.total / sparse.total,
            "sparse_mib_by_class": {k: v / MIB for k, v in sparse.read.items()},
-           "dense_tg": rates["dense"], "sparse_tg": rates["predictor"],
+           "dense_tg": rates["dense"], "sparse_tg": rates["predictor"], "twin_tg": rates.get("twin"),
            **compared(rates["dense"], rates["predictor"], dense.total, sparse.total),
            "dense_pp": prompts.get("dense"), "sparse_pp": prompts.get("predictor"),
            "pp_speedup": pp_speedup}
     found = {peer.name: peer for peer, _ in peers}
     row |= found["PowerInfer"].result("powerinfer") if FLAGS.powerinfer else dict.fromkeys(POWERINFER_KEYS)
     row |= found["llama-bench"].result("llama_cpp") if FLAGS.llama_bench else dict.fromkeys(LLAMA_CPP_KEYS)
-    for peer in ("powerinfer_tg", "llama_cpp_tg"):
+    for peer in ("twin_tg", "powerinfer_tg", "llama_cpp_tg"):
         row[f"sparse_over_{peer}"] = row[peer] and row["sparse_tg"] / row[peer]
     # What the predictor mode would run at its byte ideal (the dense mode's speed times the ideal), over PowerInfer.
     at_ideal = row["dense_tg"] * row["byte_ideal"]
@@ -354,18 +361,19 @@ def fmt(value, spec: str = ".2f") -> str:
 def print_levels(rows: list[dict]):
     print(f"\ntg{FLAGS.tg}, tokens/s (jaxinfer: medians of {runs()}); MiB of weights a decode step reads; ideal = "
           f"dense MiB / predictor MiB; reached = speed-up / ideal; all ÷ predictor MiB: the ideal against a dense "
-          f"engine that reads every weight (llama.cpp on the twin); ideal ÷ PowerInfer: the predictor mode at its "
-          f"byte ideal (dense × ideal) over PowerInfer")
+          f"engine that reads every weight (jaxinfer or llama.cpp on the twin); ideal ÷ PowerInfer: the predictor "
+          f"mode at its byte ideal (dense × ideal) over PowerInfer")
     print("| sparsity | active | MiB dense / predictor / all | jaxinfer dense | predictor | speed-up | ideal | reached "
-          "| PowerInfer (-t) | llama.cpp on the twin (-t) | predictor ÷ PowerInfer | ideal ÷ PowerInfer "
-          "| predictor ÷ llama.cpp | all ÷ predictor MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| jaxinfer on the twin | predictor ÷ twin | PowerInfer (-t) | llama.cpp on the twin (-t) "
+          "| predictor ÷ PowerInfer | ideal ÷ PowerInfer | predictor ÷ llama.cpp | all ÷ predictor MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         threads = f" ({r['powerinfer_threads']})" if r["powerinfer_threads"] else ""
         llama_threads = f" ({r['llama_cpp_threads']})" if r["llama_cpp_threads"] else ""
         print(f"| {r['level']:g} | {100 * r['active_share']:.1f}% | {r['dense_mib']:.1f} / {r['sparse_mib']:.1f} / "
               f"{r['twin_mib']:.1f} | {r['dense_tg']:.2f} | {r['sparse_tg']:.2f} | {r['speedup']:.3f}x | "
-              f"{r['byte_ideal']:.3f}x | {100 * r['fraction_of_ideal']:.0f}% | {fmt(r['powerinfer_tg'])}{threads} | "
+              f"{r['byte_ideal']:.3f}x | {100 * r['fraction_of_ideal']:.0f}% | {fmt(r['twin_tg'])} | "
+              f"{fmt(r['sparse_over_twin_tg'], '.3f')} | {fmt(r['powerinfer_tg'])}{threads} | "
               f"{fmt(r['llama_cpp_tg'])}{llama_threads} | {fmt(r['sparse_over_powerinfer_tg'], '.3f')} | "
               f"{fmt(r['ideal_over_powerinfer_tg'], '.3f')} | {fmt(r['sparse_over_llama_cpp_tg'], '.3f')} | "
               f"{r['twin_byte_ideal']:.3f}x |", flush=True)

@@ -365,7 +365,8 @@ def fake(path: pathlib.Path, text: str, fail_on: str) -> str:
 def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path):
     """Two levels of tiny PowerInfer files in --models_dir, one there already, one made: per level the bytes each
     mode reads (the sums of the file's tensors), the speed-up against the one the bytes promise, PowerInfer's best
-    -t on the file and llama.cpp's best -t on the dense twin (made beside it), in each of two rounds. A peer that
+    -t on the file and llama.cpp's best -t on the dense twin (made beside it), jaxinfer's own speed on the twin, in
+    each of two rounds. A peer that
     fails (here on the 0.95 file) is one line naming it and what it said, and null in the table."""
     models = tmp_path / "models"
     models.mkdir()
@@ -402,6 +403,8 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert (ok["llama_cpp_tg"], ok["llama_cpp_threads"]) == (80.0, 2)  # medians: -t 1 50, -t 2 80
     assert ok["sparse_over_powerinfer_tg"] == pytest.approx(ok["sparse_tg"] / 20.0)
     assert ok["sparse_over_llama_cpp_tg"] == pytest.approx(ok["sparse_tg"] / 80.0)
+    assert ok["twin_tg"] > 0 and ok["sparse_over_twin_tg"] == pytest.approx(ok["sparse_tg"] / ok["twin_tg"])
+    assert result.stdout.count("  twin: tg4 ") == 4 and failed["twin_tg"] > 0  # each round of each level
     assert ok["ideal_over_powerinfer_tg"] == pytest.approx(ok["dense_tg"] * ok["byte_ideal"] / 20.0)
     assert ok["dense_pp"] > 0 and ok["sparse_pp"] > 0 and ok["pp_speedup"] == pytest.approx(ok["sparse_pp"] /
                                                                                                ok["dense_pp"])
