@@ -405,6 +405,9 @@ def test_bench_sparse_compares_sparse_dense_and_the_peers_on_each_level(tmp_path
     assert ok["sparse_over_llama_cpp_tg"] == pytest.approx(ok["sparse_tg"] / 80.0)
     assert ok["twin_tg"] > 0 and ok["sparse_over_twin_tg"] == pytest.approx(ok["sparse_tg"] / ok["twin_tg"])
     assert result.stdout.count("  twin: tg4 ") == 4 and failed["twin_tg"] > 0  # each round of each level
+    order = [line.split(":")[0].strip() for line in result.stdout.splitlines() if ": tg4 " in line
+             and line.split(":")[0].strip() in ("twin", "dense", "predictor")]
+    assert order == ["twin", "dense", "predictor"] * 4  # the predictor last: its tokens' bytes are counted
     assert ok["ideal_over_powerinfer_tg"] == pytest.approx(ok["dense_tg"] * ok["byte_ideal"] / 20.0)
     assert ok["dense_pp"] > 0 and ok["sparse_pp"] > 0 and ok["pp_speedup"] == pytest.approx(ok["sparse_pp"] /
                                                                                                ok["dense_pp"])
