@@ -87,9 +87,8 @@ def kernel_route(type_id: int, plan: Plan, isa: str | None) -> str:
     if repack.widens_tq1_0(type_id, plan):
         return "held as TQ2_0 (repack.py): " + kernel_route(GGMLQuantizationType.TQ2_0, plan, isa)
     if plan.repack and type_id == GGMLQuantizationType.Q5_0:
-        return (f"held as Q8_0 and repacked eight rows to a group for dense products at any number of tokens "
-                f"(repack.py), cpu_ext {isa} (8-bit activations); in GGUF's rows up to "
-                f"{quant.CPU_KERNEL_MAX_TOKENS} tokens a call, XLA beyond")
+        return ("held as Q8_0 and repacked where a Q8_0 weight would be (repack.py): "
+                + kernel_route(GGMLQuantizationType.Q8_0, plan, isa))
     if plan.products == "cpu_ext" and type_id in _types_by_id(quant.CPU_KERNEL_TYPES):
         dots = "f32 dots" if type_id in _types_by_id(quant.FLOAT_TYPES) else "8-bit activations"
         if type_id in _types_by_id(quant.CPU_KERNEL_UNBOUNDED_TYPES):
