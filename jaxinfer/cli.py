@@ -264,8 +264,8 @@ def split_requested() -> bool:
 def build_model(tp: int):
     """The model that the flags generate and the server share ask for (-m, --sparsity, --thresholds, --down_t_type,
     -amb, --cache_type, -c, the split's flags), cut over `tp` devices, saying on stderr what was loaded, the plan
-    and the split. The compilation cache is on in a single process (over several, each would store the same
-    programs)."""
+    and the split. The compilation cache is on in a single process (over several, JAX stores process 0's programs
+    only and keys the others' by their own devices: they would compile every run while process 0 waits for them)."""
     from jaxinfer import engine, runtime, sparsity
 
     f = flags.FLAGS

@@ -51,7 +51,7 @@ def _evaluate(tp: int, dp: int):
     split = cli.split_requested()
     if split and dp > 1:
         raise JaxinferError(f"--dp {dp} does not combine with a hot/cold split (--vram-budget) yet")
-    if f.num_processes == 1:  # over several, each process would store the same programs
+    if f.num_processes == 1:  # over several, the others' programs would compile every run anyway (cli.build_model)
         runtime.enable_compilation_cache()
     # The split comes below, once the windows per batch are known: it is priced for the KV cache they allocate.
     m = engine.build_model(f.model, sparsity_spec=spec, down_t_type=sparsity.parse_down_t_type(f.down_t_type),
