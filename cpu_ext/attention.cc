@@ -19,6 +19,8 @@
 //   start   s32 [B]                          position of each row's first query (rows at different depths)
 //   row     s32 []                           the cache row of query row 0 (query row b reads cache row row + b: a
 //                                            server's slot prefills alone)
+//   window  attribute, int64                 > 0: a query at position p sees positions p - window + 1 .. p only (a
+//                                            sliding-window layer); 0: every position up to p
 //   out     f32 [B, T, H, hd]                query head h uses KV head h / (H / H_kv)
 #include <algorithm>
 #include <cmath>
@@ -183,13 +185,14 @@ JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, in
   switch (head_dim) {
     case 64: return attend_chunk<64>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
     case 128: return attend_chunk<128>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
+    case 256: return attend_chunk<256>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
     default: return attend_chunk<0>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
   }
 }
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> start_buf,
-                               ffi::Buffer<ffi::S32> row_buf, ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::S32> row_buf, int64_t window, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
     return ffi::Error::InvalidArgument("cached_attention: q must be [B, T, H, hd], k and v [L, R, S, H_kv, hd]");
@@ -225,9 +228,14 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                        std::to_string(first_row + batch - 1) + " outside the cache's " +
                                        std::to_string(cache_rows));
   }
+  if (window < 0) {
+    return ffi::Error::InvalidArgument("cached_attention: window must be >= 0 (0: none), got " +
+                                       std::to_string(window));
+  }
   const int64_t layer = *layer_buf.typed_data();
   const int32_t* starts = start_buf.typed_data();
   int64_t deepest = 0;  // the most positions any row reads
+  int64_t earliest = max_len;  // the first position any row's queries see
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t start = starts[b];
     if (layer < 0 || layer >= n_layer || start < 0 || start + n_query > max_len) {
@@ -238,6 +246,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                          " positions]");
     }
     deepest = std::max(deepest, start + n_query);
+    earliest = std::min(earliest, first_seen(start, window));
   }
   const int64_t group = n_head / n_head_kv, row = n_head_kv * head_dim;  // row: one position of one layer's cache
   // From here on, batch row b is cache row first_row + b of the layer.
@@ -246,12 +255,15 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const char* vs = static_cast<const char*>(v.untyped_data()) + offset;
   const float* qs = q.typed_data();
   if (n_query > kDecodeQueries) {
-    attend_prefill(pool, {qs, ks, vs, f16, batch, n_query, n_head, n_head_kv, head_dim, max_len, starts,
+    attend_prefill(pool, {qs, ks, vs, f16, batch, n_query, n_head, n_head_kv, head_dim, max_len, starts, window,
                           out->typed_data()});
     return ffi::Error::Success();
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int64_t n_chunks = (deepest + kChunkKeys - 1) / kChunkKeys;
+  // Chunks from the one holding the first position any query sees: a sliding window's step reads the window,
+  // not the context.
+  const int64_t first_chunk = earliest / kChunkKeys;
+  const int64_t n_chunks = (deepest + kChunkKeys - 1) / kChunkKeys - first_chunk;
 
   // Partials of (batch row, query, head, chunk): head_dim weighted values, then the max and the sum.
   const int64_t stride = head_dim + 2;
@@ -263,8 +275,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   };
 
   parallel_for(pool, batch * n_chunks, [=](int64_t task) {
-    const int64_t b = task / n_chunks, c = task % n_chunks, first = c * kChunkKeys, start = starts[b];
-    if (first >= start + n_query) {  // a chunk past this row's depth: nothing for any of its queries
+    const int64_t b = task / n_chunks, c = task % n_chunks, first = (first_chunk + c) * kChunkKeys,
+                  start = starts[b];
+    // A chunk past this row's depth, or before what its first query sees: nothing for any of its queries.
+    if (first >= start + n_query || first + kChunkKeys <= first_seen(start, window)) {
       for (int64_t t = 0; t < n_query; ++t) {
         for (int64_t h = 0; h < n_head; ++h) part(b, t, h, c)[head_dim] = -INFINITY;
       }
@@ -296,7 +310,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       v_chunk = values.data();
     }
     for (int64_t t = 0; t < n_query; ++t) {
-      const int64_t n_keys = std::min(kChunkKeys, start + t + 1 - first);  // causal: positions 0 .. start + t
+      // Query t sees positions lo .. start + t: causal, and from the window's first on.
+      const int64_t lo = std::max(first, first_seen(start + t, window));
+      const int64_t n_keys = std::min(first + kChunkKeys, start + t + 1) - lo;
       for (int64_t kv_head = 0; kv_head < n_head_kv; ++kv_head) {
         const int64_t h0 = kv_head * group;
         if (n_keys <= 0) {
@@ -305,8 +321,9 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
         }
         const float* query = qs + ((b * n_query + t) * n_head + h0) * head_dim;  // the group's heads are adjacent
         for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query[i] * scale;
-        attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim),
-                         k_chunk + kv_head * head_dim, v_chunk + kv_head * head_dim, row, n_keys, scores.data(),
+        const int64_t skip = (lo - first) * row + kv_head * head_dim;
+        attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), k_chunk + skip,
+                         v_chunk + skip, row, n_keys, scores.data(),
                          m.data(), l.data(), out.data());
         for (int64_t g = 0; g < group; ++g) {
           float* p = part(b, t, h0 + g, c);
@@ -329,7 +346,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     float total = 0.0f;
     for (int64_t c = 0; c < n_chunks; ++c) {
       const float* p = first + c * stride;
-      if (p[head_dim] == -INFINITY) continue;  // a chunk wholly after this query
+      if (p[head_dim] == -INFINITY) continue;  // a chunk wholly after this query, or before its window
       const float w = std::exp(p[head_dim] - max_all);
       total += w * p[head_dim + 1];
       for (int64_t d = 0; d < head_dim; ++d) o[d] += w * p[d];
@@ -351,4 +368,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedAttention, jaxinfer_cpu::CachedAttentionImpl
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer []
                                   .Arg<ffi::Buffer<ffi::S32>>()  // start [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row []
+                                  .Attr<int64_t>("window")       // > 0: a sliding window of that many positions
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, H, hd]

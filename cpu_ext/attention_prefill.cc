@@ -13,8 +13,9 @@
 //   m' = max(m, max_j S)   P = exp(S - m')   l = l e^(m - m') + sum_j P   O = O e^(m - m') + P V
 //
 // and out = O / l at the end. Blocks after a row's position are never visited (causal: about half the products of
-// the whole square), and in the blocks that cross it the keys after each row's position weigh 0. An f16 cache's
-// block is widened to f32 once per block and task.
+// the whole square), nor, in a sliding-window layer, blocks before the window of the task's first query; in the
+// blocks that cross them the keys a row does not see weigh 0. An f16 cache's block is widened to f32 once per block
+// and task.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -37,16 +38,17 @@ constexpr int64_t kRows = 64;  // rows per task, about: enough to pay for the ke
 
 struct TaskBuffers {
   std::vector<float> q, kt, s, o, m, l, keys, values;
-  std::vector<int64_t> last;  // per row, the last position it sees
+  std::vector<int64_t> first, last;  // per row, the first and the last position it sees
 };
 
-// One task: rows [n_rows] (padded to a multiple of kRowTile) of queries `q` scaled, each seeing keys 0 .. last[r],
-// against the keys and values of one KV head (f32 rows `stride` floats apart, positions 0 .. n_keys - 1). Leaves O
-// and l in o, l.
+// One task: rows [n_rows] (padded to a multiple of kRowTile) of queries `q` scaled, each seeing keys first[r] ..
+// last[r], against the keys and values of one KV head (f32 rows `stride` floats apart, positions from 0), read from
+// the block holding position `begin` (the least first[r]) to position n_keys - 1. Leaves O and l in o, l.
 template <int HeadDim>
 __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runtime_head_dim, int64_t n_rows,
                                                        const float* keys, const float* values, int64_t stride,
-                                                       int64_t n_keys, const char* k_raw, const char* v_raw, bool f16) {
+                                                       int64_t begin, int64_t n_keys, const char* k_raw,
+                                                       const char* v_raw, bool f16) {
   const int head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
   float* kt = t.kt.data();
   float* s = t.s.data();
@@ -54,13 +56,14 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
   const float* q = t.q.data();
   I32x16 lane;
   for (int i = 0; i < kLanes; ++i) lane[i] = i;
-  for (int64_t first = 0; first < n_keys; first += kKeys) {
+  for (int64_t first = begin / kKeys * kKeys; first < n_keys; first += kKeys) {
     const int64_t nk = std::min<int64_t>(kKeys, n_keys - first);
+    const int64_t skip = std::max<int64_t>(0, begin - first);  // keys before any row's window: never read
     const float* k_block = keys + first * stride;
     const float* v_block = values + first * stride;
     int64_t v_stride = stride;
     if (f16) {  // this head's rows of the block, widened side by side
-      for (int64_t j = 0; j < nk; ++j) {
+      for (int64_t j = skip; j < nk; ++j) {
         widen_f16(reinterpret_cast<const uint16_t*>(k_raw) + (first + j) * stride, head_dim,
                   t.keys.data() + j * head_dim);
         widen_f16(reinterpret_cast<const uint16_t*>(v_raw) + (first + j) * stride, head_dim,
@@ -72,7 +75,7 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
     }
     const int64_t k_stride = f16 ? head_dim : stride;
     for (int64_t j = 0; j < kKeys; ++j) {
-      for (int d = 0; d < head_dim; ++d) kt[d * kKeys + j] = j < nk ? k_block[j * k_stride + d] : 0.0f;
+      for (int d = 0; d < head_dim; ++d) kt[d * kKeys + j] = j >= skip && j < nk ? k_block[j * k_stride + d] : 0.0f;
     }
     for (int64_t r0 = 0; r0 < n_rows; r0 += kRowTile) {
       F32x16 acc[kRowTile][kKeyVectors] = {};
@@ -91,15 +94,18 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
     // The softmax step per row; P overwrites S, 0 for the keys a row does not see.
     for (int64_t r = 0; r < n_rows; ++r) {
       float* row = s + r * kKeys;
+      const int64_t from = std::max<int64_t>(0, t.first[r] - first);
       const int64_t seen = std::min<int64_t>(nk, t.last[r] - first + 1);
-      if (seen <= 0) {
+      if (seen <= from) {
         std::fill(row, row + kKeys, 0.0f);
         continue;
       }
       F32x16 scores[kKeyVectors], max_lanes = splat(-INFINITY);
       for (int c = 0; c < kKeyVectors; ++c) {
         const F32x16 x = load(row + c * kLanes);
-        scores[c] = lane + c * kLanes < static_cast<int32_t>(seen) ? x : splat(-INFINITY);
+        scores[c] = lane + c * kLanes < static_cast<int32_t>(seen) && lane + c * kLanes >= static_cast<int32_t>(from)
+                        ? x
+                        : splat(-INFINITY);
         max_lanes = scores[c] > max_lanes ? scores[c] : max_lanes;
       }
       float block_max = max_lanes[0];
@@ -108,7 +114,10 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
       F32x16 total{};
       for (int c = 0; c < kKeyVectors; ++c) {
         const F32x16 e = exp_nonpositive(scores[c] - new_max);
-        const F32x16 p = lane + c * kLanes < static_cast<int32_t>(seen) ? e : splat(0.0f);
+        const F32x16 p =
+            lane + c * kLanes < static_cast<int32_t>(seen) && lane + c * kLanes >= static_cast<int32_t>(from)
+                ? e
+                : splat(0.0f);
         store(row + c * kLanes, p);
         total += p;
       }
@@ -133,7 +142,7 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
           for (int i = 0; i < kRowTile; ++i) {
             for (int c = 0; c < kDimVectors; ++c) acc[i][c] = load(o + (r0 + i) * head_dim + d0 + c * kLanes);
           }
-          for (int64_t j = 0; j < nk; ++j) {
+          for (int64_t j = skip; j < nk; ++j) {
             F32x16 v_j[kDimVectors];
             for (int c = 0; c < kDimVectors; ++c) v_j[c] = load(v_block + j * v_stride + d0 + c * kLanes);
             for (int i = 0; i < kRowTile; ++i) {
@@ -148,7 +157,7 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
       }
     } else {
       for (int64_t r = 0; r < n_rows; ++r) {
-        for (int64_t j = 0; j < nk; ++j) {
+        for (int64_t j = skip; j < nk; ++j) {
           const float p = s[r * kKeys + j];
           for (int d = 0; d < head_dim; ++d) o[r * head_dim + d] += p * v_block[j * v_stride + d];
         }
@@ -158,13 +167,13 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
 }
 
 JAXINFER_VECTOR_CLONES void attend_rows_any(TaskBuffers& t, int head_dim, int64_t n_rows, const float* keys,
-                                            const float* values, int64_t stride, int64_t n_keys, const char* k_raw,
-                                            const char* v_raw, bool f16) {
+                                            const float* values, int64_t stride, int64_t begin, int64_t n_keys,
+                                            const char* k_raw, const char* v_raw, bool f16) {
   switch (head_dim) {
-    case 64: return attend_rows<64>(t, head_dim, n_rows, keys, values, stride, n_keys, k_raw, v_raw, f16);
-    case 128: return attend_rows<128>(t, head_dim, n_rows, keys, values, stride, n_keys, k_raw, v_raw, f16);
-    case 256: return attend_rows<256>(t, head_dim, n_rows, keys, values, stride, n_keys, k_raw, v_raw, f16);
-    default: return attend_rows<0>(t, head_dim, n_rows, keys, values, stride, n_keys, k_raw, v_raw, f16);
+    case 64: return attend_rows<64>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
+    case 128: return attend_rows<128>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
+    case 256: return attend_rows<256>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
+    default: return attend_rows<0>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
   }
 }
 
@@ -187,6 +196,7 @@ void attend_prefill(ffi::ThreadPool& pool, const PrefillCall& c) {
     t.o.assign(n_rows * c.head_dim, 0.0f);
     t.m.assign(n_rows, -INFINITY);
     t.l.assign(n_rows, 0.0f);
+    t.first.assign(n_rows, 0);
     t.last.assign(n_rows, -1);
     t.kt.resize(c.head_dim * kKeys);
     t.s.resize(n_rows * kKeys);
@@ -197,13 +207,15 @@ void attend_prefill(ffi::ThreadPool& pool, const PrefillCall& c) {
       const int64_t query = t0 + r / group, head = kv_head * group + r % group;
       const float* src = c.q + ((b * c.n_query + query) * c.n_head + head) * c.head_dim;
       for (int64_t d = 0; d < c.head_dim; ++d) t.q[r * c.head_dim + d] = src[d] * scale;
+      t.first[r] = first_seen(start + query, c.window);
       t.last[r] = start + query;
     }
     const int64_t offset = ((b * c.max_len) * row + kv_head * c.head_dim) * elem;
     const char* k_raw = c.k + offset;
     const char* v_raw = c.v + offset;
     attend_rows_any(t, static_cast<int>(c.head_dim), n_rows, reinterpret_cast<const float*>(k_raw),
-                    reinterpret_cast<const float*>(v_raw), row, start + t0 + n_q, k_raw, v_raw, c.f16);
+                    reinterpret_cast<const float*>(v_raw), row, first_seen(start + t0, c.window), start + t0 + n_q,
+                    k_raw, v_raw, c.f16);
     for (int64_t r = 0; r < n_q * group; ++r) {
       const int64_t query = t0 + r / group, head = kv_head * group + r % group;
       float* dst = c.out + ((b * c.n_query + query) * c.n_head + head) * c.head_dim;

@@ -159,13 +159,13 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
     """Attention as the plan says (Plan.attention); all give `attend`'s result. keys/values are the T new tokens' own
     [B, T, H_kv, hd] at positions q_pos [T] (no cache), or, with `layer`, the whole KV caches
     [n_layer, S, max_len, H_kv, hd] of which the batch is rows row .. row + B - 1, row row + b filled up to
-    q_pos[b, -1] (q_pos [B, T]: each row at its own depth). A sliding-window layer (`window`) whose keys can be
-    further apart than its window attends through blocks.sliding_attention. Attention logit soft-capping
+    q_pos[b, -1] (q_pos [B, T]: each row at its own depth). A sliding-window layer (`window`) attends through cpu_ext's
+    kernel, which takes the window, or where its keys can be further apart than its window through
+    blocks.sliding_attention. Attention logit soft-capping
     (cfg.attn_softcap) is computed by XLA's attention only, which the plan of such a model names (engine.py)."""
-    softcap = cfg.attn_softcap
-    if window is not None and keys.shape[2 if layer is not None else 1] > window:
+    softcap, plan = cfg.attn_softcap, cfg.plan
+    if window is not None and plan.attention != "cpu_ext" and keys.shape[2 if layer is not None else 1] > window:
         return blocks.sliding_attention(q, keys, values, q_pos, window, layer, row, softcap)
-    plan = cfg.plan
     if softcap and plan.attention != "xla":
         raise ValueError(f"attention logit soft-capping needs XLA attention, the plan says {plan.attention}")
     starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
@@ -178,10 +178,10 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
         if q.shape[1] == 1:
             return flash_attention.decode_attention(q[:, 0], keys, values, starts, interpret=interpret)[:, None]
         return flash_attention.attention(q, keys, values, starts, interpret=interpret)
-    if plan.attention == "cpu_ext":
+    if plan.attention == "cpu_ext":  # reads only the window's keys of a sliding-window layer
         if layer is None:  # the T tokens' own keys: a cache of one layer, T positions
-            return cpu_kernels().cached_attention(q, keys[None], values[None], 0, starts)
-        return cpu_kernels().cached_attention(q, keys, values, layer, starts, row)
+            return cpu_kernels().cached_attention(q, keys[None], values[None], 0, starts, window=window or 0)
+        return cpu_kernels().cached_attention(q, keys, values, layer, starts, row, window=window or 0)
     if layer is not None:
         return attention.cached_attention(q, keys, values, layer, q_pos, row=row,
                                           max_batch_mib=plan.attn_max_batch_mib, softcap=softcap)

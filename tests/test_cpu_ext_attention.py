@@ -112,6 +112,40 @@ def test_cached_attention_kernel_with_a_start_per_row_equals_the_reference(n_que
         np.testing.assert_allclose(np.asarray(expected)[row:row + 1], np.asarray(alone), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("cache_dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("n_query, starts, window, head_dim", [
+    (1, [700, 5, 63], 512, 64),   # decode: Gemma 3's window deep in a context, one shorter than it, one at its edge
+    (1, [300, 0], 1, 128),        # a window of one position: each query sees itself only
+    (1, [200], 20, 256),          # a window inside one chunk, Gemma 3's head size
+    (4, [130, 60], 100, 64),      # a micro-batch whose windows cross chunk boundaries
+    (300, [0], 48, 64),           # a prompt through the tiled kernel: key blocks before each query block's window
+    (70, [500, 10], 100, 128),    # a micro-batch deep in a context and one near its start
+    (20, [100], 7, 40),           # a window shorter than the queries, a head size with no unrolled tile
+    (40, [30], 1000, 64),         # a window longer than the context: every position, as without one
+])
+@pytest.mark.slow
+def test_a_sliding_window_sees_its_last_positions_only(n_query, starts, window, head_dim, cache_dtype):
+    """A query at position p sees p - window + 1 .. p: the positions before the first query's window and after each
+    row's last hold NaN, never read; the rest equals the reference with the window's mask."""
+    batch, max_len, layer, n_head, n_head_kv = len(starts), 1024, 1, 4, 2
+    k, v = caches(7, 2, batch, max_len, n_head_kv, head_dim, max_len)
+    for row, start in enumerate(starts):
+        k[:, row, start + n_query:] = v[:, row, start + n_query:] = np.nan
+        k[:, row, :max(0, start - window + 1)] = v[:, row, :max(0, start - window + 1)] = np.nan
+    k, v = k.astype(cache_dtype), v.astype(cache_dtype)
+    q = np.random.default_rng(8).normal(size=(batch, n_query, n_head, head_dim)).astype(np.float32)
+    run = jax.jit(cpu_ext.cached_attention, static_argnames="window")
+    got = np.asarray(run(q, k, v, jnp.int32(layer), jnp.array(starts, jnp.int32), window=window))
+    k_ref, v_ref = (np.nan_to_num(c).astype(np.float32) for c in (k, v))
+    expected = cpu_ext.cached_attention_reference(q, k_ref, v_ref, layer, jnp.array(starts), window=window)
+    np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-5, atol=1e-5)
+    if window < max(starts) + n_query:  # the window is visible: without it the reference differs
+        unwindowed = cpu_ext.cached_attention_reference(q, k_ref, v_ref, layer, jnp.array(starts))
+        assert np.abs(np.asarray(unwindowed) - got).max() > 1e-3
+    with pytest.raises(Exception, match="window must be >= 0"):
+        jax.block_until_ready(cpu_ext.cached_attention(q, k, v, layer, jnp.array(starts, jnp.int32), window=-1))
+
+
 def test_cached_attention_kernel_rejects_a_row_whose_start_is_outside_the_cache():
     k, v = caches(0, 1, 3, 8, 1, 16, 8)
     q = np.zeros((3, 2, 2, 16), np.float32)
