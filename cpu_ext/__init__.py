@@ -409,11 +409,12 @@ def down_rows_gather_axpy_reference(h, scales, values, index, segment: int = 0) 
 
 
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer, start, row=0,
-                     window: int = 0) -> jax.Array:
+                     window: int = 0, softcap: float = 0.0) -> jax.Array:
     """Causal GQA attention of q [B, T, H, hd], row b at positions start[b] .. start[b]+T-1 (start int32 [B], or
     one scalar for every row), against layer `layer` of the KV caches [n_layer, R, S, H_kv, hd] (query row b reads
     cache row row + b), row b filled up to start[b]+T-1 -> f32 [B, T, H, hd]. With `window` > 0 (static) a query at
-    position p sees positions p - window + 1 .. p only (a sliding-window layer). Reads only the keys each row's
+    position p sees positions p - window + 1 .. p only (a sliding-window layer); with `softcap` > 0 (static) the
+    scores are soft-capped, softcap * tanh(score / softcap) (Gemma 2). Reads only the keys each row's
     queries see, in place. A layer, rows or positions outside the cache raise, as does a start that is neither a
     scalar nor one per row."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
@@ -422,14 +423,15 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
         start = jnp.broadcast_to(start, q.shape[:1])
     return jax.ffi.ffi_call("jaxinfer_cached_attention", out)(
         jnp.asarray(q, jnp.float32), k_cache, v_cache, jnp.asarray(layer, jnp.int32), start,
-        jnp.asarray(row, jnp.int32), window=np.int64(window))
+        jnp.asarray(row, jnp.int32), window=np.int64(window), softcap=np.float32(softcap))
 
 
-def cached_attention_reference(q, k_cache, v_cache, layer, start, row=0, window: int = 0) -> jax.Array:
+def cached_attention_reference(q, k_cache, v_cache, layer, start, row=0, window: int = 0,
+                               softcap: float = 0.0) -> jax.Array:
     """Causal GQA softmax attention in plain jnp, one piece (as jaxinfer.model.attend), over that layer's keys (query
     row b against cache row row + b) at positions <= each query's (row b's queries at start[b] .. start[b]+T-1;
-    start [B] or a scalar), and with `window` > 0 more than window - 1 before it; query head j uses KV head
-    j // (H / H_kv)."""
+    start [B] or a scalar), and with `window` > 0 more than window - 1 before it, the scores soft-capped where
+    `softcap` > 0; query head j uses KV head j // (H / H_kv)."""
     b, t, h, hd = q.shape
     k, v = jnp.asarray(k_cache)[layer, row:row + b], jnp.asarray(v_cache)[layer, row:row + b]
     n_kv = k.shape[2]
@@ -440,5 +442,8 @@ def cached_attention_reference(q, k_cache, v_cache, layer, start, row=0, window:
     if window > 0:
         causal &= k_pos > q_pos[..., None] - window
     causal = causal[:, None, None]  # [B, 1, 1, T, S]
-    probs = jax.nn.softmax(jnp.where(causal, scores / jnp.sqrt(jnp.float32(hd)), -jnp.inf), axis=-1)
+    scores = scores / jnp.sqrt(jnp.float32(hd))
+    if softcap > 0:
+        scores = softcap * jnp.tanh(scores / softcap)
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
     return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, hd)

@@ -21,6 +21,8 @@
 //                                            server's slot prefills alone)
 //   window  attribute, int64                 > 0: a query at position p sees positions p - window + 1 .. p only (a
 //                                            sliding-window layer); 0: every position up to p
+//   softcap attribute, f32                   > 0: scores become softcap * tanh(score / softcap) before the softmax
+//                                            (Gemma 2); 0: none
 //   out     f32 [B, T, H, hd]                query head h uses KV head h / (H / H_kv)
 #include <algorithm>
 #include <cmath>
@@ -99,12 +101,14 @@ __attribute__((always_inline)) inline F32x16 sum_lanes_16(const F32x16 v[16]) {
 
 // The query heads of one KV head (`group` queries of `head_dim`, scaled by 1/sqrt(hd)) against keys [0, n_keys) of
 // that head (rows `row` floats apart): per query head g, m[g] = max score, l[g] = sum of exp(score - m[g]) and
-// o[g] = sum of exp(score - m[g]) * value. `scores` holds group * n_keys floats. HeadDim is the head size when it
+// o[g] = sum of exp(score - m[g]) * value, the scores soft-capped where softcap > 0. `scores` holds group * n_keys
+// floats. HeadDim is the head size when it
 // is known at compile time (the common 64 and 128: loops unroll and accumulators stay in registers), else 0.
 template <int HeadDim>
 __attribute__((always_inline)) inline void attend_chunk(const float* queries, int group, int runtime_head_dim,
                                                         const float* keys, const float* values, int64_t row,
-                                                        int64_t n_keys, float* scores, float* m, float* l, float* o) {
+                                                        int64_t n_keys, float softcap, float* scores, float* m,
+                                                        float* l, float* o) {
   const int head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
   const int full = head_dim / kLanes * kLanes;
   for (int g = 0; g < group; ++g) {
@@ -135,8 +139,13 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
   }
   for (int g = 0; g < group; ++g) {
     float* s = scores + g * n_keys;
-    F32x16 max_lanes = splat(-INFINITY);
     int64_t j = 0;
+    if (softcap > 0) {
+      for (; j + kLanes <= n_keys; j += kLanes) store(s + j, soft_cap(load(s + j), softcap));
+      for (; j < n_keys; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
+      j = 0;
+    }
+    F32x16 max_lanes = splat(-INFINITY);
     for (; j + kLanes <= n_keys; j += kLanes) {
       const F32x16 x = load(s + j);
       max_lanes = x > max_lanes ? x : max_lanes;
@@ -180,19 +189,22 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
 }
 
 JAXINFER_VECTOR_CLONES void attend_chunk_any(const float* queries, int group, int head_dim, const float* keys,
-                                             const float* values, int64_t row, int64_t n_keys, float* scores,
-                                             float* m, float* l, float* o) {
+                                             const float* values, int64_t row, int64_t n_keys, float softcap,
+                                             float* scores, float* m, float* l, float* o) {
   switch (head_dim) {
-    case 64: return attend_chunk<64>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
-    case 128: return attend_chunk<128>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
-    case 256: return attend_chunk<256>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
-    default: return attend_chunk<0>(queries, group, head_dim, keys, values, row, n_keys, scores, m, l, o);
+    case 64: return attend_chunk<64>(queries, group, head_dim, keys, values, row, n_keys, softcap, scores, m, l, o);
+    case 128:
+      return attend_chunk<128>(queries, group, head_dim, keys, values, row, n_keys, softcap, scores, m, l, o);
+    case 256:
+      return attend_chunk<256>(queries, group, head_dim, keys, values, row, n_keys, softcap, scores, m, l, o);
+    default: return attend_chunk<0>(queries, group, head_dim, keys, values, row, n_keys, softcap, scores, m, l, o);
   }
 }
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                ffi::Buffer<ffi::S32> layer_buf, ffi::Buffer<ffi::S32> start_buf,
-                               ffi::Buffer<ffi::S32> row_buf, int64_t window, ffi::ResultBuffer<ffi::F32> out) {
+                               ffi::Buffer<ffi::S32> row_buf, int64_t window, float softcap,
+                               ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 4 || kd.size() != 5 || !std::equal(kd.begin(), kd.end(), vd.begin(), vd.end())) {
     return ffi::Error::InvalidArgument("cached_attention: q must be [B, T, H, hd], k and v [L, R, S, H_kv, hd]");
@@ -232,6 +244,10 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
     return ffi::Error::InvalidArgument("cached_attention: window must be >= 0 (0: none), got " +
                                        std::to_string(window));
   }
+  if (!(softcap >= 0) || std::isinf(softcap)) {
+    return ffi::Error::InvalidArgument("cached_attention: softcap must be a finite number >= 0 (0: none), got " +
+                                       std::to_string(softcap));
+  }
   const int64_t layer = *layer_buf.typed_data();
   const int32_t* starts = start_buf.typed_data();
   int64_t deepest = 0;  // the most positions any row reads
@@ -256,7 +272,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
   const float* qs = q.typed_data();
   if (n_query > kDecodeQueries) {
     attend_prefill(pool, {qs, ks, vs, f16, batch, n_query, n_head, n_head_kv, head_dim, max_len, starts, window,
-                          out->typed_data()});
+                          softcap, out->typed_data()});
     return ffi::Error::Success();
   }
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
@@ -323,7 +339,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
         for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query[i] * scale;
         const int64_t skip = (lo - first) * row + kv_head * head_dim;
         attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), k_chunk + skip,
-                         v_chunk + skip, row, n_keys, scores.data(),
+                         v_chunk + skip, row, n_keys, softcap, scores.data(),
                          m.data(), l.data(), out.data());
         for (int64_t g = 0; g < group; ++g) {
           float* p = part(b, t, h0 + g, c);
@@ -369,4 +385,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CachedAttention, jaxinfer_cpu::CachedAttentionImpl
                                   .Arg<ffi::Buffer<ffi::S32>>()  // start [B]
                                   .Arg<ffi::Buffer<ffi::S32>>()  // row []
                                   .Attr<int64_t>("window")       // > 0: a sliding window of that many positions
+                                  .Attr<float>("softcap")        // > 0: scores soft-capped (Gemma 2)
                                   .Ret<ffi::Buffer<ffi::F32>>());  // out [B, T, H, hd]

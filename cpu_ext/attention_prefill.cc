@@ -10,6 +10,7 @@
 //   S = Q K^T          [rows, kKeys]  Q scaled by 1/sqrt(hd) once per task; the key block transposed once per block
 //                                     (Kt [hd, kKeys]: a vector holds 16 keys of one dimension), so a tile of
 //                                     kRowTile rows x 4 vectors of S stays in registers over the hd dimensions
+//   (S = softcap * tanh(S / softcap) where the model soft-caps its scores: Gemma 2)
 //   m' = max(m, max_j S)   P = exp(S - m')   l = l e^(m - m') + sum_j P   O = O e^(m - m') + P V
 //
 // and out = O / l at the end. Blocks after a row's position are never visited (causal: about half the products of
@@ -48,7 +49,7 @@ template <int HeadDim>
 __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runtime_head_dim, int64_t n_rows,
                                                        const float* keys, const float* values, int64_t stride,
                                                        int64_t begin, int64_t n_keys, const char* k_raw,
-                                                       const char* v_raw, bool f16) {
+                                                       const char* v_raw, bool f16, float softcap) {
   const int head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
   float* kt = t.kt.data();
   float* s = t.s.data();
@@ -102,7 +103,7 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
       }
       F32x16 scores[kKeyVectors], max_lanes = splat(-INFINITY);
       for (int c = 0; c < kKeyVectors; ++c) {
-        const F32x16 x = load(row + c * kLanes);
+        const F32x16 x = softcap > 0 ? soft_cap(load(row + c * kLanes), softcap) : load(row + c * kLanes);
         scores[c] = lane + c * kLanes < static_cast<int32_t>(seen) && lane + c * kLanes >= static_cast<int32_t>(from)
                         ? x
                         : splat(-INFINITY);
@@ -168,12 +169,20 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
 
 JAXINFER_VECTOR_CLONES void attend_rows_any(TaskBuffers& t, int head_dim, int64_t n_rows, const float* keys,
                                             const float* values, int64_t stride, int64_t begin, int64_t n_keys,
-                                            const char* k_raw, const char* v_raw, bool f16) {
+                                            const char* k_raw, const char* v_raw, bool f16, float softcap) {
   switch (head_dim) {
-    case 64: return attend_rows<64>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
-    case 128: return attend_rows<128>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
-    case 256: return attend_rows<256>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
-    default: return attend_rows<0>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16);
+    case 64:
+      return attend_rows<64>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16,
+                              softcap);
+    case 128:
+      return attend_rows<128>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16,
+                              softcap);
+    case 256:
+      return attend_rows<256>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16,
+                              softcap);
+    default:
+      return attend_rows<0>(t, head_dim, n_rows, keys, values, stride, begin, n_keys, k_raw, v_raw, f16,
+                              softcap);
   }
 }
 
@@ -215,7 +224,7 @@ void attend_prefill(ffi::ThreadPool& pool, const PrefillCall& c) {
     const char* v_raw = c.v + offset;
     attend_rows_any(t, static_cast<int>(c.head_dim), n_rows, reinterpret_cast<const float*>(k_raw),
                     reinterpret_cast<const float*>(v_raw), row, first_seen(start + t0, c.window), start + t0 + n_q,
-                    k_raw, v_raw, c.f16);
+                    k_raw, v_raw, c.f16, c.softcap);
     for (int64_t r = 0; r < n_q * group; ++r) {
       const int64_t query = t0 + r / group, head = kv_head * group + r % group;
       float* dst = c.out + ((b * c.n_query + query) * c.n_head + head) * c.head_dim;

@@ -14,8 +14,8 @@ inline int64_t first_seen(int64_t position, int64_t window) {
 }
 
 // One cached_attention call's operands, checked by its handler: q [B, T, H, hd] f32, the k and v bytes of the layer
-// read ([R, S, H_kv, hd] from that layer's first row, f32 or f16), start [B], the sliding window (0: none),
-// out [B, T, H, hd].
+// read ([R, S, H_kv, hd] from that layer's first row, f32 or f16), start [B], the sliding window (0: none), the
+// scores' soft-cap (0: none), out [B, T, H, hd].
 struct PrefillCall {
   const float* q;
   const char* k;
@@ -24,6 +24,7 @@ struct PrefillCall {
   int64_t batch, n_query, n_head, n_head_kv, head_dim, max_len;
   const int32_t* starts;
   int64_t window;
+  float softcap;
   float* out;
 };
 

@@ -55,6 +55,15 @@ __attribute__((always_inline)) inline F32x16 exp_nonpositive(const F32x16& x) {
   return p * two_n;
 }
 
+// cap * tanh(x / cap), llama.cpp's logit soft-capping (Gemma 2's attention scores), as tanh(|y|) = (1 - e) / (1 + e)
+// with e = exp(-2|y|) <= 1: about 1e-7 of the cap from the exact value.
+__attribute__((always_inline)) inline F32x16 soft_cap(const F32x16& x, float cap) {
+  const F32x16 y = x * (1.0f / cap);
+  const F32x16 e = exp_nonpositive(-2.0f * (y < 0 ? -y : y));
+  const F32x16 t = (1.0f - e) / (1.0f + e);
+  return (y < 0 ? -t : t) * cap;
+}
+
 }  // namespace attention_vectors
 
 // n f16 values -> f32 (an f16 cache's keys or values).

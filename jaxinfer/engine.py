@@ -127,7 +127,7 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     cfg = load_config(gguf)
     stored_rows = any(down_stored_per_neuron(gguf, cfg, i) for i in range(cfg.n_layer)) if cfg.n_expert else False
     plan, experts_held = _experts(plan, cfg, path, expert_rows, activation_dir, stored_rows)
-    if cfg.attn_softcap:  # cpu_ext's and Pallas's attention kernels have no soft-capping: XLA's has
+    if cfg.attn_softcap and plan.attention.startswith("pallas"):  # Pallas's kernels have no soft-capping: XLA's has
         plan = dataclasses.replace(plan, attention="xla")
     cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)

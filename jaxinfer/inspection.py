@@ -236,12 +236,13 @@ class Inspection:
         return sorted(rows.values(), key=lambda r: -r["bytes"])
 
     def _softcapped(self) -> bool:
-        """Whether the model soft-caps its attention scores, which only XLA's attention computes (engine.py)."""
+        """Whether the model soft-caps its attention scores, which Pallas's kernels do not compute (engine.py)."""
         return self.cfg is not None and bool(self.cfg.attn_softcap)
 
     def kernels_section(self) -> dict:
         section = {"backend": self.plan.backend, "products": self.plan.products,
-                   "attention": "xla" if self._softcapped() else self.plan.attention, "cpu_ext": self.cpu_ext}
+                   "attention": "xla" if self._softcapped() and self.plan.attention.startswith("pallas")
+                   else self.plan.attention, "cpu_ext": self.cpu_ext}
         if self.plan.backend != "cpu":
             return section
         if not self.cpu_ext["available"]:
@@ -446,7 +447,7 @@ def _block_options(c: dict, rope_freqs: bool) -> list[str]:
     if rope_freqs:
         options.append("RoPE frequency factors (rope_freqs.weight)")
     if c["attn_softcap"]:
-        options.append(f"attention logit soft-cap {c['attn_softcap']:g} (XLA attention)")
+        options.append(f"attention logit soft-cap {c['attn_softcap']:g}")
     if c["final_softcap"]:
         options.append(f"final logit soft-cap {c['final_softcap']:g}")
     if c["n_expert"]:

@@ -161,13 +161,14 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
     [n_layer, S, max_len, H_kv, hd] of which the batch is rows row .. row + B - 1, row row + b filled up to
     q_pos[b, -1] (q_pos [B, T]: each row at its own depth). A sliding-window layer (`window`) attends through cpu_ext's
     kernel, which takes the window, or where its keys can be further apart than its window through
-    blocks.sliding_attention. Attention logit soft-capping
-    (cfg.attn_softcap) is computed by XLA's attention only, which the plan of such a model names (engine.py)."""
+    blocks.sliding_attention. Attention logit soft-capping (cfg.attn_softcap) is computed by cpu_ext's and XLA's
+    attention, not by Pallas's kernels: a GPU plan of such a model names XLA's (engine.py)."""
     softcap, plan = cfg.attn_softcap, cfg.plan
     if window is not None and plan.attention != "cpu_ext" and keys.shape[2 if layer is not None else 1] > window:
         return blocks.sliding_attention(q, keys, values, q_pos, window, layer, row, softcap)
-    if softcap and plan.attention != "xla":
-        raise ValueError(f"attention logit soft-capping needs XLA attention, the plan says {plan.attention}")
+    if softcap and plan.attention not in ("cpu_ext", "xla"):
+        raise ValueError(f"attention logit soft-capping needs cpu_ext's or XLA's attention, the plan says "
+                         f"{plan.attention}")
     starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
     batch = q.shape[0]
     if plan.attention in ("pallas", "pallas_interpret"):
@@ -179,9 +180,10 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
             return flash_attention.decode_attention(q[:, 0], keys, values, starts, interpret=interpret)[:, None]
         return flash_attention.attention(q, keys, values, starts, interpret=interpret)
     if plan.attention == "cpu_ext":  # reads only the window's keys of a sliding-window layer
+        options = {"window": window or 0, "softcap": softcap}
         if layer is None:  # the T tokens' own keys: a cache of one layer, T positions
-            return cpu_kernels().cached_attention(q, keys[None], values[None], 0, starts, window=window or 0)
-        return cpu_kernels().cached_attention(q, keys, values, layer, starts, row, window=window or 0)
+            return cpu_kernels().cached_attention(q, keys[None], values[None], 0, starts, **options)
+        return cpu_kernels().cached_attention(q, keys, values, layer, starts, row, **options)
     if layer is not None:
         return attention.cached_attention(q, keys, values, layer, q_pos, row=row,
                                           max_batch_mib=plan.attn_max_batch_mib, softcap=softcap)

@@ -126,13 +126,17 @@ def test_the_blocks_read_their_options_from_the_file(tmp_path):
 
 def test_gemma2_s_soft_caps_are_what_llama_cpp_computes(tmp_path):
     """Gemma 2's file against llama.cpp's logits (KL 0 within 1e-7 as measured, PPL 629.10) moves measurably
-    without either soft-cap: the attention scores' (cap 4) to KL 0.0015, the logits' (cap 8) to 0.26; the scores are
-    capped in XLA's attention, the plan's for such a model even where cpu_ext's kernel would serve another."""
+    without either soft-cap: the attention scores' (cap 4) to KL 0.0015, the logits' (cap 8) to 0.26. The scores are
+    capped in cpu_ext's attention kernels, the CPU plan's, and in XLA's attention, a GPU plan's for such a model
+    (Pallas's kernels have no soft-cap): both give llama.cpp's logits."""
     spec, _ = LLAMA_CPP["gemma2"]
     m = load(tmp_path, "gemma2", spec)
-    assert (m.config.attn_softcap, m.config.final_softcap, m.config.plan.attention) == (4.0, 8.0, "xla")
+    assert (m.config.attn_softcap, m.config.final_softcap, m.config.plan.attention) == (4.0, 8.0, "cpu_ext")
     base = evaluation.read_logits_file(str(DATA / "llama_cpp_gemma2.kld"))
     windows = base.tokens.reshape(base.n_chunk, base.n_ctx)
+    xla = dataclasses.replace(m.config, plan=dataclasses.replace(m.config.plan, attention="xla"))
+    result = evaluation.evaluate_windows(m.weights, xla, windows, n_seq=2, base=base, progress=False)
+    assert result.kl.mean < 1e-5 and result.kl.same_top > 0.99
     kl = {}
     for what in ("attn_softcap", "final_softcap"):
         cfg = dataclasses.replace(m.config, **{what: 0.0})
@@ -142,10 +146,8 @@ def test_gemma2_s_soft_caps_are_what_llama_cpp_computes(tmp_path):
 
 @pytest.mark.parametrize("name", SMALL_SPECS)
 def test_incremental_decode_matches_the_full_forward(tmp_path, name):
-    """For Gemma 2 and 3 the sliding layer reads its window from a cache longer than it (Gemma 3's through cpu_ext's
-    kernel, which takes the window; Gemma 2's through blocks.sliding_attention, soft-capped) and the full forward
-    masks 11 tokens to it; the global layer runs the plan's attention kernel (Gemma 2's: XLA's, soft-capped, online
-    softmax against the cache)."""
+    """For Gemma 2 and 3 the sliding layer reads its window from a cache longer than it through cpu_ext's kernel,
+    which takes the window (and Gemma 2's soft-cap), and the full forward masks 11 tokens to it."""
     assert_incremental_decode_matches_full_forward(load(tmp_path, name, SMALL_SPECS[name]), n_prompt=5)
 
 
@@ -202,7 +204,7 @@ def test_inspect_says_each_architecture_runs_and_names_its_block(tmp_path):
               "gemma3": "block: QK-norm, post-attention and post-FFN norms, embeddings x 8, sliding window 8 in 1 of 2 "
                         "layers (rope theta 10000)",
               "gemma2": "block: post-attention and post-FFN norms, embeddings x 8, sliding window 8 in 1 of 2 layers "
-                        "(rope theta 10000), attention logit soft-cap 2 (XLA attention), final logit soft-cap 5",
+                        "(rope theta 10000), attention logit soft-cap 2, final logit soft-cap 5",
               "phi3": "block: fused QKV (attn_qkv), fused gate-up (ffn_up [gate; up])",
               "falcon": "block: fused QKV (attn_qkv), FFN without a gate, LayerNorm with bias, parallel attention and "
                         "FFN"}

@@ -146,6 +146,31 @@ def test_a_sliding_window_sees_its_last_positions_only(n_query, starts, window, 
         jax.block_until_ready(cpu_ext.cached_attention(q, k, v, layer, jnp.array(starts, jnp.int32), window=-1))
 
 
+@pytest.mark.parametrize("n_query, starts, window, softcap, head_dim", [
+    (1, [300, 7], 0, 50.0, 128),   # decode, Gemma 2's default cap, a long context over chunks
+    (1, [40], 16, 0.5, 64),        # a cap below the scores' spread: many scores saturate
+    (3, [70, 0], 32, 4.0, 256),    # a micro-batch through a sliding window
+    (100, [0, 30], 0, 4.0, 64),    # prompts through the tiled kernel
+    (40, [200], 48, 0.5, 128),     # ... through a sliding window
+])
+def test_soft_capped_scores_equal_the_reference(n_query, starts, window, softcap, head_dim):
+    """Gemma 2's scores softcap * tanh(score / softcap) before the softmax, in both kernels; an invalid cap is an
+    error."""
+    batch, max_len, layer, n_head, n_head_kv = len(starts), 512, 0, 4, 2
+    k, v = caches(9, 1, batch, max_len, n_head_kv, head_dim, max_len)
+    q = 3 * np.random.default_rng(10).normal(size=(batch, n_query, n_head, head_dim)).astype(np.float32)
+    run = jax.jit(cpu_ext.cached_attention, static_argnames=("window", "softcap"))
+    got = np.asarray(run(q, k, v, jnp.int32(layer), jnp.array(starts, jnp.int32), window=window, softcap=softcap))
+    expected = cpu_ext.cached_attention_reference(q, k, v, layer, jnp.array(starts), window=window, softcap=softcap)
+    np.testing.assert_allclose(got, np.asarray(expected), rtol=1e-5, atol=1e-5)
+    uncapped = cpu_ext.cached_attention_reference(q, k, v, layer, jnp.array(starts), window=window)
+    assert np.abs(np.asarray(uncapped) - got).max() > 1e-3  # the cap is visible at these scores
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(Exception, match="softcap must be a finite number >= 0"):
+            jax.block_until_ready(cpu_ext.cached_attention(q, k, v, layer, jnp.array(starts, jnp.int32),
+                                                           softcap=bad))
+
+
 def test_cached_attention_kernel_rejects_a_row_whose_start_is_outside_the_cache():
     k, v = caches(0, 1, 3, 8, 1, 16, 8)
     q = np.zeros((3, 2, 2, 16), np.float32)

@@ -68,7 +68,7 @@ case("attention start for one of two rows", lambda: cpu_ext.cached_attention(
     q2, k2, k2, 0, np.array([3], np.int32)).block_until_ready())
 case("attention small output", lambda: jax.ffi.ffi_call("jaxinfer_cached_attention", jax.ShapeDtypeStruct(
     (1, 1, 2, 16), jnp.float32))(q, k, k, jnp.int32(0), jnp.int32(0), jnp.int32(0),
-                                 window=np.int64(0)).block_until_ready())
+                                 window=np.int64(0), softcap=np.float32(0)).block_until_ready())
 
 for dtype in (jnp.int64, jnp.uint64):
     case(f"gather_matmul {dtype.__name__}", lambda: cpu_ext.gather_matmul(
