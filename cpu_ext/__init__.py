@@ -414,9 +414,9 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, layer
     one scalar for every row), against layer `layer` of the KV caches [n_layer, R, S, H_kv, hd] (query row b reads
     cache row row + b), row b filled up to start[b]+T-1 -> f32 [B, T, H, hd]. With `window` > 0 (static) a query at
     position p sees positions p - window + 1 .. p only (a sliding-window layer); with `softcap` > 0 (static) the
-    scores are soft-capped, softcap * tanh(score / softcap) (Gemma 2). Reads only the keys each row's
-    queries see, in place. A layer, rows or positions outside the cache raise, as does a start that is neither a
-    scalar nor one per row."""
+    scores are soft-capped, softcap * tanh(score / softcap) (Gemma 2). Reads only the keys each row's queries see,
+    in place. A layer, rows or positions outside the cache raise, as does a start that is neither a scalar nor one
+    per row."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     start = jnp.asarray(start, jnp.int32)
     if start.ndim == 0:

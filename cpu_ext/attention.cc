@@ -102,8 +102,8 @@ __attribute__((always_inline)) inline F32x16 sum_lanes_16(const F32x16 v[16]) {
 // The query heads of one KV head (`group` queries of `head_dim`, scaled by 1/sqrt(hd)) against keys [0, n_keys) of
 // that head (rows `row` floats apart): per query head g, m[g] = max score, l[g] = sum of exp(score - m[g]) and
 // o[g] = sum of exp(score - m[g]) * value, the scores soft-capped where softcap > 0. `scores` holds group * n_keys
-// floats. HeadDim is the head size when it
-// is known at compile time (the common 64 and 128: loops unroll and accumulators stay in registers), else 0.
+// floats. HeadDim is the head size when it is known at compile time (the common 64, 128 and 256: loops unroll and
+// accumulators stay in registers), else 0.
 template <int HeadDim>
 __attribute__((always_inline)) inline void attend_chunk(const float* queries, int group, int runtime_head_dim,
                                                         const float* keys, const float* values, int64_t row,
@@ -339,8 +339,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
         for (int64_t i = 0; i < group * head_dim; ++i) scaled[i] = query[i] * scale;
         const int64_t skip = (lo - first) * row + kv_head * head_dim;
         attend_chunk_any(scaled.data(), static_cast<int>(group), static_cast<int>(head_dim), k_chunk + skip,
-                         v_chunk + skip, row, n_keys, softcap, scores.data(),
-                         m.data(), l.data(), out.data());
+                         v_chunk + skip, row, n_keys, softcap, scores.data(), m.data(), l.data(), out.data());
         for (int64_t g = 0; g < group; ++g) {
           float* p = part(b, t, h0 + g, c);
           std::copy(out.data() + g * head_dim, out.data() + (g + 1) * head_dim, p);
