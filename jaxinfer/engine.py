@@ -19,7 +19,7 @@ from jaxinfer import (activation_profile, attention, blocks, hybrid, model, moe,
 from jaxinfer.config import CACHE_TYPES, NATURAL_ZEROS, Config
 from jaxinfer.errors import JaxinferError
 from jaxinfer.gguf_io import GGUFFile, load_config, load_weights, open_gguf
-from jaxinfer.plan import HELD_AS, make_plan
+from jaxinfer.plan import HELD_AS, make_plan, soft_capping
 from jaxinfer.sampling import SamplingParams, sample, unpack_allowed
 from jaxinfer.tokenizer import GGUFTokenizer, load_tokenizer
 from jaxinfer.validate import down_stored_per_neuron
@@ -127,8 +127,8 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     cfg = load_config(gguf)
     stored_rows = any(down_stored_per_neuron(gguf, cfg, i) for i in range(cfg.n_layer)) if cfg.n_expert else False
     plan, experts_held = _experts(plan, cfg, path, expert_rows, activation_dir, stored_rows)
-    if cfg.attn_softcap and plan.attention.startswith("pallas"):  # Pallas's kernels have no soft-capping: XLA's has
-        plan = dataclasses.replace(plan, attention="xla")
+    if cfg.attn_softcap:
+        plan = soft_capping(plan)
     cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)
     weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1, repack_ffn=repack_ffn)

@@ -23,7 +23,7 @@ from jaxinfer import (activation_profile, blocks, config, hybrid, metadata, plac
 from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_io import GGUFFile, open_gguf
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
-from jaxinfer.plan import Plan, make_plan
+from jaxinfer.plan import Plan, make_plan, soft_capping
 from jaxinfer.sparse_ffn import ACTIVATIONS
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -236,13 +236,14 @@ class Inspection:
         return sorted(rows.values(), key=lambda r: -r["bytes"])
 
     def _softcapped(self) -> bool:
-        """Whether the model soft-caps its attention scores, which Pallas's kernels do not compute (engine.py)."""
+        """Whether the model soft-caps its attention scores, which Pallas's kernels do not compute
+        (plan.soft_capping)."""
         return self.cfg is not None and bool(self.cfg.attn_softcap)
 
     def kernels_section(self) -> dict:
         section = {"backend": self.plan.backend, "products": self.plan.products,
-                   "attention": "xla" if self._softcapped() and self.plan.attention.startswith("pallas")
-                   else self.plan.attention, "cpu_ext": self.cpu_ext}
+                   "attention": (soft_capping(self.plan) if self._softcapped() else self.plan).attention,
+                   "cpu_ext": self.cpu_ext}
         if self.plan.backend != "cpu":
             return section
         if not self.cpu_ext["available"]:

@@ -32,6 +32,7 @@ import numpy as np
 
 from jaxinfer import attention, blocks, moe, sharding, sparse_ffn
 from jaxinfer.config import CACHE_TYPES, Config
+from jaxinfer.plan import SOFT_CAPPING_ATTENTION
 from pallas_kernels import attention as flash_attention
 from jaxinfer.quant import QuantArray, cpu_kernels, matmul, matmuls, products
 
@@ -162,12 +163,12 @@ def attention_kernel(q, keys, values, q_pos, cfg: Config, layer=None, row=0, win
     q_pos[b, -1] (q_pos [B, T]: each row at its own depth). A sliding-window layer (`window`) attends through cpu_ext's
     kernel, which takes the window, or where its keys can be further apart than its window through
     blocks.sliding_attention. Attention logit soft-capping (cfg.attn_softcap) is computed by cpu_ext's and XLA's
-    attention, not by Pallas's kernels: a GPU plan of such a model names XLA's (engine.py)."""
+    attention, not by Pallas's kernels: a GPU plan of such a model names XLA's (plan.soft_capping)."""
     softcap, plan = cfg.attn_softcap, cfg.plan
     if window is not None and plan.attention != "cpu_ext" and keys.shape[2 if layer is not None else 1] > window:
         return blocks.sliding_attention(q, keys, values, q_pos, window, layer, row, softcap)
-    if softcap and plan.attention not in ("cpu_ext", "xla"):
-        raise ValueError(f"attention logit soft-capping needs cpu_ext's or XLA's attention, the plan says "
+    if softcap and plan.attention not in SOFT_CAPPING_ATTENTION:
+        raise ValueError(f"attention logit soft-capping needs one of {SOFT_CAPPING_ATTENTION}, the plan says "
                          f"{plan.attention}")
     starts = q_pos[..., 0]  # [B] with a cache, else the scalar 0
     batch = q.shape[0]

@@ -42,6 +42,7 @@ from jaxinfer.errors import JaxinferError
 SPARSITY_MODES = ("dense", "predictor", "gate", "hidden")  # which FFN neurons run for a token (sparse_ffn.py)
 PRODUCTS = ("cpu_ext", "xla", "xla_fused")
 ATTENTION = ("xla", "cpu_ext", "pallas", "pallas_interpret")
+SOFT_CAPPING_ATTENTION = ("xla", "cpu_ext")  # those that soft-cap attention scores (Gemma 2); Pallas's kernels do not
 HOT_FFN = ("xla", "pallas", "pallas_interpret")
 # A type read from the file -> the type a plan that repacks holds it as (repack.held_type): TQ1_0 always, Q5_0 where
 # it is repacked.
@@ -99,6 +100,11 @@ class Plan:
         if processes > 1:
             parts.append(f"{processes} processes")
         return ", ".join(parts)
+
+
+def soft_capping(plan: Plan) -> Plan:
+    """The plan for a model that soft-caps its attention scores: XLA's attention where the plan's kernels do not."""
+    return plan if plan.attention in SOFT_CAPPING_ATTENTION else dataclasses.replace(plan, attention="xla")
 
 
 def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1, dp: int = 1) -> Plan:
