@@ -3,7 +3,9 @@ line and exit code 130."""
 
 import functools
 import os
+import signal
 import sys
+import threading
 
 INTERRUPTED = 130  # the status of a process ended by Ctrl-C (128 + SIGINT), as shells report it
 INTERRUPTED_LINE = "interrupted (Ctrl-C)"
@@ -23,19 +25,65 @@ def not_a_model_file(path: str) -> JaxinferError:
     return JaxinferError(f"model file not found: {path}")
 
 
+# Python runs a signal handler between two bytecodes of the main thread, wherever they are: also inside a garbage
+# collector callback or a __del__ method, where the KeyboardInterrupt it raises is printed as "Exception ignored" and
+# dropped (JAX's _xla_gc_callback is one), and inside C++ extension code that wraps it in another exception (JAX's
+# pytree comparisons). So a Ctrl-C is raised again every REINTERRUPT_S seconds until something takes it.
+REINTERRUPT_S = 0.5
+_unanswered = threading.Event()
+
+
+def _raise_interrupt(signum, frame):
+    _unanswered.set()
+    signal.setitimer(signal.ITIMER_REAL, REINTERRUPT_S)  # SIGALRM: _raise_again
+    raise KeyboardInterrupt
+
+
+def _raise_again(signum, frame):
+    if _unanswered.is_set():
+        _raise_interrupt(signum, frame)
+
+
+def interrupt_taken():
+    """Called where a KeyboardInterrupt is caught and handled: stop raising it again."""
+    _unanswered.clear()
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def is_interrupt(e: BaseException) -> bool:
+    """Whether `e` is a KeyboardInterrupt or was raised because of one (an exit is an exit)."""
+    if isinstance(e, SystemExit):
+        return False
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def exit_on_error(main):
     """Wrap a CLI `main` so that a JaxinferError prints `error: ...` and exits with status 2, and Ctrl-C
     (KeyboardInterrupt) prints INTERRUPTED_LINE and exits with status INTERRUPTED, without a traceback."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
+        in_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
+        if in_main_thread:
+            previous = signal.signal(signal.SIGINT, _raise_interrupt), signal.signal(signal.SIGALRM, _raise_again)
         try:
             return main(*args, **kwargs)
         except JaxinferError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
-        except KeyboardInterrupt:
-            pass
+        except BaseException as e:
+            if not is_interrupt(e):
+                raise
+            interrupt_taken()
+        finally:
+            if in_main_thread:
+                interrupt_taken()
+                signal.signal(signal.SIGINT, previous[0])
+                signal.signal(signal.SIGALRM, previous[1])
         # Printed once the interrupted frames are gone: a progress bar iterating in one of them closes its line as it
         # is collected, so the message starts a line of its own.
         print(INTERRUPTED_LINE, file=sys.stderr)

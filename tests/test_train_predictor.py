@@ -166,7 +166,10 @@ def test_cli_without_output_says_so_and_ctrl_c_ends_it_with_one_line(make_model,
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=60)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running 60 s after SIGINT: {log.read_text()[-2000:]}")
     finally:  # a million steps: never left running by a failure
         process.kill()
     lines = log.read_text().replace("\r", "\n").strip().splitlines()
