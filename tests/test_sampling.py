@@ -85,6 +85,33 @@ def test_frequency_and_presence_penalties_subtract_per_count_and_once_as_llama_c
     np.testing.assert_array_equal(np.asarray(neutral), np.asarray(logits))
 
 
+def test_penalties_equal_counting_over_the_whole_vocabulary():
+    """Only the recent tokens' logits are touched: the values of counting every token of the vocabulary in the window
+    (numpy), with repeated tokens, empty slots, zero and negative logits, per-row values; the others left as they
+    were."""
+    rng = np.random.default_rng(0)
+    batch, vocab, window = 3, 50, 24
+    logits = rng.standard_normal((batch, vocab)).astype(np.float32)
+    logits[:, :5] = 0.0
+    recent = rng.integers(0, 12, (batch, window)).astype(np.int32)  # a few tokens, many repeats
+    recent[rng.random((batch, window)) < 0.3] = -1
+    repeat, frequency, presence = (rng.uniform(0.5, 2.0, (batch, 1)).astype(np.float32) for _ in range(3))
+    want = logits.copy()
+    for row in range(batch):
+        counts = np.bincount(recent[row][recent[row] >= 0], minlength=vocab).astype(np.float32)
+        seen = counts > 0
+        x = logits[row, seen]
+        want[row, seen] = (np.where(x > 0, x / repeat[row], x * repeat[row]) - counts[seen] * frequency[row]
+                           - presence[row])
+    got = apply_penalties(jnp.asarray(logits), jnp.asarray(recent), jnp.asarray(repeat), jnp.asarray(frequency),
+                          jnp.asarray(presence))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)  # XLA may fuse count * frequency into its subtraction
+    untouched = np.ones_like(want, bool)
+    for row in range(batch):
+        untouched[row, recent[row][recent[row] >= 0]] = False
+    np.testing.assert_array_equal(np.asarray(got)[untouched], logits[untouched])
+
+
 @pytest.mark.parametrize("field,value,flag", [
     ("temperature", -1.0, "--temp "), ("top_k", -1, "--top_k"), ("top_p", 0.0, "--top_p"), ("top_p", 1.5, "--top_p"),
     ("min_p", 2.0, "--min_p"), ("repeat_penalty", 0.0, "--repeat_penalty"), ("repeat_last_n", -2, "--repeat_last_n"),
