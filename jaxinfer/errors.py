@@ -28,8 +28,9 @@ def not_a_model_file(path: str) -> JaxinferError:
 # Python runs a signal handler between two bytecodes of the main thread, wherever they are: also inside a garbage
 # collector callback or a __del__ method, where the KeyboardInterrupt it raises is printed as "Exception ignored" and
 # dropped (JAX's _xla_gc_callback is one), and inside C++ extension code that wraps it in another exception (JAX's
-# pytree comparisons). So a Ctrl-C is raised again every REINTERRUPT_S seconds until something takes it.
-REINTERRUPT_S = 0.5
+# pytree comparisons). So a Ctrl-C is raised again every REINTERRUPT_S seconds until something takes it: long enough
+# for the interrupted frames to unwind and clean up first.
+REINTERRUPT_S = 1.0
 _unanswered = threading.Event()
 
 
@@ -67,8 +68,11 @@ def exit_on_error(main):
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
-        in_main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be set
-        if in_main_thread:
+        # Only where Python's own handler would raise the KeyboardInterrupt: a process started with SIGINT ignored
+        # (a shell's background job) keeps ignoring it, and handlers can only be set in the main thread.
+        ours = (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+        if ours:
             previous = signal.signal(signal.SIGINT, _raise_interrupt), signal.signal(signal.SIGALRM, _raise_again)
         try:
             return main(*args, **kwargs)
@@ -78,9 +82,8 @@ def exit_on_error(main):
         except BaseException as e:
             if not is_interrupt(e):
                 raise
-            interrupt_taken()
         finally:
-            if in_main_thread:
+            if ours:
                 interrupt_taken()
                 signal.signal(signal.SIGINT, previous[0])
                 signal.signal(signal.SIGALRM, previous[1])

@@ -127,6 +127,20 @@ def test_ctrl_c_that_python_drops_or_native_code_wraps_still_ends_the_cli(where)
     assert err.strip().splitlines()[-1] == INTERRUPTED_LINE and "ValueError" not in err, err
 
 
+def test_a_cli_started_with_sigint_ignored_keeps_ignoring_it():
+    """A shell's background job starts with SIGINT ignored, so that a Ctrl-C meant for the shell does not reach it:
+    the CLI keeps it so."""
+    script = ("import sys, time\nfrom jaxinfer.errors import exit_on_error\n"
+              "def main():\n    print('working', file=sys.stderr, flush=True)\n    time.sleep(1)\n"
+              "    print('finished', file=sys.stderr)\nexit_on_error(main)()\n")
+    process = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert process.stderr.readline() == "working\n"
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 0 and err == "finished\n", err
+
+
 @pytest.mark.slow
 def test_an_error_after_streamed_text_starts_a_line_of_its_own(make_model):
     """The embedding row of the first generated token is NaN (a corrupt file): the prefill gives that token, whose
