@@ -133,8 +133,10 @@ def test_a_cli_started_with_sigint_ignored_keeps_ignoring_it():
     script = ("import sys, time\nfrom jaxinfer.errors import exit_on_error\n"
               "def main():\n    print('working', file=sys.stderr, flush=True)\n    time.sleep(1)\n"
               "    print('finished', file=sys.stderr)\nexit_on_error(main)()\n")
-    process = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    ignoring = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+    process = subprocess.Popen([sys.executable, "-c", ignoring, sys.executable, "-c", script], stderr=subprocess.PIPE,
+                               text=True)  # an ignored signal stays ignored across exec, as a shell starts a job
     assert process.stderr.readline() == "working\n"
     process.send_signal(signal.SIGINT)
     _, err = process.communicate(timeout=30)
