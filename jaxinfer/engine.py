@@ -127,8 +127,7 @@ def _read_model(path: str | None, attn_max_batch_mib: float | None, exact: bool,
     cfg = load_config(gguf)
     stored_rows = any(down_stored_per_neuron(gguf, cfg, i) for i in range(cfg.n_layer)) if cfg.n_expert else False
     plan, experts_held = _experts(plan, cfg, path, expert_rows, activation_dir, stored_rows)
-    if cfg.attn_softcap:
-        plan = soft_capping(plan)
+    plan = soft_capping(plan, cfg.attn_softcap)
     cfg = dataclasses.replace(cfg, plan=plan, cache_type=cache_type)
     sharding.check_model(cfg, tp)
     weights = load_weights(gguf, cfg, exact, on_host=jax.process_count() > 1, repack_ffn=repack_ffn)

@@ -242,7 +242,7 @@ class Inspection:
 
     def kernels_section(self) -> dict:
         section = {"backend": self.plan.backend, "products": self.plan.products,
-                   "attention": (soft_capping(self.plan) if self._softcapped() else self.plan).attention,
+                   "attention": soft_capping(self.plan, self.cfg.attn_softcap if self.cfg else 0.0).attention,
                    "cpu_ext": self.cpu_ext}
         if self.plan.backend != "cpu":
             return section

@@ -102,9 +102,12 @@ class Plan:
         return ", ".join(parts)
 
 
-def soft_capping(plan: Plan) -> Plan:
-    """The plan for a model that soft-caps its attention scores: XLA's attention where the plan's kernels do not."""
-    return plan if plan.attention in SOFT_CAPPING_ATTENTION else dataclasses.replace(plan, attention="xla")
+def soft_capping(plan: Plan, attn_softcap: float) -> Plan:
+    """The plan for a model whose attention scores are soft-capped at `attn_softcap` (0: not capped): XLA's attention
+    where the plan's kernels do not cap them."""
+    if not attn_softcap or plan.attention in SOFT_CAPPING_ATTENTION:
+        return plan
+    return dataclasses.replace(plan, attention="xla")
 
 
 def make_plan(attn_max_batch_mib: float | None = None, tp: int = 1, dp: int = 1) -> Plan:
