@@ -126,7 +126,7 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
       for (int d = full; d < head_dim; ++d) {
         for (int i = 0; i < kLanes; ++i) score[i] += query[d] * keys[(j + i) * row + d];
       }
-      store(scores + g * n_keys + j, score);
+      store(scores + g * n_keys + j, softcap > 0 ? soft_cap(score, softcap) : score);
     }
     for (; j < n_keys; ++j) {
       const float* key = keys + j * row;
@@ -134,17 +134,12 @@ __attribute__((always_inline)) inline void attend_chunk(const float* queries, in
       for (int d = 0; d < full; d += kLanes) acc += load(query + d) * load(key + d);
       float score = sum_lanes(acc);
       for (int d = full; d < head_dim; ++d) score += query[d] * key[d];
-      scores[g * n_keys + j] = score;
+      scores[g * n_keys + j] = softcap > 0 ? soft_cap(splat(score), softcap)[0] : score;
     }
   }
   for (int g = 0; g < group; ++g) {
     float* s = scores + g * n_keys;
     int64_t j = 0;
-    if (softcap > 0) {
-      for (; j + kLanes <= n_keys; j += kLanes) store(s + j, soft_cap(load(s + j), softcap));
-      for (; j < n_keys; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
-      j = 0;
-    }
     F32x16 max_lanes = splat(-INFINITY);
     for (; j + kLanes <= n_keys; j += kLanes) {
       const F32x16 x = load(s + j);
