@@ -40,31 +40,59 @@ def read_text_file(path: str | None, missing: str) -> str:
 
 
 def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
-                sentinel: float | None = None, flag_values: flags.FlagValues = flags.FLAGS):
+                high_open: bool = False, sentinel: float | None = None, flag_values: flags.FlagValues = flags.FLAGS):
     """Check flag `name` as the command line is parsed: a finite number in [low, high] (low excluded with
-    `low_open`), or exactly `sentinel` (a value meaning off, all or random). Integer flags are also bounded by
-    INT32_MAX. A failure is parse_flags' one-line error naming the flag and the range."""
+    `low_open`, high with `high_open`), or exactly `sentinel` (a value meaning off, all or random). Integer flags are
+    also bounded by INT32_MAX. A failure is parse_flags' one-line error naming the flag and the range."""
     is_float = flag_values[name].flag_type() == "float"
     if high is None and not is_float:
         high = INT32_MAX
-    if low is not None and high is not None:
-        allowed = f"in {'(' if low_open else '['}{_plain(low)}, {_plain(high)}]"
-    elif low is not None:
-        allowed = f"{'>' if low_open else '>='} {_plain(low)}"
-    else:
-        allowed = f"<= {_plain(high)}"
-    allowed = ("a finite number " if is_float else "") + allowed
+    allowed = ("a finite number " if is_float else "") + _range(low, high, low_open, high_open)
     if sentinel is not None:
         allowed = f"{_plain(sentinel)} or {allowed}"
 
-    def in_range(value) -> bool:
-        if value is None or value == sentinel:
-            return True
-        above = low is None or (value > low if low_open else value >= low)
-        below = high is None or value <= high
-        return above and below and abs(value) != float("inf")  # NaN already fails both comparisons
+    def valid(value) -> bool:
+        return value is None or value == sentinel or _in_range(value, low, high, low_open, high_open)
 
-    flags.register_validator(name, in_range, message=f"must be {allowed}", flag_values=flag_values)
+    flags.register_validator(name, valid, message=f"must be {allowed}", flag_values=flag_values)
+
+
+def check_list(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+               high_open: bool = False, number: type = int, words: tuple[str, ...] = (), empty: bool = False,
+               flag_values: flags.FlagValues = flags.FLAGS):
+    """Check list flag `name` as the command line is parsed: every item one of `words` or a `number` (int or
+    float, finite) in the range check_range takes, and at least one item unless `empty`. A failure is parse_flags'
+    one-line error naming the flag; the items are then read with `number` without another check."""
+    if high is None and number is int:
+        high = INT32_MAX
+    allowed = (f"{'' if empty else 'one or more '}comma-separated {'integers' if number is int else 'finite numbers'} "
+               f"{_range(low, high, low_open, high_open)}" + (f" (or {', '.join(words)})" if words else ""))
+
+    def valid(item: str) -> bool:
+        if item in words:
+            return True
+        try:
+            return _in_range(number(item), low, high, low_open, high_open)
+        except ValueError:
+            return False
+
+    flags.register_validator(name, lambda items: (empty or bool(items)) and all(map(valid, items)),
+                             message=f"must be {allowed}", flag_values=flag_values)
+
+
+def _range(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    """The range of check_range or check_list as the user reads it: `in [0, 1)`, `> 0`, `<= 10`."""
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{_plain(low)}, {_plain(high)}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {_plain(low)}"
+    return f"{'<' if high_open else '<='} {_plain(high)}"
+
+
+def _in_range(value: float, low: float | None, high: float | None, low_open: bool, high_open: bool) -> bool:
+    above = low is None or (value > low if low_open else value >= low)
+    below = high is None or (value < high if high_open else value <= high)
+    return above and below and abs(value) != float("inf")  # NaN already fails both comparisons
 
 
 def _plain(number: float) -> str:

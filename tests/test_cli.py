@@ -5,6 +5,7 @@ import ast
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 from importlib.util import find_spec
@@ -35,6 +36,9 @@ for module, args in json.loads(sys.argv[1]):
         try:
             if module == "-c":
                 exec(args[0], {"__name__": "__main__"})
+            elif module.endswith(".py"):  # a script, run as `python SCRIPT ARGS`: its folder first on sys.path
+                sys.path.insert(0, os.path.dirname(module))
+                runpy.run_path(module, run_name="__main__")
             else:
                 runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as e:
@@ -45,7 +49,8 @@ for module, args in json.loads(sys.argv[1]):
         if module != "-c":
             from absl import flags
             from importlib.util import find_spec
-            main_file = find_spec(module).origin  # python -m names the flags of __main__ after its file
+            # python -m names the flags of __main__ after its file; a script's are named after sys.argv[0]
+            main_file = module if module.endswith(".py") else find_spec(module).origin
             helps = {f.name: f.help for f in flags.FLAGS.get_key_flags_for_module(main_file)}
             key_flags.write(json.dumps(helps).encode())
             key_flags.flush()
@@ -62,8 +67,8 @@ print(json.dumps(results))
 
 
 def run_all(runs):
-    """[(module, args)] -> one {rc, stdout, stderr, flags (the module's own flags' help)} per run. JAX picks its
-    platform itself, as for a user (no JAX_PLATFORMS), so its probing would show if it leaked."""
+    """[(module or script path, args)] -> one {rc, stdout, stderr, flags (the module's own flags' help)} per run.
+    JAX picks its platform itself, as for a user (no JAX_PLATFORMS), so its probing would show if it leaked."""
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     done = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(runs)], capture_output=True, text=True, env=env,
                           timeout=600)
@@ -218,16 +223,41 @@ def test_check_range_rejects_non_finite_and_out_of_range_values():
     cli.check_range("budget", 0, 10, sentinel=-1, flag_values=values)
     cli.check_range("count", 1, flag_values=values)
     cli.check_range("rate", 0, low_open=True, flag_values=values)
-    for good in (["--budget=-1"], ["--budget=0"], ["--budget=10"], ["--count=2147483647"], ["--rate=1e-9"]):
+    flags.DEFINE_float("share", 0.0, "", flag_values=values)
+    cli.check_range("share", 0, 1, high_open=True, flag_values=values)
+    for good in (["--budget=-1"], ["--budget=0"], ["--budget=10"], ["--count=2147483647"], ["--rate=1e-9"],
+                 ["--share=0.99"]):
         values.unparse_flags()
         values(["prog", *good])
     bad = {"--budget=nan": "must be -1 or a finite number in [0, 10]", "--budget=inf": "in [0, 10]",
            "--budget=10.5": "in [0, 10]", "--budget=-0.5": "in [0, 10]", "--count=0": "must be in [1, 2147483647]",
            f"--count={2**31}": "in [1, 2147483647]", "--rate=0": "must be a finite number > 0",
-           "--rate=inf": "> 0", "--rate=nan": "> 0"}
+           "--rate=inf": "> 0", "--rate=nan": "> 0", "--share=1": "must be a finite number in [0, 1)"}
     for arg, message in bad.items():
         values.unparse_flags()
-        with pytest.raises(flags.IllegalFlagValueError, match=message.replace("[", r"\[")):
+        with pytest.raises(flags.IllegalFlagValueError, match=re.escape(message)):
+            values(["prog", arg])
+
+
+def test_check_list_takes_numbers_in_range_or_the_words_given():
+    values = flags.FlagValues()
+    flags.DEFINE_list("lengths", ["128"], "", flag_values=values)
+    flags.DEFINE_list("shares", ["0.5"], "", flag_values=values)
+    flags.DEFINE_list("limits", ["none"], "", flag_values=values)
+    cli.check_list("lengths", 0, empty=True, flag_values=values)
+    cli.check_list("shares", 0, 1, low_open=True, high_open=True, number=float, flag_values=values)
+    cli.check_list("limits", 0, low_open=True, number=float, words=("none", "default"), flag_values=values)
+    for good in (["--lengths=0,512"], ["--lengths="], ["--shares=0.3,0.999"], ["--limits=none,default,0.5"]):
+        values.unparse_flags()
+        values(["prog", *good])
+    bad = {"--lengths=128,abc": "must be comma-separated integers in [0, 2147483647]", "--lengths=-1": "[0, ",
+           "--lengths=0.5": "integers", f"--lengths={2**31}": "2147483647]",
+           "--shares=": "must be one or more comma-separated finite numbers in (0, 1)", "--shares=1": "(0, 1)",
+           "--shares=0": "(0, 1)", "--shares=nan": "(0, 1)", "--limits=inf": "finite numbers > 0 (or none, default)",
+           "--limits=0": "> 0", "--limits=all": "(or none, default)"}
+    for arg, message in bad.items():
+        values.unparse_flags()
+        with pytest.raises(flags.IllegalFlagValueError, match=re.escape(message)):
             values(["prog", arg])
 
 
