@@ -29,6 +29,8 @@ from absl import app, flags
 
 from jaxinfer.attention import (MIB, attention, cached_attention, default_max_batch_mib, key_step, plan_attention,
                                 scores_bytes)
+from jaxinfer.cli import check_list, check_range, parse_flags
+from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_integer("n_ctx", 8192, "context: keys in the cache")
 flags.DEFINE_list("ubatches", ["8192", "512"], "queries per call (-ub); 8192 = the whole window at once")
@@ -38,6 +40,13 @@ flags.DEFINE_integer("n_head", 9, "query heads")
 flags.DEFINE_integer("n_head_kv", 3, "KV heads")
 flags.DEFINE_integer("head_dim", 64, "head dimension")
 flags.DEFINE_integer("repetitions", 1, "timed calls after one warm-up")
+check_range("n_ctx", 1)
+check_list("ubatches", 1)
+check_list("limits", 0, low_open=True, number=float, words=("none", "default"))
+check_range("n_head", 1)
+check_range("n_head_kv", 1)
+check_range("head_dim", 1)
+check_range("repetitions", 1)
 FLAGS = flags.FLAGS
 
 
@@ -74,8 +83,14 @@ def parse_limit(name, n_head, n_kv, n_ctx, n_query) -> float | None:
     return float(name)
 
 
+@exit_on_error
 def main(_):
     n_ctx, n_head, n_kv, hd = FLAGS.n_ctx, FLAGS.n_head, FLAGS.n_head_kv, FLAGS.head_dim
+    if n_head % n_kv:
+        raise JaxinferError(f"--n_head_kv {n_kv} does not divide --n_head {n_head}")
+    if max(map(int, FLAGS.ubatches)) > n_ctx:
+        raise JaxinferError(f"--ubatches: a micro-batch holds at most --n_ctx {n_ctx} queries, got "
+                            f"{','.join(FLAGS.ubatches)}")
     print(f"attention of one layer: {n_head} heads, {n_kv} KV heads, hd {hd}, {n_ctx} keys, f32, "
           f"{jax.devices()[0].device_kind}")
     print(f"{'path':>7} {'-ub':>6} {'-amb MiB':>9} {'steps':>11} {'scores/step MiB':>16} {'temp MiB':>9} "
@@ -104,4 +119,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -8,8 +8,9 @@ tg = N greedy decode steps after a one-token prompt, through `generate`'s own de
         [--llama_bench path/to/llama-bench [--threads 2] [--rounds 1]] [--norepack]
 
 With --json the last line is one JSON object with prompt_tokens_per_s and generation_tokens_per_s (the best
-repetition of the largest pp and of tg), and with --llama_bench llama.cpp's numbers and the ratios (llama_cpp_pp512,
-ratio_pp512, ...). --norepack keeps the weights in GGUF's rows (no repacked kernels), to compare. With --llama_bench
+repetition of the largest pp and of tg; prompt_tokens_per_s is null without a prompt test, --pp 0), and with
+--llama_bench llama.cpp's numbers and the ratios (llama_cpp_pp512, ratio_pp512, ...). --norepack keeps the weights
+in GGUF's rows (no repacked kernels), to compare. With --llama_bench
 (a llama.cpp build you have; nothing is downloaded or built here) llama-bench runs the same tests on the same model
 right after, and the ratios are printed: absolute numbers on shared machines are noisy, ratios measured in one run
 much less so. Where the machine's memory bandwidth drifts by more than the difference to measure (decode on a VM
@@ -40,7 +41,8 @@ from jaxinfer.cli import parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model (default: the built-in SmolLM2 Q4_1)", short_name="m")
-flags.DEFINE_list("pp", ["128", "512"], "prompt lengths to time")
+flags.DEFINE_list("pp", ["128", "512"], "prompt lengths to time; 0 (or none given): no prompt test, as "
+                  "llama-bench's -p 0")
 flags.DEFINE_integer("tg", 64, "tokens to generate")
 flags.DEFINE_integer("repetitions", 3, "timed repetitions of each test (after one untimed warm-up)")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
@@ -63,8 +65,21 @@ flags.DEFINE_string("activation_dir", None, "activation profile for --vram-budge
 cli.define_receipt_flag()
 flags.DEFINE_bool("repack", True, "repack weights eight rows to a group where the plan does (repack.py); "
                   "--norepack keeps GGUF's rows, to compare")
+cli.check_list("pp", 0, empty=True)
+cli.check_range("tg", 1)
+cli.check_range("repetitions", 1)
+cli.check_range("ctx_size", 1)
+cli.check_range("depth", 0)
+cli.check_range("threads", 1)
+cli.check_range("rounds", 1)
+cli.check_range("vram_budget", 0, cli.MAX_VRAM_GIB)
 flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
+
+
+def prompt_lengths() -> list[int]:
+    """The --pp prompt tests: their lengths, 0 (no test) left out."""
+    return [n for n in map(int, FLAGS.pp) if n]
 
 
 def context_tokens(m) -> np.ndarray:
@@ -153,10 +168,11 @@ def compare_with_split(m) -> dict[str, float]:
             "split_hot_neuron_share": split.split.plan.hot_share(m.config.n_ff)}
 
 
-def run_llama_bench(path, pp, tg) -> dict[str, float]:
-    """llama-bench's best repetition of each test, in tokens/s, keyed like ours (pp128, tg64)."""
-    command = [FLAGS.llama_bench, "-m", path, "-t", str(FLAGS.threads), "-p", ",".join(pp), "-n", str(tg), "-r",
-               str(FLAGS.repetitions), "-o", "json"]
+def run_llama_bench(path, pp: list[int], tg) -> dict[str, float]:
+    """llama-bench's best repetition of each test, in tokens/s, keyed like ours (pp128, tg64); no prompt lengths:
+    its -p 0, no prompt test."""
+    command = [FLAGS.llama_bench, "-m", path, "-t", str(FLAGS.threads), "-p", ",".join(map(str, pp)) or "0", "-n",
+               str(tg), "-r", str(FLAGS.repetitions), "-o", "json"]
     if FLAGS.depth:  # -d only when asked: builds from before llama-bench had it reject even "-d 0"
         command += ["-d", str(FLAGS.depth)]
     try:
@@ -177,7 +193,7 @@ def run_llama_bench(path, pp, tg) -> dict[str, float]:
 def time_tests(m) -> dict[str, float]:
     """Each --pp prefill and the tg decode, best of --repetitions, in tokens/s (printed as they come)."""
     results = {}
-    for n in [int(p) for p in FLAGS.pp]:
+    for n in prompt_lengths():
         results[f"pp{n}"] = time_prefill(m, n, FLAGS.repetitions)
         print(f"pp{n}: {results[f'pp{n}']:.1f} tokens/s", flush=True)
     results[f"tg{FLAGS.tg}"] = max(decode_rates(m, FLAGS.tg, FLAGS.repetitions)[0])
@@ -216,14 +232,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)
     runtime.enable_compilation_cache()
     spec = sparsity.parse_spec(FLAGS.sparsity)
-    if FLAGS.depth < 0:
-        raise JaxinferError(f"--depth must be >= 0, got {FLAGS.depth}")
     if FLAGS.depth and FLAGS.compare_dense:
         raise JaxinferError("--compare_dense counts the neurons of the generated tokens: use it without --depth")
     if FLAGS.compare_dense and spec.mode == "dense":
         raise JaxinferError("--compare_dense needs a --sparsity other than dense")
-    if FLAGS.rounds < 1 or (FLAGS.rounds > 1 and not FLAGS.llama_bench):
-        raise JaxinferError(f"--rounds must be >= 1, and more than 1 only with --llama_bench, got {FLAGS.rounds}")
+    if FLAGS.rounds > 1 and not FLAGS.llama_bench:
+        raise JaxinferError(f"--rounds {FLAGS.rounds}: more than one round only with --llama_bench")
     receipt.check_path(FLAGS.receipt)
     # Compared with their whole down projection, ReLU experts are held a row per neuron whatever their profile says.
     dense = engine.load_model(FLAGS.model, cache_type=FLAGS.cache_type, repack=FLAGS.repack,
@@ -239,7 +253,7 @@ def main(argv):
     for _ in range(FLAGS.rounds):
         ours_rounds.append(time_tests(m))
         if FLAGS.llama_bench:
-            llama_rounds.append(run_llama_bench(m.path, FLAGS.pp, FLAGS.tg))
+            llama_rounds.append(run_llama_bench(m.path, prompt_lengths(), FLAGS.tg))
     results = median_rounds(ours_rounds)
     comparison = compare_with_dense(dense, m, spec) if FLAGS.compare_dense else {}
     if FLAGS.compare_whole_experts:
@@ -252,9 +266,9 @@ def main(argv):
                                      "rounds": FLAGS.rounds,
                                      **{f"{test}_tokens_per_s": rate for test, rate in results.items()}, **comparison})
     if FLAGS.json:
-        largest_pp = max(int(p) for p in FLAGS.pp)
+        largest_pp = max(prompt_lengths(), default=None)
         print(json.dumps({"model": m.path, "backend": m.config.plan.backend,
-                          "prompt_tokens_per_s": round(results[f"pp{largest_pp}"], 2),
+                          "prompt_tokens_per_s": round(results[f"pp{largest_pp}"], 2) if largest_pp else None,
                           "generation_tokens_per_s": round(results[f"tg{FLAGS.tg}"], 2), **{
                               k: round(v, 2) for k, v in results.items()},
                           **{k: round(v, 4) for k, v in comparison.items()}}))

@@ -24,8 +24,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxinfer import activation_profile, cli, engine, evaluation, hybrid, placement, receipt, runtime, sparsity
-from jaxinfer.cli import parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.cli import check_range, parse_flags
+from jaxinfer.errors import exit_on_error
 from jaxinfer.sampling import SamplingParams
 
 flags.DEFINE_string("model", None, "sparse GGUF with predictors, or a mixture of experts (e.g. from "
@@ -37,6 +37,9 @@ flags.DEFINE_integer("n_predict", 32, "decode steps to time", short_name="n")
 flags.DEFINE_integer("ctx_size", 256, "context", short_name="c")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
 cli.define_receipt_flag()
+check_range("ffn_share", 0, 1)
+check_range("n_predict", 1)
+check_range("ctx_size", 2)  # the one-token prompt and a decode step
 flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 
@@ -70,15 +73,14 @@ def decode_rate(m, n: int) -> float:
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    if not FLAGS.file:
-        raise JaxinferError("-f/--file is required (text to profile on)")
+    text = cli.read_text_file(FLAGS.file, "-f/--file is required (text to profile on)")
     receipt.check_path(FLAGS.receipt)
     runtime.enable_compilation_cache()
     m = engine.load_model(FLAGS.model)
     mixture = bool(m.config.n_expert)  # a mixture runs dense: its router chooses the experts
     m = m if mixture else sparsity.apply(m, sparsity.SparsitySpec("predictor"))
     print(m.describe(), file=sys.stderr)
-    tokens = np.asarray(m.tokenizer.encode(open(FLAGS.file, encoding="utf-8").read()), np.int32)
+    tokens = np.asarray(m.tokenizer.encode(text), np.int32)
     counts = activation_profile.profile_counts(m, evaluation.make_windows(tokens, 128, 8, None))
     costs = hybrid.placement_costs(m.weights, m.config, placement.kv_cache_bytes(m.config, FLAGS.ctx_size))
     ffn_total = int((costs.unit_bytes * (costs.n_ff // costs.neurons_per_unit())).sum())

@@ -21,7 +21,7 @@ import sys
 from absl import app, flags
 
 import server_client
-from jaxinfer.cli import check_range, parse_flags
+from jaxinfer.cli import check_list, check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("url", "http://127.0.0.1:8080", "the server's base URL")
@@ -35,22 +35,13 @@ flags.DEFINE_integer("warmup", 4, "untimed requests sent first, one at a time (4
                      "server that compiles per shape has done so)")
 flags.DEFINE_float("timeout", 600.0, "seconds a request may go without the server sending anything")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
+check_list("clients", 1)
 check_range("requests", 1)
 check_range("max_tokens", 1)
 check_range("warmup", 0)
 check_range("temperature", 0.0, 2.0)
 check_range("timeout", 0.0, low_open=True)
 FLAGS = flags.FLAGS
-
-
-def client_counts() -> list[int]:
-    try:
-        counts = [int(c) for c in FLAGS.clients]
-    except ValueError:
-        raise JaxinferError(f"--clients must be a comma-separated list of integers, got {','.join(FLAGS.clients)}")
-    if not counts or min(counts) < 1:
-        raise JaxinferError(f"--clients must list counts >= 1, got {','.join(FLAGS.clients)}")
-    return counts
 
 
 def spec(index: int) -> server_client.RequestSpec:
@@ -94,7 +85,6 @@ def table(results: list[dict]) -> str:
 def main(argv):
     if len(argv) > 1:
         raise JaxinferError(f"unexpected arguments: {' '.join(argv[1:])}")
-    counts = client_counts()
     FLAGS.url = FLAGS.url.rstrip("/")
     model = server_client.check_server(FLAGS.url)
     warmup, _ = server_client.run_concurrently(FLAGS.url, [spec(-1 - i) for i in range(FLAGS.warmup)], 1,
@@ -102,7 +92,7 @@ def main(argv):
     if any(not o.completed for o in warmup):
         raise JaxinferError(f"the warm-up request failed: {next(o.error for o in warmup if not o.completed)}")
     results, errors, first_index = [], [], 0
-    for clients in counts:
+    for clients in map(int, FLAGS.clients):
         result, failed = measure(clients, first_index)
         first_index += result["requests"]
         results.append(result)

@@ -50,7 +50,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxinfer import cli, decode_bytes, engine, evaluation, runtime, sparsity, synthetic
-from jaxinfer.cli import check_range, parse_flags
+from jaxinfer.cli import check_list, check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.sampling import SamplingParams
 
@@ -97,6 +97,11 @@ check_range("chunks", 1)
 check_range("ppl_ctx_size", 8)
 check_range("peer_timeout", 1)
 check_range("pp", 0)
+check_range("n_layer", 1)
+check_range("ctx_size", 1)
+check_list("levels", 0, 1, low_open=True, high_open=True, number=float)
+check_list("powerinfer_threads", 1)
+check_list("threads", 1)
 flags.adopt_module_key_flags(cli)
 FLAGS = flags.FLAGS
 MAKE_SPARSE_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "make_sparse_model.py")
@@ -389,12 +394,7 @@ def print_levels(rows: list[dict]):
 
 
 def synthetic_mode() -> dict:
-    try:
-        levels = [float(v) for v in FLAGS.levels]
-    except ValueError:
-        raise JaxinferError(f"--levels must be numbers in (0, 1), got {','.join(FLAGS.levels)}") from None
-    if not levels or not all(0 < v < 1 for v in levels):
-        raise JaxinferError(f"--levels must be numbers in (0, 1), got {','.join(FLAGS.levels)}")
+    levels = [float(v) for v in FLAGS.levels]
     rows = [bench_level(level, path) for level, path in zip(levels, level_files(levels))]
     print_levels(rows)
     return {"mode": "synthetic", "levels": rows}
@@ -470,9 +470,6 @@ def main(argv):
     checked_peer(FLAGS.llama_bench, "llama_bench")
     if FLAGS.model and not FLAGS.specs:
         raise JaxinferError("-m/--model is for the real-model mode: give --specs (e.g. hidden:0.3,hidden:0.5,gate:0.5)")
-    for name in ("powerinfer_threads", "threads"):
-        if not FLAGS[name].value or not all(t.isdigit() and int(t) > 0 for t in FLAGS[name].value):
-            raise JaxinferError(f"--{name} must be positive integers, got {','.join(FLAGS[name].value or [])}")
     runtime.enable_compilation_cache()
     start = loads()
     print(start, flush=True)

@@ -28,6 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import cpu_ext
 from jaxinfer import quant
+from jaxinfer.cli import check_list, check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import encode_tensor
 
@@ -40,6 +41,12 @@ flags.DEFINE_integer("repeats", 15, "timings per kernel; the median is shown")
 flags.DEFINE_string("isa", "best", "cpu_ext kernels: best, avx512, avx2 or scalar")
 flags.DEFINE_integer("seed", 0, "random weights, inputs and masks")
 flags.DEFINE_integer("copies", 1, "copies of each weight, used in turn (30: weights come from memory, as in a model)")
+check_list("tokens", 1)
+check_list("sparsity", 0, 1, high_open=True, number=float)
+check_range("calls", 1)
+check_range("repeats", 1)
+check_range("seed", 0)
+check_range("copies", 1)
 FLAGS = flags.FLAGS
 
 
@@ -75,7 +82,9 @@ def median_us(runs: dict, repeats: int, n_calls: int) -> dict:
 
 def parse_cases() -> list[tuple[GGMLQuantizationType, int, int]]:
     """(type, d, n_ff) for every --types and --shapes pair; JaxinferError on a name, shape or size the kernels do not
-    take (both dimensions are a row length: up is [n_ff, d], down [d, n_ff]) and on bad --tokens/--sparsity."""
+    take (both dimensions are a row length: up is [n_ff, d], down [d, n_ff]), or on no pair at all."""
+    if not FLAGS.types or not FLAGS.shapes:
+        raise JaxinferError("--types and --shapes must each name at least one")
     cases = []
     for type_name in FLAGS.types:
         qtype = GGMLQuantizationType.__members__.get(type_name.upper())
@@ -92,13 +101,6 @@ def parse_cases() -> list[tuple[GGMLQuantizationType, int, int]]:
                 raise JaxinferError(f"--shapes {shape}: {qtype.name} needs both sizes to be positive multiples of "
                                     f"{block}")
             cases.append((qtype, d, n_ff))
-    try:
-        tokens, shares = [int(t) for t in FLAGS.tokens], [float(v) for v in FLAGS.sparsity]
-    except ValueError:
-        raise JaxinferError("--tokens takes integers and --sparsity shares, e.g. --tokens 1,8 --sparsity 0,0.5") \
-            from None
-    if min(tokens) < 1 or not all(0.0 <= v < 1.0 for v in shares) or FLAGS.calls < 1 or FLAGS.copies < 1:
-        raise JaxinferError("--tokens, --calls and --copies must be positive and --sparsity shares in [0, 1)")
     return cases
 
 
@@ -153,4 +155,4 @@ def main(_):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

@@ -22,13 +22,15 @@ import time
 
 from absl import app, flags
 
+from jaxinfer.cli import check_range, parse_flags
 from jaxinfer.errors import JaxinferError, exit_on_error
 
 flags.DEFINE_string("model", None, "GGUF model (default: generate's, the built-in SmolLM2 Q4_1)", short_name="m")
 flags.DEFINE_string("prompt", "Hello", "prompt", short_name="p")
-flags.DEFINE_integer("warm_runs", 2, "runs after the cold one", lower_bound=1)
+flags.DEFINE_integer("warm_runs", 2, "runs after the cold one")
 flags.DEFINE_string("cache_dir", None, "cache folder to use and keep (default: a fresh temporary one)")
 flags.DEFINE_bool("json", False, "print a JSON summary as the last line")
+check_range("warm_runs", 1)
 FLAGS = flags.FLAGS
 REPORTED = re.compile(r"first token (\d+\.\d+) s after start")
 
@@ -55,6 +57,13 @@ def run_generate(args: list[str], echo: bytes, cache_dir: str) -> dict:
             "reported_first_token_s": float(reported[1]) if reported else None}
 
 
+def parse_own_flags(argv: list[str]) -> list[str]:
+    """parse_flags on the flags before `--`; those after it go to generate as given (parse_flags would respell
+    them, and take a -h among them for this script's)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    return parse_flags(argv[:end]) + argv[end + 1:]
+
+
 @exit_on_error
 def main(argv):
     args = ["-p", FLAGS.prompt, "-n", "1", "--temp", "0", *(["-m", FLAGS.model] if FLAGS.model else []), *argv[1:]]
@@ -74,4 +83,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(main, flags_parser=parse_own_flags)

@@ -597,6 +597,11 @@ def main(argv=None):
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--bases", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    for name, low in (("cases", 1), ("workers", 1), ("seed", 0), ("start", 0), ("memory_limit_mib", 0)):
+        if getattr(args, name) < low:
+            parser.error(f"--{name} must be >= {low}, got {getattr(args, name)}")
+    if not 0 < args.timeout < math.inf:
+        parser.error(f"--timeout must be a finite number > 0, got {args.timeout}")
     if args.worker:
         return worker(args.bases, args.model, not args.no_synthetic, args.seed, args.memory_limit_mib)
     start = time.perf_counter()

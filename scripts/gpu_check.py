@@ -31,6 +31,7 @@ when every step is ok. No step downloads anything: the GPU machine reaches no ne
 import argparse
 import importlib.util
 import json
+import math
 import os
 import shlex
 import shutil
@@ -151,8 +152,10 @@ def main(argv=None) -> int:
                         "run; the models are made for the measurements among them)")
     parser.add_argument("--budget_s", type=float, default=420, help="seconds for the whole run (default 420)")
     args = parser.parse_args(argv)
-    if args.n_layer < 1 or args.budget_s <= 0:
-        parser.error("--n_layer and --budget_s must be positive")
+    if args.n_layer < 1:
+        parser.error(f"--n_layer must be >= 1, got {args.n_layer}")
+    if not 0 < args.budget_s < math.inf:
+        parser.error(f"--budget_s must be a finite number > 0, got {args.budget_s}")
     only = set(args.only.split(",")) if args.only else None
     if only and only - set(CHOSEN):
         parser.error(f"--only: unknown steps {', '.join(sorted(only - set(CHOSEN)))}; they are {', '.join(CHOSEN)}")

@@ -73,6 +73,7 @@ check_range("cancel_after_s", 0.0, low_open=True)
 check_range("settle_s", 0.0)
 check_range("max_memory_growth_mb", 0.0)
 check_range("timeout", 0.0, low_open=True)
+check_range("pid", 1)
 FLAGS = flags.FLAGS
 
 # /metrics names of requests generating now and waiting: ours, then llama-server's.

@@ -114,6 +114,13 @@ flags.DEFINE_string("dense_twin", None, "write the dense twin of this PowerInfer
                     "GGUF that llama.cpp loads (no predictors, ffn_down in place of ffn_down_t)")
 check_range("n_head", 1)
 check_range("n_head_kv", 1)
+check_range("n_layer", 1)
+check_range("n_embd", 1)
+check_range("n_ff", 1)
+check_range("n_vocab", 0)
+check_range("seed", 0)
+check_range("sparsity", 0, 1, high_open=True)
+check_range("power_law", 0)
 FLAGS = flags.FLAGS
 MODEL_FLAGS = ("shape", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "sparsity", "power_law", "weight_type",
                "seed", "architecture", "n_vocab", "head_dim", "sliding_window", "n_expert", "n_expert_used",
@@ -136,8 +143,6 @@ def main(argv):
         print(f"wrote {FLAGS.output} ({os.path.getsize(FLAGS.output) / 2**20:.1f} MiB), the dense twin of "
               f"{FLAGS.dense_twin}")
         return
-    if not 0 <= FLAGS.sparsity < 1:
-        raise JaxinferError(f"--sparsity must be in [0, 1), got {FLAGS.sparsity}")
     if FLAGS.architecture != "llama" and FLAGS.sparsity:
         raise JaxinferError(f"a {FLAGS.architecture} model is written plain: give --sparsity 0")
     if FLAGS.transpose_down and FLAGS.sparsity:

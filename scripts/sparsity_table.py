@@ -17,9 +17,10 @@ import numpy as np
 from absl import app, flags, logging
 
 from jaxinfer import activation_profile, calibrate, engine, evaluation, runtime, sparsity, train_predictor
-from jaxinfer.cli import parse_flags
+from jaxinfer.cli import check_list, check_range, parse_flags, read_text_file
 from jaxinfer.errors import JaxinferError, exit_on_error
 
+METHODS = ("gate", "hidden", "predictor")
 flags.DEFINE_string("model", None, "GGUF model (default: SmolLM2-135M-Instruct Q4_1)", short_name="m")
 flags.DEFINE_string("file", None, "evaluation text: WikiText-2's whole wiki.test.raw (calibration and training "
                     "windows come from its far end)", short_name="f")
@@ -30,7 +31,14 @@ flags.DEFINE_integer("calibration_chunks", 8, "windows for calibration (from the
 flags.DEFINE_integer("train_chunks", 32, "windows to train predictors on (from the end of the file)")
 flags.DEFINE_float("budget", 0.05, "predictor parameters as a share of FFN parameters")
 flags.DEFINE_float("positive_weight", 1.5, "predictor loss weight of active neurons (higher favours recall)")
-flags.DEFINE_list("methods", ["gate", "hidden", "predictor"], "which rows to produce")
+flags.DEFINE_list("methods", list(METHODS), "which rows to produce")
+check_range("chunks", 1)
+check_list("levels", 0, 1, low_open=True, high_open=True, number=float)
+check_list("predictor_labels", 0, 1, low_open=True, high_open=True, number=float)
+check_range("calibration_chunks", 1)
+check_range("train_chunks", 1)
+check_range("budget", 0, 1, low_open=True)
+check_range("positive_weight", 0, low_open=True)
 FLAGS = flags.FLAGS
 N_CTX = 512
 
@@ -63,12 +71,13 @@ def bytes_ratio(mode, active, b, reference):
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)
-    if not FLAGS.file:
-        raise JaxinferError("-f/--file is required: WikiText-2's wiki.test.raw")
+    text = read_text_file(FLAGS.file, "-f/--file is required: WikiText-2's wiki.test.raw")
+    if not set(FLAGS.methods) <= set(METHODS):
+        raise JaxinferError(f"--methods must be some of {', '.join(METHODS)}, got {','.join(FLAGS.methods)}")
     runtime.enable_compilation_cache()
     base = engine.load_model(FLAGS.model)
     print(base.describe(), file=sys.stderr)
-    tokens = np.asarray(base.tokenizer.encode(open(FLAGS.file, encoding="utf-8").read()), np.int32)
+    tokens = np.asarray(base.tokenizer.encode(text), np.int32)
     all_windows = evaluation.make_windows(tokens, N_CTX, -1, base.tokenizer.bos_id if base.tokenizer.add_bos else None)
     evaluated = all_windows[:FLAGS.chunks]
     calibration = all_windows[-FLAGS.calibration_chunks:]

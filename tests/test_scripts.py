@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import QuantError
+from test_cli import assert_one_line_error, run_all
 
 from jaxinfer import engine, quant, sparsity, synthetic, ternary
 from jaxinfer.errors import JaxinferError
@@ -86,6 +87,108 @@ def test_bench_generate_times_deep_in_the_context(tmp_path):
         bad = run("scripts/bench_generate.py", "-m", model, *args)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_generate_without_a_prompt_test(make_model, tmp_path):
+    """--pp 0 (or none) is no prompt test, as llama-bench's -p 0: tg alone is timed, the JSON's prompt_tokens_per_s is
+    null, and llama-bench is given -p 0."""
+    model = make_model(n_ctx=64)
+    result = run("scripts/bench_generate.py", "-m", model, "--pp", "0", "--tg", "4", "--repetitions", "1", "-c", "32",
+                 "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["prompt_tokens_per_s"] is None and summary["generation_tokens_per_s"] > 0
+    assert not [key for key in summary if key.startswith("pp")]
+    fake = tmp_path / "llama-bench"
+    fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, fail=""))
+    fake.chmod(0o755)
+    result = run("scripts/bench_generate.py", "-m", model, "--pp=", "--tg", "4", "--repetitions", "1", "-c", "32",
+                 "--llama_bench", str(fake), "--json")
+    assert result.returncode == 0, result.stderr
+    assert "llama.cpp pp0: " in result.stdout  # the fake answers each -p value; llama-bench itself skips a 0
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["prompt_tokens_per_s"] is None and summary["ratio_tg4"] > 0 and "ratio_pp0" not in summary
+
+
+# Nonsense the scripts' flags refuse, each with the flag its one error line names. A model path that is not there and
+# a port nothing listens on: a value let through fails differently, without naming the flag.
+NO_MODEL = ["-m", "/no/such.gguf"]
+NO_SERVER = ["--url", "http://127.0.0.1:9"]
+SCRIPT_BAD_FLAGS = [
+    ("bench_generate.py", [*NO_MODEL, "--pp", "abc"], "--pp"),
+    ("bench_generate.py", [*NO_MODEL, "--pp", "-5"], "--pp"),
+    ("bench_generate.py", [*NO_MODEL, "--pp", "128,0.5"], "--pp"),
+    ("bench_generate.py", [*NO_MODEL, "--tg", "0"], "--tg"),
+    ("bench_generate.py", [*NO_MODEL, "--tg", "-3"], "--tg"),
+    ("bench_generate.py", [*NO_MODEL, "--repetitions", "0"], "--repetitions"),
+    ("bench_generate.py", [*NO_MODEL, "-c", "0"], "--ctx_size"),
+    ("bench_generate.py", [*NO_MODEL, "--threads", "0"], "--threads"),
+    ("bench_generate.py", [*NO_MODEL, "--vram-budget", "nan"], "--vram_budget"),
+    ("bench_sparse.py", ["--levels", "0.5,1"], "--levels"),
+    ("bench_sparse.py", ["--levels="], "--levels"),
+    ("bench_sparse.py", ["--threads", "2,x"], "--threads"),
+    ("bench_sparse.py", ["--powerinfer_threads", "0"], "--powerinfer_threads"),
+    ("bench_sparse.py", ["--n_layer", "0"], "--n_layer"),
+    ("bench_sparse.py", [*NO_MODEL, "--specs", "hidden:0.5", "-c", "-1"], "--ctx_size"),
+    ("bench_sparse_kernels.py", ["--tokens="], "--tokens"),
+    ("bench_sparse_kernels.py", ["--sparsity", "nan"], "--sparsity"),
+    ("bench_sparse_kernels.py", ["--repeats", "0"], "--repeats"),
+    ("bench_sparse_kernels.py", ["--seed", "-1"], "--seed"),
+    ("bench_repacked_kernels.py", ["--tokens", "0"], "--tokens"),
+    ("bench_repacked_kernels.py", ["--tokens", "x"], "--tokens"),
+    ("bench_repacked_kernels.py", ["--repeats", "0"], "--repeats"),
+    ("bench_repacked_kernels.py", ["--shapes", "64by64"], "--shapes"),
+    ("bench_repacked_kernels.py", ["--shapes", "-8x64"], "--shapes"),
+    ("bench_attention_memory.py", ["--ubatches", "0"], "--ubatches"),
+    ("bench_attention_memory.py", ["--ubatches", "9000"], "--ubatches"),
+    ("bench_attention_memory.py", ["--limits", "-1"], "--limits"),
+    ("bench_attention_memory.py", ["--limits", "none,inf"], "--limits"),
+    ("bench_attention_memory.py", ["--repetitions", "0"], "--repetitions"),
+    ("bench_attention_memory.py", ["--n_head_kv", "0"], "--n_head_kv"),
+    ("bench_server.py", [*NO_SERVER, "--clients", "4,x"], "--clients"),
+    ("bench_server.py", [*NO_SERVER, "--clients="], "--clients"),
+    ("bench_server.py", [*NO_SERVER, "--clients", "0"], "--clients"),
+    ("bench_hybrid.py", [*NO_MODEL, "--ffn_share", "nan"], "--ffn_share"),
+    ("bench_hybrid.py", [*NO_MODEL, "--ffn_share", "-0.5"], "--ffn_share"),
+    ("bench_hybrid.py", [*NO_MODEL, "-n", "0"], "--n_predict"),
+    ("bench_hybrid.py", [*NO_MODEL, "-c", "1"], "--ctx_size"),
+    ("bench_hybrid.py", [*NO_MODEL, "-f", "/no/such.txt"], "/no/such.txt"),
+    ("bench_startup.py", [*NO_MODEL, "--warm_runs", "0"], "--warm_runs"),
+    ("load_test_server.py", [*NO_SERVER, "--pid", "-3"], "--pid"),
+    ("make_sparse_model.py", ["-o", "/dev/null/x.gguf", "--n_layer", "0"], "--n_layer"),
+    ("make_sparse_model.py", ["-o", "/dev/null/x.gguf", "--n_ff", "-5"], "--n_ff"),
+    ("make_sparse_model.py", ["-o", "/dev/null/x.gguf", "--n_vocab", "-5"], "--n_vocab"),
+    ("make_sparse_model.py", ["-o", "/dev/null/x.gguf", "--seed", "-1"], "--seed"),
+    ("make_sparse_model.py", ["-o", "/dev/null/x.gguf", "--power_law", "nan"], "--power_law"),
+    ("make_sparse_model.py", ["-o", "/dev/null/x.gguf", "--sparsity", "1"], "--sparsity"),
+    ("sparsity_table.py", [*NO_MODEL, "--levels", "0.5,abc"], "--levels"),
+    ("sparsity_table.py", [*NO_MODEL, "--predictor_labels", "1.5"], "--predictor_labels"),
+    ("sparsity_table.py", [*NO_MODEL, "--calibration_chunks", "0"], "--calibration_chunks"),
+    ("sparsity_table.py", [*NO_MODEL, "--budget", "nan"], "--budget"),
+    ("sparsity_table.py", [*NO_MODEL, "-f", str(ROOT / "tests" / "data" / "wiki.test.head.raw"), "--methods",
+                           "gate,cats"], "--methods"),
+]
+# The scripts on argparse print their usage, then one error line naming the flag.
+ARGPARSE_BAD_FLAGS = [
+    ("fuzz_gguf.py", ["--workers", "0"], "--workers"),
+    ("fuzz_gguf.py", ["--cases", "-5"], "--cases"),
+    ("fuzz_gguf.py", ["--seed", "-1"], "--seed"),
+    ("fuzz_gguf.py", ["--timeout", "nan"], "--timeout"),
+    ("gpu_check.py", ["--out", "/dev/null/out", "--budget_s", "inf"], "--budget_s"),
+    ("gpu_check.py", ["--out", "/dev/null/out", "--n_layer", "0"], "--n_layer"),
+]
+
+
+@pytest.mark.slow
+def test_bad_flag_values_of_the_scripts_are_one_line_errors_before_anything_loads():
+    results = run_all([(str(ROOT / "scripts" / script), args) for script, args, _ in
+                       SCRIPT_BAD_FLAGS + ARGPARSE_BAD_FLAGS])
+    for (script, args, fragment), result in zip(SCRIPT_BAD_FLAGS, results):
+        assert_one_line_error(result, fragment)
+    for (script, args, fragment), result in zip(ARGPARSE_BAD_FLAGS, results[len(SCRIPT_BAD_FLAGS):]):
+        assert result["rc"] == 2 and "Traceback" not in result["stderr"], (script, args, result["stderr"])
+        assert result["stderr"].strip().splitlines()[-1].startswith(f"{script}: error: {fragment}"), result["stderr"]
 
 
 FAKE_LLAMA_BENCH = """#!{python}
@@ -165,7 +268,7 @@ def test_bench_sparse_kernels_runs_and_rejects_what_the_kernels_do_not_take():
     assert rows[0][-2:] == ["-", "-"] and rows[1][-1] != "-"  # neuron-major only for Q4_0/Q4_1/Q8_0
     for args, fragment in [(("--types", "Q4_K", "--shapes", "576x1536"), "multiples of 256"),
                            (("--types", "IQ2_XXS"), "--types"), (("--shapes", "576by1536"), "--shapes"),
-                           (("--tokens", "0"), "positive"), (("--isa", "sse9"), "--isa")]:
+                           (("--tokens", "0"), "--tokens"), (("--isa", "sse9"), "--isa")]:
         bad = run("scripts/bench_sparse_kernels.py", *args)
         assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
         assert bad.stderr.strip().splitlines()[-1].startswith("error: ") and fragment in bad.stderr, bad.stderr
