@@ -25,6 +25,18 @@ def not_a_model_file(path: str) -> JaxinferError:
     return JaxinferError(f"model file not found: {path}")
 
 
+def how_it_ended(returncode: int) -> str:
+    """A failed child process's end, for an error line: "exited with status 1", or for one a signal ended "was killed
+    by SIGILL (Illegal instruction)" (subprocess gives -signal: a peer built for instructions this CPU lacks)."""
+    if returncode < 0:
+        try:
+            ended_by = signal.Signals(-returncode)
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+        return f"was killed by {ended_by.name} ({signal.strsignal(ended_by)})"
+    return f"exited with status {returncode}"
+
+
 # Python runs a signal handler between two bytecodes of the main thread, wherever they are: also inside a garbage
 # collector callback or a __del__ method, where the KeyboardInterrupt it raises is printed as "Exception ignored" and
 # dropped (JAX's _xla_gc_callback is one), and inside C++ extension code that wraps it in another exception (JAX's

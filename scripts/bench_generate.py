@@ -38,7 +38,7 @@ from absl import app, flags, logging
 
 from jaxinfer import cli, decode_bytes, engine, model, moe, quant, receipt, runtime, sparsity
 from jaxinfer.cli import parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.errors import JaxinferError, exit_on_error, how_it_ended
 
 flags.DEFINE_string("model", None, "GGUF model (default: the built-in SmolLM2 Q4_1)", short_name="m")
 flags.DEFINE_list("pp", ["128", "512"], "prompt lengths to time; 0 (or none given): no prompt test, as "
@@ -181,7 +181,7 @@ def run_llama_bench(path, pp: list[int], tg) -> dict[str, float]:
         raise JaxinferError(f"llama-bench could not run: {e}") from None
     if done.returncode != 0:
         said = " | ".join(done.stderr.strip().splitlines()[-4:]) or "nothing on stderr"
-        raise JaxinferError(f"llama-bench exited with status {done.returncode}: {said}")
+        raise JaxinferError(f"llama-bench {how_it_ended(done.returncode)}: {said}")
     results = {}
     for row in json.loads(done.stdout):
         test = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"

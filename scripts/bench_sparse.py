@@ -51,7 +51,7 @@ from absl import app, flags, logging
 
 from jaxinfer import cli, decode_bytes, engine, evaluation, runtime, sparsity, synthetic
 from jaxinfer.cli import check_list, check_range, parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.errors import JaxinferError, exit_on_error, how_it_ended
 from jaxinfer.sampling import SamplingParams
 
 flags.DEFINE_list("levels", ["0.8", "0.9", "0.95"], "synthetic mode: sparsity levels (make_sparse_model --sparsity)")
@@ -123,7 +123,7 @@ def checked_peer(path: str | None, flag: str) -> str | None:
 def peer_failure(done: subprocess.CompletedProcess) -> str:
     """What a failed peer's run said last, in one line."""
     said = [line.strip()[:200] for line in (done.stderr or "").splitlines() if line.strip()][-2:]
-    return f"exited with status {done.returncode}: {' | '.join(said) or 'nothing on stderr'}"
+    return f"{how_it_ended(done.returncode)}: {' | '.join(said) or 'nothing on stderr'}"
 
 
 def run_peer(command: list[str]) -> tuple[subprocess.CompletedProcess | None, str | None]:

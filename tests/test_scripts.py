@@ -4,6 +4,7 @@ not in tests), and what they count is right."""
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ from gguf.quants import QuantError
 from test_cli import assert_one_line_error, run_all
 
 from jaxinfer import engine, quant, sparsity, synthetic, ternary
-from jaxinfer.errors import JaxinferError
+from jaxinfer.errors import JaxinferError, how_it_ended
 from jaxinfer.gguf_io import load_matrix, open_gguf
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -196,6 +197,9 @@ import json, pathlib, sys
 args = sys.argv[1:]
 if "-d" in args:
     sys.exit("error: invalid parameter for argument: -d")  # an older llama-bench
+if "{fail}" == "SIGILL":  # a build for instructions this CPU lacks
+    import os, signal
+    os.kill(os.getpid(), signal.SIGILL)
 if "{fail}":
     print("loading model\\nllama_model_load: error loading model: {fail}", file=sys.stderr)
     sys.exit(1)
@@ -211,11 +215,11 @@ print(json.dumps([{{"n_prompt": int(p), "n_gen": 0, "samples_ts": [100.0 * n, 12
 @pytest.mark.slow
 def test_bench_generate_runs_llama_bench_without_depth_and_shows_why_it_failed(tmp_path):
     """--llama_bench passes -d only with --depth (older builds reject "-d 0"), reads its JSON, and a failing
-    llama-bench is one error line with the end of its stderr."""
+    llama-bench is one error line with the end of its stderr, or the signal that killed it."""
     model = str(tmp_path / "plain.gguf")
     assert run("scripts/make_sparse_model.py", "-o", model, "--sparsity", "0", "--n_layer", "1", "--n_embd", "64",
                "--n_ff", "128", "--weight_type", "Q8_0").returncode == 0
-    for fail in ("", "unknown model architecture"):
+    for fail in ("", "unknown model architecture", "SIGILL"):
         fake = tmp_path / f"llama-bench{len(fail)}"
         fake.write_text(FAKE_LLAMA_BENCH.format(python=sys.executable, fail=fail))
         fake.chmod(0o755)
@@ -229,7 +233,14 @@ def test_bench_generate_runs_llama_bench_without_depth_and_shows_why_it_failed(t
         else:
             assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
             last = result.stderr.strip().splitlines()[-1]
-            assert last.startswith("error: llama-bench exited with status 1") and fail in last, last
+            ended = "was killed by SIGILL (Illegal instruction)" if fail == "SIGILL" else "exited with status 1"
+            assert last.startswith(f"error: llama-bench {ended}") and fail in last, last
+
+
+def test_a_peer_s_end_is_its_status_or_the_signal_that_killed_it():
+    assert how_it_ended(1) == "exited with status 1"
+    assert how_it_ended(-signal.SIGILL) == "was killed by SIGILL (Illegal instruction)"
+    assert how_it_ended(-250) == "was killed by signal 250"  # no such signal here
 
 
 @pytest.mark.slow
