@@ -23,7 +23,7 @@ import time
 from absl import app, flags
 
 from jaxinfer.cli import check_range, parse_flags
-from jaxinfer.errors import JaxinferError, exit_on_error
+from jaxinfer.errors import JaxinferError, exit_on_error, how_it_ended
 
 flags.DEFINE_string("model", None, "GGUF model (default: generate's, the built-in SmolLM2 Q4_1)", short_name="m")
 flags.DEFINE_string("prompt", "Hello", "prompt", short_name="p")
@@ -51,7 +51,7 @@ def run_generate(args: list[str], echo: bytes, cache_dir: str) -> dict:
     stderr = stderr.decode(errors="replace")
     if process.returncode != 0 or len(text) <= len(echo):
         last = (stderr.strip().splitlines() or ["no output"])[-1]
-        raise JaxinferError(f"generate failed (exit status {process.returncode}): {last}")
+        raise JaxinferError(f"generate failed ({how_it_ended(process.returncode)}): {last}")
     reported = REPORTED.search(stderr)
     return {"first_token_s": round(first_text, 3), "exit_s": round(finished, 3),
             "reported_first_token_s": float(reported[1]) if reported else None}

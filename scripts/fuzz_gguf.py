@@ -35,6 +35,8 @@ import traceback
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
+from jaxinfer.errors import how_it_ended
+
 FAILURES = ("traceback", "multiline", "nan", "crash", "hang", "memory")
 OUTCOMES = ("error", "ok") + FAILURES
 Q = GGMLQuantizationType
@@ -558,7 +560,7 @@ def _run_cases(bases_dir, cases, seed, workers, timeout, memory_limit_mib, model
                 else:
                     words = w.last_words()
                     memory = w.process.returncode == -9 or any(word in words for word in MEMORY_WORDS)
-                    retire(w, "memory" if memory else "crash", f"worker died (exit {w.process.returncode}): {words}")
+                    retire(w, "memory" if memory else "crash", f"worker {how_it_ended(w.process.returncode)}: {words}")
                 continue
             w.buffer += chunk
             *lines, w.buffer = w.buffer.split(b"\n")
