@@ -39,6 +39,18 @@ def read_text_file(path: str | None, missing: str) -> str:
         raise JaxinferError(f"cannot read {path}: {e.strerror}") from None
 
 
+def parse_shape(shape: str, form: str, example: str) -> tuple[int, int]:
+    """A --shapes item `AxB` (the kernel benchmarks) -> (A, B), two positive integers; a JaxinferError naming the
+    `form` expected (e.g. "ROWSxCOLS") and an `example` otherwise."""
+    try:
+        first, second = map(int, shape.split("x"))
+    except ValueError:
+        raise JaxinferError(f"--shapes: {shape!r} is not {form} (e.g. {example})") from None
+    if first < 1 or second < 1:
+        raise JaxinferError(f"--shapes: {shape!r} needs positive sizes")
+    return first, second
+
+
 def check_range(name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
                 high_open: bool = False, sentinel: float | None = None, flag_values: flags.FlagValues = flags.FLAGS):
     """Check flag `name` as the command line is parsed: a finite number in [low, high] (low excluded with

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType
 
 import cpu_ext
 from jaxinfer import quant
-from jaxinfer.cli import check_list, check_range, parse_flags
+from jaxinfer.cli import check_list, check_range, parse_flags, parse_shape
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import encode_tensor
 
@@ -46,12 +46,7 @@ def cases() -> list[tuple[str, GGMLQuantizationType, int, int]]:
         qtype = GGMLQuantizationType[name]
         block = quant.QUANT_SIZES[qtype][0]
         for shape in FLAGS.shapes:
-            try:
-                rows, cols = map(int, shape.split("x"))
-            except ValueError:
-                raise JaxinferError(f"--shapes: {shape!r} is not ROWSxCOLS (e.g. 4096x4096)") from None
-            if rows < 1 or cols < 1:
-                raise JaxinferError(f"--shapes: {shape!r} needs positive sizes")
+            rows, cols = parse_shape(shape, "ROWSxCOLS", "4096x4096")
             if cols % block:
                 raise JaxinferError(f"--shapes: a {name} row is whole blocks of {block} values, got {shape}")
             found.append((name, qtype, rows, cols))

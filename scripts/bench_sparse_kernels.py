@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import cpu_ext
 from jaxinfer import quant
-from jaxinfer.cli import check_list, check_range, parse_flags
+from jaxinfer.cli import check_list, check_range, parse_flags, parse_shape
 from jaxinfer.errors import JaxinferError, exit_on_error
 from jaxinfer.synthetic import encode_tensor
 
@@ -92,12 +92,9 @@ def parse_cases() -> list[tuple[GGMLQuantizationType, int, int]]:
             raise JaxinferError(f"--types: {type_name!r} is not one of "
                                 f"{', '.join(sorted(t.name for t in cpu_ext.SUPPORTED_TYPES))}")
         for shape in FLAGS.shapes:
-            try:
-                d, n_ff = map(int, shape.split("x"))
-            except ValueError:
-                raise JaxinferError(f"--shapes: {shape!r} is not DxN_FF (e.g. 576x1536)") from None
+            d, n_ff = parse_shape(shape, "DxN_FF", "576x1536")
             block = GGML_QUANT_SIZES[qtype][0]
-            if d <= 0 or n_ff <= 0 or d % block or n_ff % block:
+            if d % block or n_ff % block:
                 raise JaxinferError(f"--shapes {shape}: {qtype.name} needs both sizes to be positive multiples of "
                                     f"{block}")
             cases.append((qtype, d, n_ff))
