@@ -200,18 +200,26 @@ def test_masked_group_gives_the_bits_of_separate_masked_calls(qtype, isa):
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL], ids=lambda q: q.name)
 def test_one_token_over_scattered_rows_gives_the_dense_bits(qtype, isa):
     """A decode step's row-sparse products dot each active row while asking for the next one's lines (RowDot::ahead
-    where the CPU takes it): the bits of the dense product on every row taken, for a mask, an index and a segmented
-    index over scattered rows (runs of consecutive rows are left to the hardware)."""
+    where the CPU takes it): the bits of the dense product on every row taken, for masks over scattered rows, runs of
+    them (left to the hardware) and every row, on one weight and on gate and up in one call, and for an index and a
+    segmented index."""
     rng = np.random.default_rng(12)
     rows, cols = 300, 576
     kw = dict(qtype=qtype, rows=rows, cols=cols)
-    data = random_weight(qtype, rows, cols, rng)
+    data, other = random_weight(qtype, rows, cols, rng), random_weight(qtype, rows, cols, rng)
     x = rng.normal(size=(1, cols)).astype(np.float32)
     dense = np.asarray(cpu_ext.quantized_matmul(x, data, **kw))
-    mask = rng.random((1, rows)) < 0.3
-    masked = np.asarray(cpu_ext.masked_matmul(x, data, mask, **kw))
-    np.testing.assert_array_equal(masked[mask], dense[mask])
-    np.testing.assert_array_equal(masked[~mask], 0.0)
+    dense_other = np.asarray(cpu_ext.quantized_matmul(x, other, **kw))
+    runs = np.zeros((1, rows), bool)
+    runs[0, 10:17] = runs[0, 40:44] = runs[0, 299] = True
+    for mask in (rng.random((1, rows)) < 0.3, runs, np.ones((1, rows), bool)):
+        masked = np.asarray(cpu_ext.masked_matmul(x, data, mask, **kw))
+        np.testing.assert_array_equal(masked[mask], dense[mask])
+        np.testing.assert_array_equal(masked[~mask], 0.0)
+        gate, up = (np.asarray(y) for y in cpu_ext.masked_matmul_group(x, [data, other], mask, **kw))
+        np.testing.assert_array_equal(gate, masked)
+        np.testing.assert_array_equal(up[mask], dense_other[mask])
+        np.testing.assert_array_equal(up[~mask], 0.0)
     index = rng.permutation(rows)[:90].astype(np.int32)
     np.testing.assert_array_equal(np.asarray(cpu_ext.gather_matmul(x, data, index, **kw)), dense[:, index])
     tokens = rng.normal(size=(2, cols)).astype(np.float32)
