@@ -23,7 +23,7 @@ from jaxinfer import (activation_profile, blocks, config, hybrid, metadata, plac
 from jaxinfer.errors import JaxinferError, not_a_model_file
 from jaxinfer.gguf_io import GGUFFile, open_gguf
 from jaxinfer.gguf_reader import GGUF_MAGIC, POWERINFER_MAGIC, TolerantReader
-from jaxinfer.plan import Plan, make_plan, soft_capping
+from jaxinfer.plan import Plan, accelerator_plan, make_plan, soft_capping
 from jaxinfer.sparse_ffn import ACTIVATIONS
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -33,6 +33,7 @@ PREDICTOR_TENSORS = ("fc1", "fc2")
 SPLIT_TENSORS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_down_t")  # what a hot/cold split cuts by neuron (hybrid.py)
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")  # what it cuts by expert in a mixture
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(.+)\.weight")
+GPU_PRODUCTS = {"xla_fused": "XLA on dequantized weights, decode fused with the dequantization"}  # Plan.products
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,9 +319,11 @@ class Inspection:
     def gpu_section(self) -> dict:
         supported = _types_by_id(quant.SUPPORTED_TYPES)
         unsupported = sorted({t.type_name for t in self.infos if t.type_id not in supported})
+        gpu = soft_capping(accelerator_plan("gpu"), self.cfg.attn_softcap if self.cfg else 0.0)
+        attention = {"pallas": "Pallas flash kernels",
+                     "xla": "XLA attention" + (" (soft-capped)" if self._softcapped() else "")}[gpu.attention]
         section = {"backend_here": self.plan.backend, "types_supported": not unsupported,
-                   "products": "XLA on dequantized weights, decode fused with the dequantization",
-                   "attention": "XLA attention (soft-capped)" if self._softcapped() else "Pallas flash kernels"}
+                   "products": GPU_PRODUCTS[gpu.products], "attention": attention}
         if unsupported:
             section["unsupported_types"] = unsupported
         down = "ffn_down_t" if self.layers_with("ffn_down_t") else "ffn_down"

@@ -148,9 +148,15 @@ def _device_plan(attn_max_batch_mib: float | None) -> Plan:
                     neuron_major=kernels is not None and kernels.fast_neuron_major(), down_rows=kernels is not None,
                     repack=kernels is not None and jax.process_count() == 1)
     host_products = host_products if kernels is not None and _register_host_kernels() else "xla"
-    gpu_kernels = "pallas" if backend == "gpu" else "xla"
-    return Plan(backend, products="xla_fused", host_products=host_products, attention=gpu_kernels,
-                attn_max_batch_mib=attn_max_batch_mib, hot_ffn=gpu_kernels)
+    return accelerator_plan(backend, host_products, attn_max_batch_mib)
+
+
+def accelerator_plan(backend: str, host_products: str = "xla", attn_max_batch_mib: float | None = None) -> Plan:
+    """The plan on an accelerator: XLA's products fused with the dequantization, Pallas's kernels for attention and
+    a hot FFN part on a GPU (XLA's on other accelerators), `host_products` for the parts in host memory."""
+    kernels = "pallas" if backend == "gpu" else "xla"
+    return Plan(backend, products="xla_fused", host_products=host_products, attention=kernels,
+                attn_max_batch_mib=attn_max_batch_mib, hot_ffn=kernels)
 
 
 @functools.cache

@@ -214,6 +214,9 @@ def test_inspect_says_each_architecture_runs_and_names_its_block(tmp_path):
         assert report["architecture"]["config"]["arch"] == name
         block = [line.strip() for line in inspection.format_report(report).splitlines() if "block:" in line]
         assert block == ([blocks[name]] if blocks[name] else []), block
+        # On a GPU, Pallas's attention kernels, which do not soft-cap scores: XLA's for Gemma 2 (plan.soft_capping).
+        attention = "XLA attention (soft-capped)" if name == "gemma2" else "Pallas flash kernels"
+        assert report["gpu"]["attention"] == attention, report["gpu"]
     llama3 = inspection.inspect_model(write_model(str(tmp_path / "llama3.gguf"), SyntheticSpec(rope_freqs=True,
                                                                                                **SMALL)))
     assert "block: RoPE frequency factors (rope_freqs.weight)" in inspection.format_report(llama3)
