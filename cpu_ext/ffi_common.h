@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "qmatmul.h"
@@ -43,6 +44,7 @@ struct TypeInfo {
   QuantDotK2x4 Kernels::*quant_dot_2x4_k;  // null where no two-row four-token K-quant-style dot exists
   QuantDotAhead Kernels::*quant_dot_ahead;  // null where quant_dot has no variant asking for the next row
   QuantDotGather4 Kernels::*quant_dot_g4;  // null where no dot of one row and any four tokens exists
+  QuantDotPair Kernels::*quant_dot_pair;  // null where no dot of two rows and one token exists
 };
 
 inline bool type_info(int64_t qtype, TypeInfo* info) {
@@ -52,27 +54,27 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kQ4_0:
       *info = {32, 18, ffi::DataType::U8, &Kernels::q4_0, nullptr, &Kernels::axpy_q4_0, &Kernels::q4_0_x4,
                nullptr, nullptr, &Kernels::q4_0_2x4, nullptr, nullptr,
-               &Kernels::q4_0_ahead, &Kernels::q4_0_g4};
+               &Kernels::q4_0_ahead, &Kernels::q4_0_g4, &Kernels::q4_0_pair};
       return true;
     case kQ4_1:
       *info = {32, 20, ffi::DataType::U8, &Kernels::q4_1, nullptr, &Kernels::axpy_q4_1, &Kernels::q4_1_x4,
                nullptr, nullptr, &Kernels::q4_1_2x4, nullptr, nullptr,
-               &Kernels::q4_1_ahead, &Kernels::q4_1_g4};
+               &Kernels::q4_1_ahead, &Kernels::q4_1_g4, &Kernels::q4_1_pair};
       return true;
     case kQ5_0:
       *info = {32, 22, ffi::DataType::U8, &Kernels::q5_0, nullptr, &Kernels::axpy_q5_0, &Kernels::q5_0_x4,
                nullptr, nullptr, &Kernels::q5_0_2x4, nullptr, nullptr,
-               &Kernels::q5_0_ahead};
+               &Kernels::q5_0_ahead, nullptr, &Kernels::q5_0_pair};
       return true;
     case kQ5_1:
       *info = {32, 24, ffi::DataType::U8, &Kernels::q5_1, nullptr, &Kernels::axpy_q5_1, &Kernels::q5_1_x4,
                nullptr, nullptr, &Kernels::q5_1_2x4, nullptr, nullptr,
-               &Kernels::q5_1_ahead};
+               &Kernels::q5_1_ahead, nullptr, &Kernels::q5_1_pair};
       return true;
     case kQ8_0:
       *info = {32, 34, ffi::DataType::U8, &Kernels::q8_0, nullptr, &Kernels::axpy_q8_0, &Kernels::q8_0_x4,
                nullptr, nullptr, &Kernels::q8_0_2x4, nullptr, nullptr,
-               &Kernels::q8_0_ahead, &Kernels::q8_0_g4};
+               &Kernels::q8_0_ahead, &Kernels::q8_0_g4, &Kernels::q8_0_pair};
       return true;
     case kQ2_K:
       *info = {256, 84, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_q2_k, nullptr, &Kernels::q2_k,
@@ -97,7 +99,7 @@ inline bool type_info(int64_t qtype, TypeInfo* info) {
     case kIQ4_NL:
       *info = {32, 18, ffi::DataType::U8, &Kernels::iq4_nl, nullptr, &Kernels::axpy_iq4_nl, &Kernels::iq4_nl_x4,
                nullptr, nullptr, &Kernels::iq4_nl_2x4, nullptr, nullptr,
-               &Kernels::iq4_nl_ahead, &Kernels::iq4_nl_g4};
+               &Kernels::iq4_nl_ahead, &Kernels::iq4_nl_g4, &Kernels::iq4_nl_pair};
       return true;
     case kIQ4_XS:
       *info = {256, 136, ffi::DataType::U8, nullptr, nullptr, &Kernels::axpy_iq4_xs, nullptr, &Kernels::iq4_xs,
@@ -286,6 +288,7 @@ class RowDot {
     } else {
       quant_dot_ = k.*info.quant_dot;
       if (info.quant_dot_ahead != nullptr && !whole_rows_non_temporal()) quant_dot_ahead_ = k.*info.quant_dot_ahead;
+      if (info.quant_dot_pair != nullptr) quant_dot_pair_ = k.*info.quant_dot_pair;
       if (info.quant_dot4 != nullptr) quant_dot4_ = k.*info.quant_dot4;
       if (info.quant_dot_2x4 != nullptr) quant_dot_2x4_ = k.*info.quant_dot_2x4;
       blocks_ = cols / kQK;
@@ -304,6 +307,25 @@ class RowDot {
     if (quant_dot_ahead_ != nullptr) return quant_dot_ahead_(w_row, xq_ + t * blocks_, n_, next);
     prefetch_row_once(next, row_bytes);
     return (*this)(w_row, t);
+  }
+
+  // Whether the kernels dot two rows of this type at once for one token (pair()).
+  bool pairs() const { return quant_dot_pair_ != nullptr; }
+
+  // out[r] = W row r · x[t] for the rows w0 and w1, each with (*this)'s bits, asking meanwhile for the rows at next0
+  // and next1 (null: none) as ahead() does, or, where the CPU's rows are asked for whole, all their lines now.
+  // Only where pairs().
+  void pair(const uint8_t* w0, const uint8_t* w1, int64_t t, const uint8_t* next0, const uint8_t* next1,
+            int64_t row_bytes, float* out) const {
+    if (quant_dot_ahead_ == nullptr) {
+      for (const uint8_t* next : {next0, next1}) {
+        if (next != nullptr) prefetch_row_once(next, row_bytes);
+      }
+      next0 = next1 = nullptr;
+    } else if (next0 == nullptr) {
+      std::swap(next0, next1);
+    }
+    quant_dot_pair_(w0, w1, xq_ + t * blocks_, n_, next0, next1, out);
   }
 
   // out[i] = W row · x[t + i] for i < 4.
@@ -330,6 +352,7 @@ class RowDot {
   FloatDot float_dot_ = nullptr;
   QuantDot quant_dot_ = nullptr;
   QuantDotAhead quant_dot_ahead_ = nullptr;
+  QuantDotPair quant_dot_pair_ = nullptr;
   QuantDot4 quant_dot4_ = nullptr;
   QuantDotK quant_dot_k_ = nullptr;
   QuantDotK4 quant_dot4_k_ = nullptr;

@@ -299,7 +299,13 @@ const Kernels& avx2_kernels() {
                             avx2::dot_q8_0_g4,
                             avx2::dot_q4_0_g4,
                             avx2::dot_q4_1_g4,
-                            avx2::dot_iq4_nl_g4};
+                            avx2::dot_iq4_nl_g4,
+                            avx2::dot_q8_0_pair,
+                            avx2::dot_q4_0_pair,
+                            avx2::dot_q4_1_pair,
+                            avx2::dot_q5_0_pair,
+                            avx2::dot_q5_1_pair,
+                            avx2::dot_iq4_nl_pair};
   return k;
 }
 

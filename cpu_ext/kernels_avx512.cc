@@ -366,7 +366,13 @@ const Kernels& avx512_kernels() {
                             avx512::dot_q8_0_g4,
                             avx512::dot_q4_0_g4,
                             avx512::dot_q4_1_g4,
-                            avx512::dot_iq4_nl_g4};
+                            avx512::dot_iq4_nl_g4,
+                            avx512::dot_q8_0_pair,
+                            avx512::dot_q4_0_pair,
+                            avx512::dot_q4_1_pair,
+                            avx512::dot_q5_0_pair,
+                            avx512::dot_q5_1_pair,
+                            avx512::dot_iq4_nl_pair};
   return k;
 }
 

@@ -127,6 +127,10 @@ using QuantDot = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n);
 // every weight block: a decode step's next active row arrives while this one is dotted, where asking for all its
 // lines at once stalled on the cache's few outstanding misses.
 using QuantDotAhead = float (*)(const uint8_t* w_row, const BlockQ8* x_row, int n, const uint8_t* ahead);
+// Two rows (w0, w1) against one token: out[r] = W row r · x, each with the QuantDot's bits, asking meanwhile for the
+// rows at ahead0 and ahead1 (ahead1 may be null) as QuantDotAhead does: two rows' reads and sums in flight.
+using QuantDotPair = void (*)(const uint8_t* w0, const uint8_t* w1, const BlockQ8* x_row, int n, const uint8_t* ahead0,
+                              const uint8_t* ahead1, float* out);
 // One row against any four tokens' activations (x_rows[0..3], in blocks): out[i] = W row · x_rows[i], the QuantDot's
 // bits for each.
 using QuantDotGather4 = void (*)(const uint8_t* w_row, const BlockQ8* const* x_rows, int n, float* out);
@@ -315,6 +319,7 @@ struct Kernels {
   RepackedDotsK2 x16_q4_k_x8, x16_q5_k_x8, x16_q6_k_x8, x16_iq4_xs_x8;  // eight tokens
   QuantDotAhead q8_0_ahead, q4_0_ahead, q4_1_ahead, q5_0_ahead, q5_1_ahead, iq4_nl_ahead;
   QuantDotGather4 q8_0_g4, q4_0_g4, q4_1_g4, iq4_nl_g4;  // the row-sparse products' cold rows (union_rows.cc)
+  QuantDotPair q8_0_pair, q4_0_pair, q4_1_pair, q5_0_pair, q5_1_pair, iq4_nl_pair;  // a decode step's active rows
   // Ternary weights (ternary.h), set by with_ternary_kernels for every kernel set; the x4 ones null in the portable
   // set. I2_S's activations come from quantize_row_absmax.
   QuantDotK tq1_0, tq2_0, i2_s;

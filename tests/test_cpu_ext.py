@@ -199,10 +199,10 @@ def test_masked_group_gives_the_bits_of_separate_masked_calls(qtype, isa):
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL], ids=lambda q: q.name)
 def test_one_token_over_scattered_rows_gives_the_dense_bits(qtype, isa):
-    """A decode step's row-sparse products dot each active row while asking for the next one's lines (RowDot::ahead
-    where the CPU takes it): the bits of the dense product on every row taken, for masks over scattered rows, runs of
-    them (left to the hardware) and every row, on one weight and on gate and up in one call, and for an index and a
-    segmented index."""
+    """A decode step's row-sparse products dot their active rows two at a time (RowDot::pair, where the kernels have
+    it) while asking for the next ones' lines (where the CPU takes it): the bits of the dense product on every row
+    taken, for masks over scattered rows, runs of them (left to the hardware) and every row, with an odd and an even
+    count of active rows, on one weight and on gate and up in one call, and for an index and a segmented index."""
     rng = np.random.default_rng(12)
     rows, cols = 300, 576
     kw = dict(qtype=qtype, rows=rows, cols=cols)
@@ -212,7 +212,9 @@ def test_one_token_over_scattered_rows_gives_the_dense_bits(qtype, isa):
     dense_other = np.asarray(cpu_ext.quantized_matmul(x, other, **kw))
     runs = np.zeros((1, rows), bool)
     runs[0, 10:17] = runs[0, 40:44] = runs[0, 299] = True
-    for mask in (rng.random((1, rows)) < 0.3, runs, np.ones((1, rows), bool)):
+    odd = rng.random((1, rows)) < 0.3
+    odd[0, np.flatnonzero(odd[0])[0]] ^= odd[0].sum() % 2 == 0  # one row fewer where the count is even
+    for mask in (odd, ~odd, runs, np.ones((1, rows), bool)):
         masked = np.asarray(cpu_ext.masked_matmul(x, data, mask, **kw))
         np.testing.assert_array_equal(masked[mask], dense[mask])
         np.testing.assert_array_equal(masked[~mask], 0.0)
