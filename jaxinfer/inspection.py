@@ -241,9 +241,13 @@ class Inspection:
         (plan.soft_capping)."""
         return self.cfg is not None and bool(self.cfg.attn_softcap)
 
+    def _for_model(self, plan: Plan) -> Plan:
+        """`plan` as this model runs it: XLA's attention where the plan's kernels do not soft-cap its scores."""
+        return soft_capping(plan, self.cfg.attn_softcap if self.cfg else 0.0)
+
     def kernels_section(self) -> dict:
         section = {"backend": self.plan.backend, "products": self.plan.products,
-                   "attention": soft_capping(self.plan, self.cfg.attn_softcap if self.cfg else 0.0).attention,
+                   "attention": self._for_model(self.plan).attention,
                    "cpu_ext": self.cpu_ext}
         if self.plan.backend != "cpu":
             return section
@@ -319,7 +323,7 @@ class Inspection:
     def gpu_section(self) -> dict:
         supported = _types_by_id(quant.SUPPORTED_TYPES)
         unsupported = sorted({t.type_name for t in self.infos if t.type_id not in supported})
-        gpu = soft_capping(accelerator_plan("gpu"), self.cfg.attn_softcap if self.cfg else 0.0)
+        gpu = self._for_model(accelerator_plan("gpu"))
         attention = {"pallas": "Pallas flash kernels",
                      "xla": "XLA attention" + (" (soft-capped)" if self._softcapped() else "")}[gpu.attention]
         section = {"backend_here": self.plan.backend, "types_supported": not unsupported,
